@@ -1,0 +1,250 @@
+"""The `fasop` command line: a thin layer of click commands over the Python API."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from fasop.cluster import load_cluster
+from fasop.errors import InputError
+from fasop.model import load_model
+
+
+def reports_input_errors(command):
+    """Bad input ends the command with one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except InputError as err:
+            click.echo(f"Error: {err}", err=True)
+            raise click.exceptions.Exit(2) from None
+
+    return wrapper
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write the whole file or nothing: a temporary file beside it is renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "w", newline="") as out:
+            out.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        os.unlink(temp)
+        raise
+
+
+class Progress:
+    """A progress bar on stderr that appears only once a search has run for about a second."""
+
+    def __init__(self, label: str, delay_s: float = 1.0):
+        self.label, self.delay_s, self.start = label, delay_s, time.monotonic()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if time.monotonic() - self.start < self.delay_s or not sys.stderr.isatty():
+            return
+        width = 30
+        filled = width * done // max(total, 1)
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        sys.stderr.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+
+
+def compress_placement(placement: list[str]) -> str:
+    """['A100', 'A10', 'A10'] -> 'A100,A10*2' (runs of one node type)."""
+    runs: list[list] = []
+    for name in placement:
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    return ",".join(name if count == 1 else f"{name}*{count}" for name, count in runs)
+
+
+def format_table(plans: list[dict], top: int) -> str:
+    """The ranked plans as a fixed-width table."""
+    columns = [
+        ("rank", "rank", "{}"), ("mbs", "mbs", "{}"), ("tp", "tp", "{}"), ("dp", "dp", "{}"), ("pp", "pp", "{}"),
+        ("placement", "placement", None), ("layers_per_stage", "layers/stage", None),
+        ("step_time_s", "step s", "{:.4f}"), ("throughput_samples_per_s", "samples/s", "{:.1f}"),
+        ("peak_memory_gib", "mem GiB", "{:.1f}"), ("cost_per_step_usd", "$/step", "{:.5f}"),
+    ]
+    if "train_cost_usd" in plans[0]:
+        columns += [("train_hours", "run h", "{:.1f}"), ("train_cost_usd", "run $", "{:,.0f}")]
+    cells = [[title for _, title, _ in columns]]
+    for row in plans[:top]:
+        line = []
+        for key, _, fmt in columns:
+            value = row[key]
+            if key == "placement":
+                line.append(compress_placement(value))
+            elif key == "layers_per_stage":
+                line.append(",".join(map(str, value)))
+            else:
+                line.append(fmt.format(value))
+        cells.append(line)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+CSV_LISTS = ("placement", "layers_per_stage")
+
+
+def plans_as_json(plans: list[dict]) -> str:
+    return json.dumps(plans, indent=1) + "\n"
+
+
+def plans_as_csv(plans: list[dict]) -> str:
+    """The same columns as the JSON; lists joined with '-', the per-stage breakdown as compact JSON."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(plans[0]), lineterminator="\n")
+    writer.writeheader()
+    for plan in plans:
+        flat = dict(plan)
+        for key in CSV_LISTS:
+            flat[key] = "-".join(map(str, plan[key]))
+        flat["stages"] = json.dumps(plan["stages"], separators=(",", ":"))
+        writer.writerow(flat)
+    return out.getvalue()
+
+
+def write_plans(plans: list[dict], output: Path) -> None:
+    if output.suffix == ".json":
+        write_atomically(output, plans_as_json(plans))
+    elif output.suffix == ".csv":
+        write_atomically(output, plans_as_csv(plans))
+    else:
+        raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
+
+
+model_option = click.option("--model", "model_name", required=True, metavar="NAME|FILE",
+                            help="A bundled model (gpt2-xl, bert, t5, ...) or a model TOML file.")
+cluster_option = click.option("--cluster", "cluster_name", required=True, metavar="NAME|FILE",
+                              help="A bundled cluster (fasop-1xA100-7xA10, ...) or a cluster TOML file.")
+gbs_option = click.option("--gbs", type=int, default=None, help="Global batch size (default: the model file's).")
+profiles_option = click.option("--profiles", "profiles_dir", default=None, metavar="DIR",
+                               help="Folder of <gpu>.csv profiles (default: the bundled profiles/<model>).")
+optimizer_option = click.option("--distributed-optimizer/--no-distributed-optimizer", default=True, show_default=True,
+                                help="Shard optimizer state over data parallelism (Megatron's --use-distributed-optimizer).")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="fasop")
+def main():
+    """Plan data, tensor and pipeline parallelism for Megatron-LM on heterogeneous GPU clusters."""
+
+
+@main.command()
+@model_option
+@cluster_option
+@gbs_option
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Plans to print.")
+@click.option("--sort", type=click.Choice(["time", "cost"]), default="time", show_default=True,
+              help="Rank by step time or by dollars per step.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write every feasible plan to plans.json or plans.csv.")
+@click.option("--train-steps", type=click.IntRange(min=1), default=None, help="Steps of the whole run, for its time and price.")
+@click.option("--train-tokens", type=click.FloatRange(min=1), default=None, help="Tokens of the whole run (instead of --train-steps).")
+@profiles_option
+@optimizer_option
+@reports_input_errors
+def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, profiles_dir, distributed_optimizer):
+    """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
+    from fasop.search import search_plans
+
+    if train_steps is not None and train_tokens is not None:
+        raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
+    if output is not None and output.suffix not in (".json", ".csv"):
+        raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
+    model, cluster = load_model(model_name), load_cluster(cluster_name)
+    progress = Progress("searching")
+    started = time.perf_counter()
+    result = search_plans(model, cluster, gbs, profiles_dir, distributed_optimizer=distributed_optimizer,
+                          train_steps=train_steps, train_tokens=train_tokens, sort=sort, progress=progress)
+    progress.close()
+    elapsed = time.perf_counter() - started
+    plans = result.plans
+    if not plans:
+        closest = result.closest_plan
+        hint = ""
+        if closest is not None:
+            hint = (f"; the closest plan (tp={closest.tp} dp={closest.dp} pp={closest.pp} mbs={closest.mbs}) "
+                    f"needs {result.closest_memory_factor:.2f}x the GPU memory")
+        raise InputError(f"--cluster {cluster_name}", f"no plan fits in memory ({result.out_of_memory} plans tried){hint}")
+    if output is not None:
+        write_plans(plans, output)
+    click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0]['gbs']}; "
+               f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
+               f"solved), {len(plans)} fit in memory, {result.out_of_memory} removed as out of memory.")
+    click.echo(format_table(plans, top))
+    if output is not None:
+        click.echo(f"{len(plans)} plans written to {output}")
+
+
+def _int_list(option: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise InputError(option, f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise InputError(option, f"expected non-negative integers, got {text!r}")
+    return values
+
+
+@main.command()
+@model_option
+@cluster_option
+@click.option("--tp", type=click.IntRange(min=1), required=True, help="Tensor-parallel degree.")
+@click.option("--dp", type=click.IntRange(min=1), required=True, help="Data-parallel degree.")
+@click.option("--pp", type=click.IntRange(min=1), required=True, help="Pipeline-parallel degree.")
+@click.option("--mbs", type=click.IntRange(min=1), required=True, help="Micro-batch size.")
+@click.option("--placement", required=True, metavar="TYPE,TYPE,...", help="Node types in node-rank order.")
+@click.option("--layers", required=True, metavar="N,N,...",
+              help="Transformer layers per stage (embedding on the first stage, head on the last).")
+@gbs_option
+@profiles_option
+@optimizer_option
+@click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
+@reports_input_errors
+def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, profiles_dir, distributed_optimizer, as_json):
+    """Break down the step time, memory and price of one explicit plan."""
+    from fasop.search import estimate as run_estimate
+
+    model, cluster = load_model(model_name), load_cluster(cluster_name)
+    row = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
+                       layers=_int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
+                       distributed_optimizer=distributed_optimizer)
+    if as_json:
+        click.echo(json.dumps(row, indent=1))
+        return
+    click.echo(f"{model.name} on {cluster.name}: tp={tp} dp={dp} pp={pp} mbs={mbs} "
+               f"({row['num_microbatches']} micro-batches), placement {compress_placement(row['placement'])}")
+    header = f"{'stage':>5}  {'gpu':>9}  {'layers':>6}  {'compute s':>9}  {'p2p s':>8}  {'allreduce s':>11}  {'mem GiB':>7}  {'of GiB':>6}"
+    click.echo(header)
+    for s in row["stages"]:
+        click.echo(f"{s['stage']:>5}  {s['gpu']:>9}  {s['layers']:>6}  {s['compute_s']:>9.5f}  {s['p2p_s']:>8.5f}  "
+                   f"{s['dp_allreduce_s']:>11.5f}  {s['memory_gib']:>7.2f}  {s['memory_capacity_gib']:>6.2f}")
+    click.echo(f"step time        {row['step_time_s']:.4f} s  ({row['throughput_samples_per_s']:.1f} samples/s)")
+    click.echo(f"  pipeline       {row['pipeline_time_s']:.4f} s  (bubble {row['bubble_s']:.4f} s, p2p {row['p2p_s']:.4f} s)")
+    click.echo(f"  dp all-reduce  {row['dp_allreduce_s']:.4f} s")
+    click.echo(f"  emb all-reduce {row['embedding_allreduce_s']:.4f} s")
+    click.echo(f"peak memory      {row['peak_memory_gib']:.2f} of {row['memory_capacity_gib']:.2f} GiB"
+               + ("" if row["fits_memory"] else f"  (does NOT fit with margin {cluster.memory_margin})"))
+    click.echo(f"price            ${row['cost_per_step_usd']:.5f} per step, ${row['cost_per_hour_usd']:.2f} per hour")

@@ -1,0 +1,312 @@
+"""The search: every tensor, data and pipeline degree, micro-batch size, placement and (for encoder-decoder
+models) encoder/decoder stage split, each with its optimal layer partition, ranked by step time."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+
+from fasop.cluster import Cluster
+from fasop.errors import InputError
+from fasop.costmodel import Config, StageCosts, breakdown, embedding_stages, stage_costs
+from fasop.model import Model
+from fasop.partition import PartitionBatch, _Filler, _subset, optimal_partitions
+from fasop.placement import Geometry, geometry, placements, with_embedding_group
+from fasop.profiles import GpuProfile, load_profiles
+
+PLACEMENT_LIMIT = 5000  # distinct placements per (tp, dp, pp) searched exhaustively
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    model: Model
+    cluster: Cluster
+    profiles: dict[str, GpuProfile]
+    gbs: int
+    distributed_optimizer: bool = True
+
+
+def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None,
+            distributed_optimizer: bool = True) -> Inputs:
+    gbs = gbs or model.global_batch_size
+    if gbs < 1:
+        raise InputError("--gbs", f"expected a positive global batch size, got {gbs}")
+    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
+    return Inputs(model, cluster, profiles, gbs, distributed_optimizer)
+
+
+def tensor_degrees(inputs: Inputs) -> list[int]:
+    """Divisors of the GPUs per node (tensor parallelism stays inside a node) profiled for every GPU type."""
+    profiled = [set(p.tensor_degrees) for p in inputs.profiles.values()]
+    return [t for t in divisors(inputs.cluster.gpus_per_node) if all(t in s for s in profiled)]
+
+
+def max_stages(model: Model) -> int:
+    # a stage may hold only the embedding or only the head (decoder and encoder models)
+    return model.num_layers if model.is_encoder_decoder else model.num_layers + 2
+
+
+def encoder_splits(model: Model, pp: int) -> list[int]:
+    if not model.is_encoder_decoder or pp == 1:
+        return [0]
+    return [e for e in range(1, pp) if e <= model.encoder_num_layers and pp - e <= model.decoder_num_layers]
+
+
+def _signature(geo: Geometry) -> tuple:
+    return (geo.stage_node_types, tuple(np.round(geo.boundary_s_per_byte, 18)),
+            tuple(np.round(geo.dp_allreduce_s_per_byte, 18)), round(geo.embedding_allreduce_s_per_byte, 18))
+
+
+@dataclass(frozen=True)
+class Group:
+    """Plans sharing (tp, dp, pp, encoder split): one geometry per distinct placement, every micro-batch size."""
+
+    config: Config  # its mbs is a placeholder
+    geos: list[Geometry]
+    mbs_values: list[int]
+    exhaustive: bool
+
+
+def groups(inputs: Inputs, placement_limit: int = PLACEMENT_LIMIT) -> list[Group]:
+    model, cluster, gbs = inputs.model, inputs.cluster, inputs.gbs
+    world = cluster.num_gpus
+    result = []
+    for tp in tensor_degrees(inputs):
+        for dp in divisors(world // tp):
+            pp = world // (tp * dp)
+            if gbs % dp or pp > max_stages(model):
+                continue
+            nodes, exhaustive = placements(cluster, tp * dp, placement_limit)
+            geos = [geometry(cluster, placement, tp, dp, pp) for placement in nodes]
+            for split in encoder_splits(model, pp):
+                config = Config(tp, dp, pp, 1, gbs, split, inputs.distributed_optimizer)
+                emb = embedding_stages(model, config)
+                unique: dict[tuple, Geometry] = {}
+                for geo in geos:
+                    geo = with_embedding_group(cluster, geo, emb)
+                    unique.setdefault(_signature(geo), geo)
+                result.append(Group(config, list(unique.values()), divisors(gbs // dp), exhaustive))
+    return result
+
+
+def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, counts: np.ndarray,
+              keep: np.ndarray, exhaustive: bool) -> list[dict]:
+    """One row per kept micro-batch size of `costs`, with the layer counts `counts` (K, pp)."""
+    model, cluster = inputs.model, inputs.cluster
+    terms = breakdown(costs, counts)
+    layers = (counts + costs.fixed_layers).astype(int)
+    price = sum(cluster.node_types[n].price_per_hour_usd for n in geo.placement)
+    load = terms["stage_memory_gib"] / terms["stage_capacity_gib"]
+    rows = []
+    for k in np.flatnonzero(keep):
+        worst = int(np.argmax(load[k]))
+        step = float(terms["step_time_s"][k])
+        mbs = int(costs.mbs[k])
+        columns = zip(range(config.pp), costs.gpu, geo.stage_nodes, layers[k].tolist(), terms["stage_compute_s"][k].tolist(),
+                      terms["stage_p2p_s"][k].tolist(), terms["stage_allreduce_s"][k].tolist(),
+                      terms["stage_memory_gib"][k].tolist(), terms["stage_capacity_gib"][k].tolist())
+        stages = [
+            {"stage": s, "gpu": gpu, "nodes": list(nodes), "layers": n, "compute_s": compute, "p2p_s": p2p,
+             "dp_allreduce_s": allreduce, "memory_gib": memory, "memory_capacity_gib": capacity}
+            for s, gpu, nodes, n, compute, p2p, allreduce, memory, capacity in columns
+        ]
+        rows.append({
+            "model": model.name, "model_file": model.file, "cluster": cluster.name, "cluster_file": cluster.file,
+            "gbs": config.gbs, "mbs": mbs, "tp": config.tp, "dp": config.dp, "pp": config.pp,
+            "num_microbatches": config.gbs // (config.dp * mbs),
+            "placement": list(geo.placement), "layers_per_stage": layers[k].tolist(),
+            "encoder_stages": config.encoder_stages, "distributed_optimizer": config.distributed_optimizer,
+            "step_time_s": step,
+            "throughput_samples_per_s": config.gbs / step,
+            "tokens_per_s": config.gbs * model.seq_length / step,
+            "pipeline_time_s": float(terms["pipeline_time_s"][k]), "bubble_s": float(terms["bubble_s"][k]),
+            "p2p_s": float(terms["p2p_s"][k]), "dp_allreduce_s": float(terms["dp_allreduce_s"][k]),
+            "embedding_allreduce_s": float(terms["embedding_allreduce_s"][k]),
+            "peak_memory_gib": float(terms["stage_memory_gib"][k, worst]),
+            "memory_capacity_gib": float(terms["stage_capacity_gib"][k, worst]),
+            "cost_per_hour_usd": price, "cost_per_step_usd": price * step / 3600.0,
+            "placement_search": "exhaustive" if exhaustive else "type-blocks",
+            "stages": stages,
+        })
+    return rows
+
+
+def memory_overshoot(costs: StageCosts, row: int, margin: float) -> float:
+    """Smallest factor by which the GPUs' memory would have to grow for some partition of row `row` to fit."""
+    p = costs.problem
+    one = _subset(p, np.array([row]))
+    filler = _Filler(one)
+    usable = costs.capacity_gib / margin
+    mem_fixed, mem_layer = costs.mem_fixed_gib[row], costs.mem_layer_gib[row]
+
+    def fits(ratio: float) -> bool:
+        room = ratio * usable - mem_fixed
+        if (room < -1e-12).any():
+            return False
+        with np.errstate(divide="ignore"):
+            hi = np.floor(room / np.where(mem_layer > 0, mem_layer, np.inf) + 1e-12)
+        return bool(filler.fill(np.minimum(hi, 1e9)[None, None, :])[1][0, 0])
+
+    low, high = 0.0, 1.0
+    while not fits(high):
+        high *= 2
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
+def add_training_run(row: dict, model: Model, train_steps: int | None, train_tokens: float | None) -> None:
+    """Steps, hours and dollars of the whole run, from a step count or a token count."""
+    if train_steps is None and train_tokens is None:
+        return
+    steps = train_steps if train_steps is not None else math.ceil(train_tokens / (row["gbs"] * model.seq_length))
+    row["train_steps"] = int(steps)
+    row["train_hours"] = row["step_time_s"] * steps / 3600.0
+    row["train_cost_usd"] = row["cost_per_step_usd"] * steps
+
+
+SORT_KEYS = {"time": "step_time_s", "cost": "cost_per_step_usd"}
+
+
+@dataclass
+class SearchResult:
+    """The ranked plans (best first) and what the search saw on the way."""
+
+    plans: list[dict]
+    plans_evaluated: int  # (tp, dp, pp, mbs, placement) combinations, each with its best split and partition
+    partitions_solved: int  # layer-partition problems solved (one per encoder/decoder split)
+    out_of_memory: int  # plans for which no partition fits memory
+    closest_memory_factor: float | None = None  # when nothing fits: how much more memory the closest plan needs
+    closest_plan: Config | None = None
+
+
+def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None, *,
+                 distributed_optimizer: bool = True, train_steps: int | None = None, train_tokens: float | None = None,
+                 sort: str = "time", progress: Callable[[int, int], None] | None = None,
+                 placement_limit: int = PLACEMENT_LIMIT) -> SearchResult:
+    """Every plan that fits memory, best first, as plain records (see docs/formats.md for the keys)."""
+    inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer)
+    if not tensor_degrees(inputs):
+        profiled = {g: p.tensor_degrees for g, p in inputs.profiles.items()}
+        raise InputError("profiles", f"no tensor degree dividing {cluster.gpus_per_node} GPUs per node is profiled for every GPU type {profiled}")
+    todo = groups(inputs, placement_limit)
+    if not todo:
+        raise InputError("--gbs", f"no plan can use a global batch size of {inputs.gbs} on {cluster.num_gpus} GPUs "
+                                  f"(data-parallel degree must divide it and pipeline stages must not exceed {max_stages(model)})")
+    rows, evaluated, solved, closest = [], 0, 0, None
+    items = [(group, geo) for group in todo for geo in group.geos]
+    buckets: dict[int, list] = {}
+    for group, geo in items:  # plans with the same number of stages are partitioned in one batch
+        costs = stage_costs(model, cluster, inputs.profiles, geo, group.config, group.mbs_values)
+        buckets.setdefault(group.config.pp, []).append((group, geo, costs))
+    # encoder-decoder plans differing only in their encoder/decoder split compete: the best split is the plan's
+    best: dict[tuple, tuple] = {}
+    done = 0
+    for bucket in buckets.values():
+        counts, value, feasible = optimal_partitions(concat([c.problem for _, _, c in bucket]))
+        solved += len(value)
+        at = 0
+        for group, geo, costs in bucket:
+            for row in range(len(costs.mbs)):
+                key = (group.config.tp, group.config.dp, group.config.pp, geo.placement, int(costs.mbs[row]))
+                entry = (value[at + row], group.config.encoder_stages, group, geo, costs, row, counts[at + row])
+                if key not in best or entry[:2] < best[key][:2]:
+                    best[key] = entry
+            at += len(costs.mbs)
+        done += len(bucket)
+        if progress:
+            progress(done, len(items))
+    for value, _, group, geo, costs, row, counts in best.values():
+        evaluated += 1
+        if np.isfinite(value):
+            keep = np.zeros(len(costs.mbs), dtype=bool)
+            keep[row] = True
+            rows += plan_rows(inputs, group.config, geo, costs, np.broadcast_to(counts, costs.problem.lo.shape), keep, group.exhaustive)
+    oom = evaluated - len(rows)
+    if not rows:
+        for value, _, group, geo, costs, row, counts in best.values():
+            factor = memory_overshoot(costs, row, cluster.memory_margin)
+            if closest is None or factor < closest[0]:
+                closest = (factor, replace(group.config, mbs=int(costs.mbs[row])))
+    for row in rows:
+        add_training_run(row, model, train_steps, train_tokens)
+    rows.sort(key=lambda r: (r[SORT_KEYS[sort]], r["step_time_s"], r["tp"], r["dp"], r["pp"], r["mbs"],
+                             r["encoder_stages"], r["placement"]))
+    rows = [{"rank": rank, **row} for rank, row in enumerate(rows, start=1)]
+    result = SearchResult(rows, evaluated, solved, oom)
+    if not rows and closest is not None:
+        result.closest_memory_factor, result.closest_plan = closest
+    return result
+
+
+def search(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None, **options):
+    """Every plan that fits memory as a pandas DataFrame, best first, one row per plan with every cost term.
+
+    Options are those of `search_plans`; `frame.attrs` holds plans_evaluated, partitions_solved,
+    out_of_memory and, when nothing fits, closest_memory_factor and closest_plan.
+    """
+    import pandas as pd  # only the Python API needs pandas; the command line starts faster without it
+
+    result = search_plans(model, cluster, gbs, profiles_dir, **options)
+    frame = pd.DataFrame(result.plans)
+    frame.attrs.update(plans_evaluated=result.plans_evaluated, partitions_solved=result.partitions_solved,
+                       out_of_memory=result.out_of_memory)
+    if result.closest_plan is not None:
+        frame.attrs.update(closest_memory_factor=result.closest_memory_factor, closest_plan=result.closest_plan)
+    return frame
+
+
+def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: int, placement: list[str],
+             layers: list[int], gbs: int | None = None, profiles_dir: str | None = None,
+             distributed_optimizer: bool = True) -> dict:
+    """The full breakdown of one explicit plan; `layers` lists transformer layers per stage."""
+    used = {name: placement.count(name) for name in placement}
+    for name, count in used.items():
+        if name not in cluster.node_types:
+            raise InputError("--placement", f"unknown node type {name!r} (cluster has {', '.join(cluster.node_types)})")
+        if count > cluster.node_types[name].count:
+            raise InputError("--placement", f"{count} nodes of type {name} but the cluster has {cluster.node_types[name].count}")
+    sub = cluster.with_counts(used)
+    inputs = prepare(model, sub, gbs, profiles_dir, distributed_optimizer)
+    gpn = cluster.gpus_per_node
+    if gpn % tp or tp not in tensor_degrees(inputs):
+        raise InputError("--tp", f"expected a divisor of {gpn} GPUs per node that every GPU type's profile has, got {tp}")
+    if tp * dp * pp != len(placement) * gpn:
+        raise InputError("--placement", f"tp*dp*pp = {tp * dp * pp} GPUs but the placement's {len(placement)} nodes hold {len(placement) * gpn}")
+    if inputs.gbs % (dp * mbs):
+        raise InputError("--mbs", f"dp * mbs = {dp * mbs} must divide the global batch size {inputs.gbs}")
+    if len(layers) != pp or sum(layers) != model.num_layers:
+        raise InputError("--layers", f"expected {pp} stage counts summing to {model.num_layers} layers, got {','.join(map(str, layers))}")
+    split = 0
+    if model.is_encoder_decoder and pp > 1:
+        prefix = np.cumsum(layers)
+        if model.encoder_num_layers not in prefix[:-1]:
+            raise InputError("--layers", f"no stage boundary falls after the {model.encoder_num_layers} encoder layers")
+        split = int(np.searchsorted(prefix, model.encoder_num_layers)) + 1
+    config = Config(tp, dp, pp, mbs, inputs.gbs, split, distributed_optimizer)
+    geo = with_embedding_group(sub, geometry(sub, tuple(placement), tp, dp, pp), embedding_stages(model, config))
+    costs = stage_costs(model, sub, inputs.profiles, geo, config, [mbs])
+    counts = np.array(layers) - costs.fixed_layers
+    if (counts < costs.problem.lo[0]).any():
+        raise InputError("--layers", "every stage needs at least one layer (the first may hold only the embedding, the last only the head)")
+    row = plan_rows(inputs, config, geo, costs, counts[None, :], np.array([True]), True)[0]
+    usable = np.array([s["memory_capacity_gib"] for s in row["stages"]]) / cluster.memory_margin
+    row["fits_memory"] = bool(all(s["memory_gib"] <= u for s, u in zip(row["stages"], usable)))
+    return row
+
+
+def concat(problems: list[PartitionBatch]) -> PartitionBatch:
+    """One batch of all the problems (same number of stages and segment sizes)."""
+    stack = lambda name: np.concatenate([getattr(p, name) for p in problems])  # noqa: E731
+    segments = np.concatenate([np.broadcast_to(p.segment_of_stage, p.lo.shape) for p in problems])
+    return PartitionBatch(segments, problems[0].segment_layers, stack("lo"), stack("hi"), stack("layer_s"),
+                          stack("period_fixed_s"), stack("ar_fixed_s"), stack("ar_layer_s"),
+                          stack("num_microbatches"), stack("base_s"))

@@ -1,0 +1,129 @@
+"""The exact partitioner against brute force over every partition, and against FASOP's greedy heuristic."""
+
+import itertools
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from fasop.partition import PartitionBatch, optimal_partitions
+
+
+def compositions(total: int, parts: int, lo: list[int]):
+    """Every vector of `parts` integers >= lo summing to total."""
+    if parts == 1:
+        if total >= lo[0]:
+            yield (total,)
+        return
+    for first in range(lo[0], total - sum(lo[1:]) + 1):
+        for rest in compositions(total - first, parts - 1, lo[1:]):
+            yield (first,) + rest
+
+
+def row_problem(batch: PartitionBatch, row: int) -> PartitionBatch:
+    fields = ("lo", "hi", "layer_s", "period_fixed_s", "ar_fixed_s", "ar_layer_s", "num_microbatches", "base_s")
+    return PartitionBatch(batch.segment_of_stage, batch.segment_layers, *(getattr(batch, f)[row:row + 1] for f in fields))
+
+
+def brute_force(batch: PartitionBatch, row: int):
+    """The smallest objective over every feasible partition of problem `row` (None if none fits)."""
+    one = row_problem(batch, row)
+    seg = batch.segment_of_stage
+    per_segment = []
+    for s, layers in enumerate(batch.segment_layers):
+        stages = np.flatnonzero(seg == s)
+        per_segment.append(list(compositions(int(layers), len(stages), [int(one.lo[0, i]) for i in stages])))
+    best = None
+    for combo in itertools.product(*per_segment):
+        counts = np.concatenate(combo)[None, :]
+        if not one.feasible(counts)[0]:
+            continue
+        value = float(one.objective(counts)[0])
+        best = value if best is None else min(best, value)
+    return best
+
+
+def greedy_minmax(layer_s, fixed_s, exchange_s, lo, total):
+    """FASOP's partitioner (reference section 3.5): start even, move one layer from the slowest stage to the
+    fastest while the maximum stage time improves. Used here only as a baseline."""
+    p = len(layer_s)
+    counts = np.full(p, total // p)
+    counts[: total - counts.sum()] += 1
+    counts = np.maximum(counts, lo)
+    while counts.sum() > total:
+        counts[np.argmax(counts - lo)] -= 1
+    best = None
+    for _ in range(10 * total):
+        times = fixed_s + layer_s * counts + exchange_s
+        worst, fastest = int(np.argmax(times)), int(np.argmin(times))
+        if best is not None and times.max() >= best:
+            break
+        best = times.max()
+        if counts[worst] <= lo[worst] or worst == fastest:
+            break
+        trial = counts.copy()
+        trial[worst] -= 1
+        trial[fastest] += 1
+        if (fixed_s + layer_s * trial + exchange_s).max() >= times.max():
+            break
+        counts = trial
+    return counts
+
+
+@st.composite
+def problems(draw):
+    stages = draw(st.integers(1, 5))
+    encoder_decoder = stages >= 2 and draw(st.booleans())
+    if encoder_decoder:
+        split = draw(st.integers(1, stages - 1))
+        segment = np.array([0] * split + [1] * (stages - split))
+        layers = np.array([draw(st.integers(split, split + 5)), draw(st.integers(stages - split, stages - split + 5))])
+        lo = np.ones(stages, dtype=int)
+    else:
+        segment = np.zeros(stages, dtype=int)
+        layers = np.array([draw(st.integers(max(stages - 2, 1), 10))])
+        lo = np.ones(stages, dtype=int)
+        lo[0] = lo[-1] = 0
+    batch = draw(st.integers(1, 3))
+    floats = st.floats(0.1, 5.0)
+
+    def vec(strategy=floats):
+        return np.array([[draw(strategy) for _ in range(stages)] for _ in range(batch)])
+
+    hi = np.array([[draw(st.integers(0, 12)) for _ in range(stages)] for _ in range(batch)])
+    ar_layer = vec(st.sampled_from([0.0, 0.05, 0.3, 1.0, 2.5]))
+    return PartitionBatch(
+        segment_of_stage=segment, segment_layers=layers, lo=np.broadcast_to(lo, (batch, stages)), hi=hi,
+        layer_s=vec(), period_fixed_s=vec(st.floats(0.0, 3.0)), ar_fixed_s=vec(st.floats(0.0, 2.0)),
+        ar_layer_s=ar_layer, num_microbatches=np.array([draw(st.integers(1, 9)) for _ in range(batch)]),
+        base_s=np.array([draw(st.floats(0.0, 2.0)) for _ in range(batch)]),
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(problems())
+def test_optimal_partition_equals_brute_force(batch):
+    counts, value, feasible = optimal_partitions(batch)
+    for row in range(len(batch)):
+        expected = brute_force(batch, row)
+        assert feasible[row] == (expected is not None)
+        if expected is None:
+            continue
+        one = row_problem(batch, row)
+        assert one.feasible(counts[row:row + 1])[0]
+        assert np.isclose(value[row], expected, rtol=1e-9, atol=1e-12)
+        assert np.isclose(one.objective(counts[row:row + 1])[0], value[row], rtol=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems())
+def test_never_worse_than_greedy(batch):
+    if len(batch.segment_layers) != 1:
+        return
+    counts, value, feasible = optimal_partitions(batch)
+    total = int(batch.segment_layers[0])
+    for row in range(len(batch)):
+        greedy = greedy_minmax(batch.layer_s[row], batch.period_fixed_s[row], 0 * batch.layer_s[row], batch.lo[row], total)
+        one = row_problem(batch, row)
+        if greedy.sum() != total or not one.feasible(greedy[None, :])[0]:
+            continue
+        assert value[row] <= float(one.objective(greedy[None, :])[0]) + 1e-12
