@@ -15,6 +15,8 @@ from pathlib import Path
 import click
 
 from fasop.cluster import load_cluster
+from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, emit_plan, launch_options, load_plans,
+                        select_plan, split_flags)
 from fasop.errors import InputError
 from fasop.model import load_model
 
@@ -162,10 +164,14 @@ def main():
               help="Write every feasible plan to plans.json or plans.csv.")
 @click.option("--train-steps", type=click.IntRange(min=1), default=None, help="Steps of the whole run, for its time and price.")
 @click.option("--train-tokens", type=click.FloatRange(min=1), default=None, help="Tokens of the whole run (instead of --train-steps).")
+@click.option("--emit", "emit_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Also write the best plan's Slurm and Megatron-LM launch scripts into this directory "
+                   "(site options from the cluster file's [launch] table; `fasop emit` offers them all).")
 @profiles_option
 @optimizer_option
 @reports_input_errors
-def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, profiles_dir, distributed_optimizer):
+def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, emit_dir, profiles_dir,
+           distributed_optimizer):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
     from fasop.search import search_plans
 
@@ -188,6 +194,8 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
             hint = (f"; the closest plan (tp={closest.tp} dp={closest.dp} pp={closest.pp} mbs={closest.mbs}) "
                     f"needs {result.closest_memory_factor:.2f}x the GPU memory")
         raise InputError(f"--cluster {cluster_name}", f"no plan fits in memory ({result.out_of_memory} plans tried){hint}")
+    if emit_dir is not None:
+        check_out_dir(emit_dir, force=False)
     if output is not None:
         write_plans(plans, output)
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0]['gbs']}; "
@@ -196,6 +204,10 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     click.echo(format_table(plans, top))
     if output is not None:
         click.echo(f"{len(plans)} plans written to {output}")
+    if emit_dir is not None:
+        options = launch_options(cluster.launch, f"{cluster.file or cluster.name}: launch")
+        emit_plan(plans[0], model, cluster, emit_dir, options, where="plan 1")
+        click.echo(f"launch scripts of plan 1 written to {emit_dir}; submit with: cd {emit_dir} && sbatch sbatch.sh")
 
 
 def _int_list(option: str, text: str) -> list[int]:
@@ -248,3 +260,132 @@ def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, 
     click.echo(f"peak memory      {row['peak_memory_gib']:.2f} of {row['memory_capacity_gib']:.2f} GiB"
                + ("" if row["fits_memory"] else f"  (does NOT fit with margin {cluster.memory_margin})"))
     click.echo(f"price            ${row['cost_per_step_usd']:.5f} per step, ${row['cost_per_hour_usd']:.2f} per hour")
+
+
+# -- fasop emit ---
+
+def _resolve_input(value: str, plans_path: Path) -> str:
+    """A file named in the plan list: as given if it exists, else beside the plan list, else as given (a name)."""
+    if Path(value).exists():
+        return value
+    beside = plans_path.parent / value
+    return str(beside) if beside.exists() else value
+
+
+def _type_map(values: tuple[str, ...], option: str) -> tuple[str | None, dict[str, str]]:
+    """`NAME` (every node type) and `TYPE=NAME` (one node type or GPU) -> (default, per-type map)."""
+    default, per_type = None, {}
+    for value in values:
+        key, sep, name = value.partition("=")
+        if not sep:
+            default = value
+        elif not key or not name:
+            raise InputError(f"{option} {value}", "expected NAME or TYPE=NAME")
+        else:
+            per_type[key] = name
+    return default, per_type
+
+
+_SITE_HELP = "Overrides the [launch] table of the cluster file."
+
+
+@main.command("emit")
+@click.option("--plans", "plans_file", required=True, metavar="FILE",
+              help="Plan list written by `fasop search --output plans.json`.")
+@click.option("--rank", type=int, default=1, show_default=True, help="Which plan of the list (1 = the best).")
+@click.option("--out", "out_dir", required=True, metavar="DIR",
+              help="Directory to write sbatch.sh, run_inter.sh and plan.json into (created if missing).")
+@click.option("--force", is_flag=True, help="Overwrite the files of a directory that holds files already.")
+@click.option("--model", "model_name", default=None, metavar="NAME|FILE",
+              help="Model file (default: the plan's model_file).")
+@click.option("--cluster", "cluster_name", default=None, metavar="NAME|FILE",
+              help="Cluster file (default: the plan's cluster_file); its [launch] table gives site defaults.")
+@click.option("--partition", "partitions", multiple=True, metavar="NAME|TYPE=NAME",
+              help="Slurm partition for every node type, or TYPE=NAME for one node type or GPU; repeatable. " + _SITE_HELP)
+@click.option("--gres-type", "gres_types", multiple=True, metavar="NAME|TYPE=NAME",
+              help="GRES type (as in --gres=gpu:TYPE:N) for every node type, or TYPE=NAME for one node type or GPU; "
+                   "repeatable. Default: the node type's gres_type, else its GPU name in lower case.")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node, instead of the cluster's. " + _SITE_HELP)
+@click.option("--cpus-per-task", type=int, default=None,
+              help="CPUs for the one task per node that runs torchrun and its workers. " + _SITE_HELP)
+@click.option("--account", default=None, help="Slurm account to charge. " + _SITE_HELP)
+@click.option("--exclusive/--no-exclusive", default=None,
+              help="Ask for whole nodes (default: yes). " + _SITE_HELP)
+@click.option("--job-name", default=None, help="Slurm job name (default: fasop-<model>). " + _SITE_HELP)
+@click.option("--time-limit", default=None, metavar="TIME",
+              help="Slurm time limit such as 01:00:00 or 1-12:00:00 (default 01:00:00). " + _SITE_HELP)
+@click.option("--megatron-path", default=None, metavar="DIR",
+              help="Megatron-LM checkout on the nodes (default Megatron-LM, relative to the run directory; "
+                   "the MEGATRON_PATH variable overrides it at run time). " + _SITE_HELP)
+@click.option("--entry-script", default=None, metavar="FILE",
+              help="Training script, relative to the Megatron-LM path unless absolute (default pretrain_gpt.py, "
+                   "pretrain_bert.py or pretrain_t5.py by model). " + _SITE_HELP)
+@click.option("--data-path", default=None, metavar="PREFIX",
+              help="Megatron-LM --data-path (default: --mock-data). " + _SITE_HELP)
+@click.option("--tokenizer-type", default=None,
+              help="Megatron-LM --tokenizer-type (default: NullTokenizer without a vocabulary file, else "
+                   "GPT2BPETokenizer or BertWordPieceLowerCase by model). " + _SITE_HELP)
+@click.option("--vocab-file", default=None, metavar="FILE", help="Megatron-LM --vocab-file. " + _SITE_HELP)
+@click.option("--merge-file", default=None, metavar="FILE", help="Megatron-LM --merge-file. " + _SITE_HELP)
+@click.option("--tokenizer-model", default=None, metavar="FILE", help="Megatron-LM --tokenizer-model. " + _SITE_HELP)
+@click.option("--container-image", default=None, metavar="IMAGE",
+              help="Run in this enroot/pyxis container image (srun --container-image); default: no container. "
+                   + _SITE_HELP)
+@click.option("--container-mounts", default=None, metavar="SRC:DST[,...]",
+              help="pyxis --container-mounts besides the run directory, which is always mounted. " + _SITE_HELP)
+@click.option("--extra-flags", "extra_flags", multiple=True, metavar="'FLAGS'",
+              help="More Megatron-LM flags, split as a shell would; appended last, so they win over the emitted "
+                   "ones; repeatable, added to the [launch] table's.")
+@click.option("--train-iters", type=int, default=None, help="Megatron-LM --train-iters (default 50). " + _SITE_HELP)
+@click.option("--master-port", type=int, default=None,
+              help="Rendezvous port on the first node (default 6000). " + _SITE_HELP)
+@click.option("--megatron-flavor", type=click.Choice(FLAVORS), default=None,
+              help="stock: Megatron-LM's own flags (default); fasop-fork: FASOP's fork with --balance. " + _SITE_HELP)
+@click.option("--pipeline-split", type=click.Choice(PIPELINE_SPLITS), default=None,
+              help="How uneven layers per stage are passed (stock flavour): auto (default) uses "
+                   "--decoder-first/last-pipeline-num-layers when the split has that form, else "
+                   "--pipeline-model-parallel-layout; layout or first-last force one. " + _SITE_HELP)
+@reports_input_errors
+def emit(plans_file: str, rank: int, out_dir: str, force: bool, model_name: str | None, cluster_name: str | None,
+         partitions: tuple[str, ...], gres_types: tuple[str, ...], extra_flags: tuple[str, ...], **site) -> None:
+    """Write Slurm and Megatron-LM launch scripts for one plan of a plan list.
+
+    DIR gets sbatch.sh (one Slurm job, a heterogeneous-job component per run of node types in the plan's
+    placement order), run_inter.sh (torchrun and Megatron-LM flags, one per node) and plan.json (the plan and
+    its estimate). Submit with: cd DIR && sbatch sbatch.sh
+    """
+    written = _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions, gres_types,
+                    extra_flags, site)
+    for path in written:
+        click.echo(str(path))
+    click.echo(f"Submit with: cd {out_dir} && sbatch sbatch.sh", err=True)
+
+
+def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions, gres_types, extra_flags, site):
+    plans_path = Path(plans_file)
+    plans = load_plans(plans_path)
+    plan = select_plan(plans, rank, plans_file)
+    out = Path(out_dir)
+    check_out_dir(out, force)
+    where = f"{plans_file}: plan {rank}"
+    for key, option in (("model_file", model_name), ("cluster_file", cluster_name)):
+        if option is None and not isinstance(plan.get(key), str):
+            raise InputError(where, f"names no {key}; give --{key.split('_')[0]}")
+    model = load_model(model_name or _resolve_input(plan["model_file"], plans_path))
+    cluster = load_cluster(cluster_name or _resolve_input(plan["cluster_file"], plans_path))
+    # A plain NAME on the command line applies to every node type, over what the cluster file says.
+    partition, partition_map = _type_map(partitions, "--partition")
+    gres_type, gres_map = _type_map(gres_types, "--gres-type")
+    for default, mapping in ((partition, partition_map), (gres_type, gres_map)):
+        for node_type in cluster.node_types.values():
+            if default is not None and node_type.name not in mapping and node_type.gpu not in mapping:
+                mapping[node_type.name] = default
+    flags: list[str] = []
+    for value in extra_flags:
+        flags += split_flags(value, "--extra-flags")
+    overrides = {key: value for key, value in site.items() if key in LAUNCH_KEYS}
+    options = launch_options(
+        getattr(cluster, "launch", {}), f"{getattr(cluster, 'file', '') or cluster.name}: launch",
+        partition=partition, partitions=partition_map, gres_type=gres_type, gres_types=gres_map,
+        extra_flags=tuple(flags), **overrides)
+    return emit_plan(plan, model, cluster, out, options, force=force, where=where)

@@ -1,0 +1,282 @@
+"""Each cost term against values computed by hand on tiny cases, and the 1F1B closed form against an event
+simulation of Megatron's schedule."""
+
+import heapq
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import fasop
+from fasop.cluster import Cluster, Derating, NodeType
+from fasop.costmodel import Config, bytes_per_param, embedding_stages, stage_costs
+from fasop.model import Model
+from fasop.placement import geometry, placements, with_embedding_group
+from fasop.search import prepare, search_plans
+
+GIB = 2.0**30
+
+
+def node_type(name, gpus=2, intra="80 GB/s", inter="10 GB/s", memory=16.0, count=1, gpu=None):
+    from fasop.cluster import parse_bandwidth
+
+    return NodeType(name=name, gpu=gpu or name, gpus_per_node=gpus, gpu_memory_gib=memory,
+                    intra_node_bytes_per_s=parse_bandwidth(intra, "test"),
+                    inter_node_bytes_per_s=parse_bandwidth(inter, "test"), price_per_hour_usd=3.6, count=count)
+
+
+def cluster(*types, derating=Derating(), margin=1.0):
+    return Cluster(name="test", node_types={t.name: t for t in types}, derating=derating, memory_margin=margin)
+
+
+# -- model: parameters and activations ---------------------------------------------------------------
+
+
+def test_gpt_layer_parameters_are_12h2_plus_13h():
+    model = fasop.load_model("gpt2-xl")
+    h = 1600
+    assert model.layer_params("layer") == 12 * h * h + 13 * h
+    # GPT-2 XL is the 1.5B model: 48 layers, tied 50257-word embedding, 1024 learned positions
+    assert model.total_params() == pytest.approx(48 * (12 * h * h + 13 * h) + 50304 * h + 1024 * h + 2 * h)
+
+
+def test_t5_decoder_layer_has_cross_attention_and_4096_wide_attention():
+    model = fasop.load_model("t5")
+    h, a, f = 1024, 32 * 128, 3072
+    attention = 4 * h * a + 3 * a + h  # Q, K, V, O weights and biases
+    mlp = 2 * h * f + f + h
+    assert model.layer_params("encoder") == attention + mlp + 2 * 2 * h
+    assert model.layer_params("decoder") == 2 * attention + mlp + 3 * 2 * h
+
+
+def test_layer_activation_is_korthikanti_formula():
+    """34 s b h + 5 a s^2 b bytes per layer (Korthikanti et al. 2022, no recomputation), / t with sequence
+    parallelism."""
+    model = fasop.load_model("gpt2-xl")
+    s, h, a = 1024, 1600, 16
+    for b in (1, 4):
+        expected = 34 * s * b * h + 5 * a * s * s * b
+        assert model.layer_activation_bytes("layer", b, 1) == expected
+        assert model.layer_activation_bytes("layer", b, 4) == expected / 4
+
+
+def test_activation_without_dropout_and_with_flash_attention():
+    model = replace(fasop.load_model("gpt2-xl"), dropout=False, flash_attention=True)
+    s, h = 1024, 1600
+    # norm inputs 4sbh, QKV input, Q, K, V, projection input 10sbh, MLP input 2sbh, fc1 out and gelu out 16sbh
+    assert model.layer_activation_bytes("layer", 1, 1) == (4 + 10 + 2 + 16) * s * h
+
+
+def test_megatron_bytes_per_parameter():
+    model = fasop.load_model("gpt2-xl")  # fp16 mixed precision
+    assert bytes_per_param(model, dp=4, distributed_optimizer=False) == 18
+    assert bytes_per_param(model, dp=4, distributed_optimizer=True) == 6 + 12 / 4
+
+
+# -- rank geometry: links of pipeline boundaries and all-reduces -----------------------------------------
+
+
+def test_boundary_between_nodes_shares_each_interface():
+    c = cluster(node_type("X", inter="10 GB/s"), node_type("Y", inter="5 GB/s"))
+    geo = geometry(c, ("X", "Y"), tp=1, dp=2, pp=2)
+    # two ranks of stage 0 (node 0) send to two ranks of stage 1 (node 1): the slower interface carries 2 flows
+    assert geo.boundary_s_per_byte[0] == pytest.approx(2 / 5e9)
+    assert geo.dp_allreduce_s_per_byte[0] == pytest.approx(2 * (1 / 2) / 80e9)  # ring of 2 inside node 0
+
+
+def test_boundary_inside_a_node_uses_the_derated_gpu_link():
+    c = cluster(node_type("X", gpus=4, intra="100 GB/s"), derating=Derating(p2p_intra_node=3.5))
+    geo = geometry(c, ("X",), tp=1, dp=2, pp=2)
+    assert geo.boundary_s_per_byte[0] == pytest.approx(3.5 / 100e9)
+
+
+def test_hierarchical_allreduce_across_nodes():
+    c = cluster(node_type("X", count=2, intra="100 GB/s", inter="10 GB/s"),
+                derating=Derating(collective_inter_node=2.0))
+    # dp = 4 over two nodes of 2 GPUs: intra-node reduce-scatter + all-gather over 2, all-reduce over 2 nodes
+    geo = geometry(c, ("X", "X"), tp=1, dp=4, pp=1)
+    assert geo.dp_allreduce_s_per_byte[0] == pytest.approx(2 * (1 / 2) / 100e9 + 2 * (1 / 2) * 2.0 / 10e9)
+    # tp = 2, dp = 2: two groups (one per tensor index) cross the nodes together and share each interface
+    geo = geometry(c, ("X", "X"), tp=2, dp=2, pp=1)
+    assert geo.dp_allreduce_s_per_byte[0] == pytest.approx(2 * (1 / 2) * 2 * 2.0 / 10e9)
+
+
+def test_embedding_allreduce_between_first_and_last_stage():
+    c = cluster(node_type("X", count=2, inter="10 GB/s"))
+    geo = with_embedding_group(c, geometry(c, ("X", "X"), tp=1, dp=2, pp=2), (0, 1))
+    assert geo.embedding_allreduce_s_per_byte == pytest.approx(2 * (1 / 2) * 2 / 10e9)  # 2 pairs share a NIC
+
+
+def test_placements_enumerate_distinct_stage_type_orders():
+    c = cluster(node_type("A", count=1), node_type("B", count=3))
+    nodes, exhaustive = placements(c, ranks_per_stage=2, limit=100)  # one stage per node: every node order
+    assert exhaustive and len(nodes) == 4 and len(set(nodes)) == 4
+    nodes, _ = placements(c, ranks_per_stage=4, limit=100)  # a stage spans two nodes: order inside it is moot
+    assert len(nodes) == 2  # the A100-like node in the first or in the second stage
+
+
+# -- the step time and memory of one explicit plan, by hand -----------------------------------------------
+
+
+@pytest.fixture()
+def tiny(tmp_path):
+    model = Model(name="tiny", architecture="decoder", encoder_num_layers=0, decoder_num_layers=4, hidden_size=64,
+                  num_attention_heads=4, kv_channels=16, num_query_groups=4, ffn_hidden_size=256,
+                  encoder_seq_length=0, decoder_seq_length=32, vocab_size=1000, precision="fp16",
+                  global_batch_size=4, make_vocab_size_divisible_by=8)
+    rows = ["tp,mbs,kind,forward_s,backward_s", "1,1,embedding,0.001,0.002", "1,1,layer,0.010,0.020",
+            "1,1,head,0.002,0.004"]
+    (tmp_path / "G.csv").write_text("\n".join(rows) + "\n")
+    c = cluster(node_type("G", gpus=1, count=2, inter="1 GB/s", intra="10 GB/s"))
+    return model, c, str(tmp_path)
+
+
+def test_estimate_of_a_two_stage_plan_by_hand(tiny):
+    model, c, profiles = tiny
+    row = fasop.estimate(model, c, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers=[2, 2],
+                         profiles_dir=profiles, distributed_optimizer=False)
+    m = 4
+    comp0, comp1 = 0.003 + 2 * 0.030, 2 * 0.030 + 0.006  # embedding + 2 layers; 2 layers + head
+    c01 = 2 * 32 * 64 / 1e9  # fp16 activation of one micro-batch over the 1 GB/s interface
+    pipeline = comp0 + comp1 + 2 * c01 + (m - 1) * max(comp0 + c01, comp1 + c01)
+    embedding = 1000 * 64 * 2 / 1e9  # tied embedding gradients (vocabulary padded to 1000), 2-rank all-reduce
+    assert row["pipeline_time_s"] == pytest.approx(pipeline)
+    assert row["dp_allreduce_s"] == 0
+    assert row["embedding_allreduce_s"] == pytest.approx(embedding)
+    assert row["step_time_s"] == pytest.approx(pipeline + embedding)
+    assert row["cost_per_step_usd"] == pytest.approx(2 * 3.6 / 3600 * row["step_time_s"])
+    # memory of stage 0: 2 layers + word and position embeddings at 18 bytes per parameter, and the
+    # activations of min(pp - 0, m) = 2 micro-batches in flight
+    layer_params = 12 * 64 * 64 + 13 * 64
+    params0 = 2 * layer_params + 1000 * 64 + 32 * 64
+    act_layer = 34 * 32 * 64 + 5 * 4 * 32 * 32
+    act0 = 2 * (2 * act_layer + 32 * 64)  # plus the embedding dropout mask
+    assert row["stages"][0]["memory_gib"] == pytest.approx((18 * params0 + act0) / GIB)
+    # stage 1 keeps one micro-batch, and holds the output layer's copy of the tied embedding and the logits
+    params1 = 2 * layer_params + 2 * 64 + 1000 * 64
+    act1 = 2 * act_layer + 2 * 2 * 32 * 64 + 4 * 32 * 1000
+    assert row["stages"][1]["memory_gib"] == pytest.approx((18 * params1 + act1) / GIB)
+
+
+def test_search_finds_the_best_split_of_every_plan(tiny):
+    model, c, profiles = tiny
+    result = search_plans(model, c, profiles_dir=profiles)
+    for plan in result.plans:
+        if plan["pp"] != 2:
+            continue
+        for first in range(0, 5):
+            other = fasop.estimate(model, c, tp=plan["tp"], dp=plan["dp"], pp=2, mbs=plan["mbs"],
+                                   placement=plan["placement"], layers=[first, 4 - first], profiles_dir=profiles)
+            if other["fits_memory"]:
+                assert plan["step_time_s"] <= other["step_time_s"] + 1e-12
+
+
+def test_plans_that_do_not_fit_are_removed_and_counted(tiny):
+    model, c, profiles = tiny
+    small = cluster(replace(c.node_types["G"], gpu_memory_gib=0.0005))
+    result = search_plans(model, small, profiles_dir=profiles)
+    assert result.plans == [] and result.out_of_memory == result.plans_evaluated > 0
+    assert result.closest_memory_factor > 1
+
+
+# -- the 1F1B pipeline time against an event simulation ------------------------------------------------
+
+
+def simulate_1f1b(forward, backward, send, m):
+    """Event simulation of Megatron's 1F1B schedule: stage i runs min(P-1-i, m) warm-up forwards, then
+    alternates one forward and one backward, then drains its backwards. After a forward a stage sends the
+    activation downstream, after a backward the gradient upstream; it is busy for the send (blocking), and
+    the receiver may start once the send has ended. Returns when stage 0 finishes its last backward."""
+    p = len(forward)
+    programs = []
+    for i in range(p):
+        warm = min(p - 1 - i, m)
+        ops = [("F", j) for j in range(warm)]
+        for j in range(m - warm):
+            ops += [("F", j + warm), ("B", j)]
+        programs.append(ops + [("B", j) for j in range(m - warm, m)])
+    ready = {("F", 0, j): 0.0 for j in range(m)}  # inputs of stage 0 are there at time 0
+    clock, position, events = [0.0] * p, [0] * p, []
+    waiting = set(range(p))
+    finish = 0.0
+    while waiting or events:
+        for i in sorted(waiting):
+            kind, j = programs[i][position[i]]
+            key = (kind, i, j) if not (kind == "B" and i == p - 1) else ("F", i, j)
+            if key in ready:
+                waiting.discard(i)
+                start = max(clock[i], ready[key] if kind == "F" or i < p - 1 else clock[i])
+                end = start + (forward[i] if kind == "F" else backward[i])
+                if kind == "F" and i < p - 1:
+                    end += send[i]
+                    heapq.heappush(events, (end, ("F", i + 1, j)))
+                if kind == "B" and i > 0:
+                    end += send[i - 1]
+                    heapq.heappush(events, (end, ("B", i - 1, j)))
+                if kind == "B" and i == 0:
+                    finish = max(finish, end)
+                heapq.heappush(events, (end, ("free", i, None)))
+        if not events:
+            break
+        when, (what, i, j) = heapq.heappop(events)
+        if what == "free":
+            clock[i] = when
+            position[i] += 1
+            if position[i] < len(programs[i]):
+                waiting.add(i)
+        else:
+            ready[(what, i, j)] = when
+    return finish
+
+
+def closed_form(forward, backward, send, m):
+    """fasop's pipeline time (docs/cost-model.md): sum of stage times, both transfers of every boundary,
+    and m - 1 periods of the slowest stage including its blocking exchanges."""
+    p = len(forward)
+    t = np.add(forward, backward)
+    exchange = np.zeros(p)
+    exchange[1:] += send[: p - 1]
+    exchange[:-1] += send[: p - 1]
+    return float(t.sum() + 2 * np.sum(send[: p - 1]) + (m - 1) * (t + exchange).max())
+
+
+def test_simulation_matches_the_textbook_pipeline_on_equal_stages():
+    for p in (1, 2, 4, 7):
+        for m in (1, 3, 8):
+            assert simulate_1f1b([1.0] * p, [2.0] * p, [0.0] * p, m) == pytest.approx((m + p - 1) * 3.0)
+
+
+def test_closed_form_is_exact_on_equal_stages_and_an_upper_bound_otherwise():
+    rng = random.Random(7)
+    for _ in range(400):
+        p, m = rng.randint(1, 6), rng.randint(1, 10)
+        equal = rng.random() < 0.3
+        forward = [1.0] * p if equal else [rng.uniform(0.2, 3.0) for _ in range(p)]
+        backward = [2 * f for f in forward]
+        send = [0.0] * p if equal else [rng.uniform(0.0, 0.5) for _ in range(p)]
+        sim, closed = simulate_1f1b(forward, backward, send, m), closed_form(forward, backward, send, m)
+        if equal:
+            assert closed == pytest.approx(sim)
+        else:
+            assert closed >= sim - 1e-12
+
+
+@pytest.mark.parametrize("model_name, cluster_name", [
+    ("gpt2-xl", "fasop-8xA10"), ("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-4xA10"),
+    ("bert", "fasop-1xA100-3xA10"), ("t5", "fasop-8xA10"), ("t5", "fasop-1xA100-7xA10"),
+])
+def test_best_plans_are_within_three_percent_of_the_simulation(model_name, cluster_name):
+    model, c = fasop.load_model(model_name), fasop.load_cluster(cluster_name)
+    plan = search_plans(model, c).plans[0]
+    inputs = prepare(model, c)
+    config = Config(plan["tp"], plan["dp"], plan["pp"], plan["mbs"], plan["gbs"], plan["encoder_stages"], True)
+    geo = with_embedding_group(c, geometry(c, tuple(plan["placement"]), config.tp, config.dp, config.pp),
+                               embedding_stages(model, config))
+    costs = stage_costs(model, c, inputs.profiles, geo, config, [config.mbs])
+    compute = np.array([s["compute_s"] for s in plan["stages"]])
+    send = list(costs.boundary_s[0]) + [0.0]
+    m = plan["num_microbatches"]
+    sim = simulate_1f1b(list(compute / 3), list(2 * compute / 3), send, m)  # these profiles: backward = 2 forward
+    assert closed_form(compute / 3, 2 * compute / 3, send, m) == pytest.approx(plan["pipeline_time_s"])
+    assert sim - 1e-9 <= plan["pipeline_time_s"] <= 1.03 * sim

@@ -1,0 +1,59 @@
+"""The emitted --pipeline-model-parallel-layout, read by megatron-core's own parser (CPU import only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fasop.cluster import load_cluster
+from fasop.emit import LaunchOptions, render_plan
+from fasop.model import load_model
+from test_emit import flag_values, make_plan, megatron_args, write_cluster
+
+layout_module = pytest.importorskip(
+    "megatron.core.transformer.pipeline_parallel_layer_layout",
+    reason="megatron-core is not importable (scripts/install_slurm.sh installs it)")
+enums = pytest.importorskip("megatron.core.transformer.enums")
+PipelineParallelLayerLayout = layout_module.PipelineParallelLayerLayout
+LayerType = enums.LayerType
+
+SPLITS = [
+    # (tp, dp, pp, placement, layers per stage)
+    (1, 2, 4, ["small", "big", "big", "small"], [10, 13, 14, 11]),
+    (1, 2, 4, ["small", "big", "big", "small"], [13, 12, 12, 11]),  # fits the older form; layout forced
+    (1, 2, 4, ["small", "big", "big", "small"], [0, 16, 16, 16]),   # embedding alone on the first stage
+    (1, 2, 4, ["small", "big", "big", "small"], [1, 22, 24, 1]),
+    (1, 1, 8, ["small", "big", "big", "small"], [3, 9, 9, 3, 3, 9, 9, 3]),
+    (2, 1, 2, ["big", "big"], [47, 1]),
+    (1, 4, 2, ["small", "big", "big", "small"], [20, 28]),
+]
+
+
+@pytest.mark.parametrize("tp, dp, pp, placement, layers", SPLITS)
+def test_megatron_core_reads_the_layout(tmp_path, tp, dp, pp, placement, layers):
+    model = load_model("gpt2-xl")
+    cluster = load_cluster(str(write_cluster(tmp_path)))
+    plan = make_plan(tp=tp, dp=dp, pp=pp, placement=placement, layers_per_stage=layers, gbs=64, mbs=1)
+    args = flag_values(megatron_args(render_plan(plan, model, cluster, LaunchOptions(pipeline_split="layout"))
+                                     ["run_inter.sh"]))
+    (text,) = args["--pipeline-model-parallel-layout"]
+    assert args["--pipeline-model-parallel-size"] == [str(pp)]
+    num_layers = int(args["--num-layers"][0])
+
+    layout = PipelineParallelLayerLayout(text, pp)
+    assert layout.virtual_pipeline_model_parallel_size == 1
+    layout.validate_layer_layout(num_layers=num_layers, mtp_num_layers=None)
+    assert layout.flatten_layout.count(LayerType.decoder) == model.num_layers == num_layers
+    per_stage = [row[0].count(LayerType.decoder) for row in layout.layout]
+    assert per_stage == layers
+    offsets = [sum(layers[:s]) for s in range(pp)]
+    assert [layout.get_layer_offset(pp_rank=s, vp_stage=0) for s in range(pp)] == offsets
+    assert layout.layout[0][0][0] == LayerType.embedding
+    assert layout.layout[-1][0][-1] == LayerType.loss
+
+
+def test_layout_is_what_auto_picks_when_the_older_form_does_not_fit(tmp_path):
+    model = load_model("gpt2-xl")
+    cluster = load_cluster(str(write_cluster(tmp_path)))
+    args = flag_values(megatron_args(render_plan(make_plan(), model, cluster)["run_inter.sh"]))
+    layout = PipelineParallelLayerLayout(args["--pipeline-model-parallel-layout"][0], 4)
+    assert [row[0].count(LayerType.decoder) for row in layout.layout] == make_plan()["layers_per_stage"]
