@@ -6,6 +6,7 @@ import csv
 import functools
 import io
 import json
+import math
 import os
 import sys
 import tempfile
@@ -177,6 +178,8 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
 
     if train_steps is not None and train_tokens is not None:
         raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
+    if train_tokens is not None and not math.isfinite(train_tokens):
+        raise InputError("--train-tokens", f"expected a finite number of tokens, got {train_tokens}")
     if output is not None and output.suffix not in (".json", ".csv"):
         raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
     model, cluster = load_model(model_name), load_cluster(cluster_name)
@@ -389,3 +392,243 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
         partition=partition, partitions=partition_map, gres_type=gres_type, gres_types=gres_map,
         extra_flags=tuple(flags), **overrides)
     return emit_plan(plan, model, cluster, out, options, force=force, where=where)
+
+
+# -- fasop profile ---
+@main.group()
+def profile():
+    """Make layer-time profiles for `fasop search` (profiles/<model>/<gpu>.csv)."""
+
+
+@profile.command()
+@model_option
+@click.option("--gpu", required=True, metavar="NAME",
+              help="GPU type of catalogue/gpus.toml (A100, H100, A10G, L4, ...). It is also the profile's file "
+                   "name: a cluster's node_type `gpu` field picks profiles/<model>/<gpu>.csv.")
+@click.option("--tp", "tp_text", default="1,2,4,8", show_default=True, metavar="N,N,...",
+              help="Tensor-parallel degrees to estimate; each must divide the model's heads, query groups and FFN.")
+@click.option("--mbs", "mbs_text", default="1,2,4,8", show_default=True, metavar="N,N,...",
+              help="Micro-batch sizes to estimate (fasop interpolates between them and scales beyond).")
+@click.option("--efficiency", type=float, default=None, metavar="F",
+              help="Achievable fraction of the dense peak FLOP/s, in (0, 1] (default: the GPU's matmul_efficiency "
+                   "in catalogue/gpus.toml). Lower it to match a measured profile of another GPU type.")
+@click.option("--link-bandwidth", default=None, metavar="BANDWIDTH",
+              help='Intra-node link per GPU, one direction, for the tensor-parallel collectives, e.g. "450 GB/s" '
+                   "(default: the GPU's intra_node_link in catalogue/gpus.toml).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, metavar="FILE",
+              help="CSV to write. As profiles/<model>/<gpu>.csv, or <gpu>.csv in a folder passed to "
+                   "`fasop search --profiles DIR`, the search uses it.")
+@click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
+@reports_input_errors
+def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, force):
+    """Estimate a profile of MODEL on GPU from FLOPs, bytes and the GPU spec table, for GPU types not yet
+    measured.
+
+    Each unit (embedding, transformer layer, head) takes max(FLOPs / (peak x efficiency), bytes / memory
+    bandwidth) plus its tensor-parallel all-gathers and reduce-scatters over the intra-node link; backward
+    does twice the forward FLOPs. See fasop/synth.py for what is counted. Small layers run slower in practice:
+    measure a profile when you can.
+    """
+    from fasop import synth as synthesis
+
+    model = load_model(model_name)
+    spec = synthesis.load_gpu_spec(gpu)
+    tps = synthesis.parse_sizes("--tp", tp_text)
+    mbss = synthesis.parse_sizes("--mbs", mbs_text)
+    tps, mbss = synthesis.check_degrees(model, tps, mbss)
+    if out.exists() and not force:
+        raise InputError(f"--out {out}", "already exists (pass --force to overwrite it)")
+    rows = synthesis.synthesize(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
+    lines = synthesis.header_lines(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
+    synthesis.write_profile(out, rows, lines, force=force)
+    layer = next(r for r in rows if r.kind in model.layer_kinds)
+    click.echo(f"{len(rows)} rows of {model.name} on {spec.name} written to {out} "
+               f"(tp {','.join(map(str, tps))}; mbs {','.join(map(str, mbss))}); "
+               f"{layer.kind} at tp={layer.tp} mbs={layer.mbs}: forward {layer.forward_s * 1e3:.4g} ms, "
+               f"backward {layer.backward_s * 1e3:.4g} ms")
+    if out.name != f"{spec.name}.csv":
+        click.echo(f"note: fasop search reads <gpu>.csv; name the file {spec.name}.csv to use it for GPU {spec.name}")
+
+
+# -- fasop pareto / fasop plot ------------------------------------------------------------------------
+
+
+def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
+    """('A100=4', 'A10=2') -> {'A100': 4, 'A10': 2}."""
+    caps: dict[str, int] = {}
+    for value in values:
+        name, sep, count = value.partition("=")
+        name, count = name.strip(), count.strip()
+        try:
+            number = int(count)
+        except ValueError:
+            number = None
+        if not sep or not name or number is None:
+            raise InputError(f"--max-nodes {value}", "expected TYPE=N, a node type and a number of nodes (for example A100=4)")
+        caps[name] = number
+    return caps
+
+
+def _front_table(records: list[dict]) -> str:
+    """One line per composition: node counts, best plan, speed, price, the run, and '*' on the front."""
+    from fasop.pareto import node_counts
+
+    types = list(node_counts(records[0]))
+    titles = [*types, "gpus", "mbs", "tp", "dp", "pp", "placement", "step s", "samples/s", "$/hour", "run h", "run $", "front"]
+    cells = [titles]
+    for r in records:
+        line = [str(n) for n in node_counts(r).values()] + [str(r["gpus"])]
+        if r["feasible"]:
+            line += [str(r[k]) for k in ("mbs", "tp", "dp", "pp")]
+            line += [compress_placement(r["placement"]), f"{r['step_time_s']:.4f}", f"{r['throughput_samples_per_s']:.1f}",
+                     f"{r['cost_per_hour_usd']:.2f}", f"{r['train_hours']:,.2f}", f"{r['train_cost_usd']:,.0f}",
+                     "*" if r["on_front"] else ""]
+        else:
+            reason = (r.get("note") or "no plan fits").split(" (")[0].split(";")[0]
+            line += ["-"] * 5 + ["-", "-", f"{r['cost_per_hour_usd']:.2f}", "-", "-", reason]
+        cells.append(line)
+    widths = [max(len(row[i]) for row in cells) for i in range(len(titles) - 1)]
+    return "\n".join(("  ".join(c.rjust(w) for c, w in zip(row, widths)) + "  " + row[-1]).rstrip() for row in cells)
+
+
+@main.command()
+@model_option
+@cluster_option
+@gbs_option
+@click.option("--train-steps", type=int, default=None, help="Steps of the whole run (default 10,000 without --train-tokens).")
+@click.option("--train-tokens", type=float, default=None, help="Tokens of the whole run (instead of --train-steps).")
+@click.option("--budget", type=float, default=None, metavar="USD", help="Report the fastest run that costs at most this.")
+@click.option("--deadline", type=float, default=None, metavar="HOURS",
+              help="Report the cheapest run that ends within this (with --budget: the cheapest meeting both).")
+@click.option("--max-nodes", multiple=True, metavar="TYPE=N", help="Sweep at most N nodes of TYPE (repeatable).")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write one row per composition to front.csv.")
+@click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw cost against throughput to chart.png or chart.svg.")
+@click.option("--x", "x_axis", type=click.Choice(["throughput", "time"]), default="throughput", show_default=True,
+              help="Horizontal axis of --chart.")
+@profiles_option
+@optimizer_option
+@reports_input_errors
+def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, deadline, max_nodes, output, chart, x_axis,
+           profiles_dir, distributed_optimizer):
+    """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
+    the Pareto front; with --budget or --deadline, which mix to rent."""
+    from fasop.pareto import DEFAULT_TRAIN_STEPS, check_limits, choose, compositions, sweep, write_front_csv
+
+    check_limits(budget, deadline)
+    if train_steps is not None and train_tokens is not None:
+        raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
+    if train_tokens is not None and not math.isfinite(train_tokens):
+        raise InputError("--train-tokens", f"expected a finite number of tokens, got {train_tokens}")
+    if train_steps is not None and train_steps < 1:
+        raise InputError("--train-steps", f"expected a positive number of steps, got {train_steps}")
+    if train_tokens is not None and not train_tokens > 0:
+        raise InputError("--train-tokens", f"expected a positive number of tokens, got {train_tokens:g}")
+    if (budget is not None or deadline is not None) and train_steps is None and train_tokens is None:
+        raise InputError("--budget" if budget is not None else "--deadline",
+                         "a budget or deadline needs the length of the run: give --train-steps or --train-tokens")
+    if output is not None and output.suffix != ".csv":
+        raise InputError(f"--output {output}", "expected a file name ending in .csv")
+    if chart is not None and chart.suffix.lower() not in (".png", ".svg"):
+        raise InputError(f"--chart {chart}", "expected a file name ending in .png or .svg")
+    model, cluster = load_model(model_name), load_cluster(cluster_name)
+    todo = compositions(cluster, _max_nodes(max_nodes))
+    progress = Progress("sweeping")
+    started = time.perf_counter()
+    records = sweep(model, cluster, todo, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
+                    profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer, progress=progress)
+    progress.close()
+    elapsed = time.perf_counter() - started
+    feasible = [r for r in records if r["feasible"]]
+    steps = feasible[0]["train_steps"] if feasible else (train_steps or DEFAULT_TRAIN_STEPS)
+    length = f"{steps:,} steps" if train_steps is not None or train_tokens is None else f"{train_tokens:,.0f} tokens = {steps:,} steps"
+    if train_steps is None and train_tokens is None:
+        length += " (default; set --train-steps or --train-tokens)"
+    caps = ", ".join(f"0-{max(c[n] for c in todo)} {n}" for n in cluster.node_types)
+    click.echo(f"{model.name} on {cluster.name}: {len(todo)} compositions of {caps} nodes ({cluster.gpus_per_node} GPUs each), "
+               f"global batch {records[0]['gbs']}, a run of {length}")
+    click.echo(_front_table(records))
+    on_front = sum(r["on_front"] for r in records)
+    click.echo(f"{len(records)} compositions swept in {elapsed:.2f} s, {sum(r['plans_evaluated'] for r in records):,} plans "
+               f"evaluated; {on_front} on the Pareto front (*), {len(records) - len(feasible)} without a plan that fits.")
+    chosen, message = choose(records, budget, deadline)
+    if message:
+        click.echo(message)
+    if output is not None:
+        write_front_csv(records, output)
+        click.echo(f"{len(records)} compositions written to {output}")
+    if chart is not None and feasible:
+        from fasop.plot import plot_front
+
+        plot_front(records, chart, x=x_axis, budget=budget, deadline=deadline, chosen=chosen)
+        click.echo(f"chart written to {chart}")
+    elif chart is not None:
+        click.echo("no chart: no composition has a plan that fits", err=True)
+
+
+def _load_plan(plan_file: Path, rank: int) -> dict:
+    """Plan `rank` of a `fasop search --output plans.json` file."""
+    from fasop.plot import check_plan
+
+    where = str(plan_file)
+    try:
+        text = plan_file.read_text()
+    except FileNotFoundError:
+        raise InputError(where, "no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(where, f"cannot be read ({err.__class__.__name__})") from None
+    try:
+        plans = json.loads(text)
+    except ValueError:
+        raise InputError(where, "not JSON: expected the plan list written by fasop search --output plans.json") from None
+    if not isinstance(plans, list) or not plans or not all(isinstance(p, dict) for p in plans):
+        raise InputError(where, "not a list of fasop plans (expected the file written by fasop search --output plans.json)")
+    if rank < 1 or rank > len(plans):
+        raise InputError(f"--rank {rank}", f"expected a rank from 1 to {len(plans)} (the plans in {where})")
+    ranked = [p for p in plans if p.get("rank") == rank]
+    plan = ranked[0] if ranked else plans[rank - 1]
+    check_plan(plan, f"{where}: plan {rank}")
+    return plan
+
+
+@main.command()
+@click.argument("front_file", required=False, type=click.Path(dir_okay=False, path_type=Path), metavar="[FRONT.csv]")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="chart.png or chart.svg")
+@click.option("--x", "x_axis", type=click.Choice(["throughput", "time"]), default=None,
+              help="Horizontal axis of a front chart: throughput (default) or time to train.")
+@click.option("--budget", type=float, default=None, metavar="USD", help="Draw the budget and highlight the fastest run within it.")
+@click.option("--deadline", type=float, default=None, metavar="HOURS", help="Draw the deadline and highlight the cheapest run within it.")
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Instead of a front: chart the stages of one plan of a fasop search --output plans.json file.")
+@click.option("--rank", type=int, default=None, help="Which plan of --plan (default 1, the best).")
+@reports_input_errors
+def plot(front_file, out, x_axis, budget, deadline, plan_file, rank):
+    """Chart a front file of fasop pareto (cost against throughput), or with --plan the compute,
+    communication and idle time of each pipeline stage of one plan."""
+    if (front_file is None) == (plan_file is None):
+        raise InputError("fasop plot", "give either a front file (FRONT.csv from fasop pareto --output) or --plan plans.json")
+    if out.suffix.lower() not in (".png", ".svg"):
+        raise InputError(f"--out {out}", "expected a file name ending in .png or .svg")
+    if plan_file is not None:
+        if budget is not None or deadline is not None or x_axis is not None:
+            raise InputError("--plan", "--budget, --deadline and --x apply to a front chart, not to a plan's stages")
+        from fasop.plot import plot_stages
+
+        plan = _load_plan(plan_file, 1 if rank is None else rank)
+        plot_stages(plan, out)
+        click.echo(f"stages of plan {plan.get('rank', rank or 1)} ({plan['pp']} stages) written to {out}")
+        return
+    if rank is not None:
+        raise InputError("--rank", "applies to --plan only")
+    from fasop.pareto import check_limits, choose, read_front_csv
+    from fasop.plot import plot_front
+
+    check_limits(budget, deadline)
+    records = read_front_csv(front_file)
+    chosen, message = choose(records, budget, deadline)
+    counts = plot_front(records, out, x=x_axis or "throughput", budget=budget, deadline=deadline, chosen=chosen)
+    if message:
+        click.echo(message)
+    series = ", ".join(f"{n} {k}" for k, n in counts.items() if k not in ("front", "chosen", "not shown"))
+    click.echo(f"chart of {len(records)} compositions ({series}; {counts['front']} on the front) written to {out}")

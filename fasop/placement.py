@@ -9,8 +9,8 @@ types host each stage and which links every pipeline boundary and every all-redu
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
 from functools import lru_cache
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -26,19 +26,36 @@ def placement_unit(gpus_per_node: int, ranks_per_stage: int) -> int:
     return ranks_per_stage // gpus_per_node if ranks_per_stage % gpus_per_node == 0 else 1
 
 
-def _unit_choices(counts: tuple[int, ...], size: int) -> list[tuple[int, ...]]:
-    """Ways to take `size` nodes from `counts` (one count per node type), as per-type counts."""
-    ranges = [range(min(c, size) + 1) for c in counts]
-    return [pick for pick in itertools.product(*ranges) if sum(pick) == size]
-
-
 @lru_cache(maxsize=None)
-def count_sequences(counts: tuple[int, ...], size: int) -> int:
-    """How many distinct unit sequences use exactly `counts` nodes."""
-    if sum(counts) == 0:
-        return 1
-    return sum(count_sequences(tuple(c - p for c, p in zip(counts, pick)), size)
-               for pick in _unit_choices(counts, size))
+def _unit_choices(counts: tuple[int, ...], size: int) -> tuple[tuple[int, ...], ...]:
+    """Ways to take `size` nodes from `counts` (one count per node type), as per-type counts."""
+    if len(counts) == 1:
+        return ((size,),) if counts[0] >= size else ()
+    rest_max = sum(counts[1:])
+    return tuple((first,) + tail
+                 for first in range(max(0, size - rest_max), min(counts[0], size) + 1)
+                 for tail in _unit_choices(counts[1:], size - first))
+
+
+def more_sequences_than(counts: tuple[int, ...], size: int, limit: int) -> bool:
+    """Whether more than `limit` distinct unit sequences use exactly `counts` nodes.
+
+    Builds the sequences unit by unit, keeping only how many nodes of each type remain and in how many ways;
+    every partial sequence completes to at least one whole one, so the count can stop as soon as it passes
+    the limit."""
+    ways = {counts: 1}
+    for _ in range(sum(counts) // size):
+        step: dict[tuple[int, ...], int] = {}
+        total = 0
+        for left, n in ways.items():
+            for pick in _unit_choices(left, size):
+                rest = tuple(c - p for c, p in zip(left, pick))
+                step[rest] = step.get(rest, 0) + n
+                total += n
+                if total > limit:
+                    return True
+        ways = step
+    return False
 
 
 def _sequences(counts: tuple[int, ...], size: int):
@@ -61,18 +78,26 @@ def placements(cluster: Cluster, ranks_per_stage: int, limit: int) -> tuple[list
     """Every placement that can change the plan, or (when there are more than `limit`) a documented subset.
 
     Returns (placements, exhaustive). The subset keeps each node type in one contiguous block, in every order
-    of the types, which is where the search's heuristic mode starts (see docs/cost-model.md).
+    of the types, and every rotation of those node sequences (so one type can hold both the first and the
+    last stage, or share a stage with the type before it); tests measure how far it lands from exhaustive.
     """
     names = type_order(cluster)
     counts = tuple(cluster.node_types[n].count for n in names)
     size = placement_unit(cluster.gpus_per_node, ranks_per_stage)
-    if count_sequences(counts, size) <= limit:
+    if not more_sequences_than(counts, size, limit):
         result = []
         for seq in _sequences(counts, size):
             result.append(tuple(names[t] for pick in seq for t, c in enumerate(pick) for _ in range(c)))
         return result, True
-    blocks = {tuple(n for t in perm for n in [names[t]] * counts[t]) for perm in itertools.permutations(range(len(names)))}
-    return sorted(blocks), False
+    rank = {name: i for i, name in enumerate(names)}
+    subset = set()
+    for perm in itertools.permutations(names):
+        blocks = [name for name in perm for _ in range(cluster.node_types[name].count)]
+        for shift in range(len(blocks)):
+            nodes = blocks[shift:] + blocks[:shift]
+            units = [sorted(nodes[u:u + size], key=rank.__getitem__) for u in range(0, len(nodes), size)]
+            subset.add(tuple(name for unit in units for name in unit))
+    return sorted(subset), False
 
 
 @dataclass(frozen=True)
@@ -91,14 +116,14 @@ class Geometry:
 def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp: int) -> Geometry:
     gpn = cluster.gpus_per_node
     links = _Links(cluster, placement)
-    node = np.arange(tp * dp * pp).reshape(pp, dp, tp) // gpn  # [stage, data index, tensor index]
-    stage_nodes = tuple(tuple(int(n) for n in np.unique(node[s])) for s in range(pp))
+    per_stage = tp * dp
+    node = np.arange(per_stage * pp).reshape(pp, dp, tp) // gpn  # [stage, data index, tensor index]
+    # a stage owns a contiguous rank block, so it spans a contiguous run of nodes
+    stage_nodes = tuple(tuple(range(s * per_stage // gpn, ((s + 1) * per_stage - 1) // gpn + 1)) for s in range(pp))
     stage_types = tuple(tuple(sorted({placement[n] for n in nodes})) for nodes in stage_nodes)
     flat = node.reshape(pp, -1)
-    boundary = np.array([links.exchange(flat[j], flat[j + 1]) for j in range(pp - 1)])
-    dp_cost = np.zeros(pp)
-    if dp > 1:
-        dp_cost = np.array([links.allreduce(node[s].T) for s in range(pp)])  # one group per tensor index
+    boundary = links.exchange(flat[:-1], flat[1:])
+    dp_cost = links.allreduce(node.transpose(0, 2, 1)) if dp > 1 else np.zeros(pp)  # one group per tensor index
     return Geometry(placement, stage_types, stage_nodes, boundary, dp_cost, node)
 
 
@@ -107,7 +132,8 @@ def with_embedding_group(cluster: Cluster, geo: Geometry, stages: tuple[int, ...
     if len(stages) < 2:
         return replace(geo, embedding_allreduce_s_per_byte=0.0)
     groups = geo.node[list(stages)].reshape(len(stages), -1).T
-    return replace(geo, embedding_allreduce_s_per_byte=_Links(cluster, geo.placement).allreduce(groups))
+    cost = _Links(cluster, geo.placement).allreduce(groups[None])[0]
+    return replace(geo, embedding_allreduce_s_per_byte=float(cost))
 
 
 class _Links:
@@ -119,40 +145,49 @@ class _Links:
         self.inter = np.array([t.inter_node_bytes_per_s for t in types])
         self.derating = cluster.derating
 
-    def exchange(self, src: np.ndarray, dst: np.ndarray) -> float:
-        """Every rank of one stage sends the same bytes to its partner in the next stage, all at once.
+    def _per_node(self, sets: np.ndarray, nodes: np.ndarray, weight) -> np.ndarray:
+        """(S, N): for each set s, the sum of `weight` over its entries on each node."""
+        out = np.zeros((len(sets), len(self.inter)))
+        np.add.at(out, (np.broadcast_to(sets, nodes.shape), nodes), weight)
+        return out
+
+    def exchange(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """(J,) seconds per byte: across each boundary j every rank of one stage sends the same bytes to its
+        partner in the next stage (rows of src and dst), all at once.
 
         Pairs inside a node use the per-GPU intra-node link; pairs across nodes share the network interface
         of their sending and of their receiving node, so the busiest interface sets the time.
         """
         der = self.derating
+        boundary = np.arange(len(src))[:, None]
         local = src == dst
-        worst = float(np.max(der.p2p_intra_node / self.intra[src[local]])) if local.any() else 0.0
-        if not local.all():
-            for side in (src[~local], dst[~local]):
-                flows = np.bincount(side, minlength=len(self.inter))
-                worst = max(worst, float(np.max(flows * der.p2p_inter_node / self.inter)))
-        return worst
+        intra = np.where(local, der.p2p_intra_node / self.intra[src], 0.0).max(axis=1, initial=0.0)
+        crossing = (~local).astype(float)
+        sends = self._per_node(boundary, src, crossing)
+        receives = self._per_node(boundary, dst, crossing)
+        inter = (np.maximum(sends, receives) * der.p2p_inter_node / self.inter).max(axis=1, initial=0.0)
+        return np.maximum(intra, inter)
 
-    def allreduce(self, groups: np.ndarray) -> float:
-        """Seconds per gradient byte for all-reduces running at once, one per row of `groups` (member nodes).
+    def allreduce(self, groups: np.ndarray) -> np.ndarray:
+        """(S,) seconds per gradient byte: for each set s, all-reduces run at once, one per row of groups[s]
+        (the nodes of its members); the slowest counts.
 
         A group inside one node runs a ring over the intra-node links: 2(n-1)/n bytes per byte. A group across
         k nodes runs hierarchically: reduce-scatter and all-gather inside each node over its g local members
-        (2(g-1)/g), and an all-reduce between the k nodes (2(k-1)/k) whose traffic every group with members
-        on a node pushes through that node's one interface.
+        (2(g-1)/g), and an all-reduce between the k nodes (2(k-1)/k) whose traffic every group of the set with
+        members on a node pushes through that node's one interface.
         """
         der = self.derating
-        rows = np.repeat(np.arange(len(groups)), groups.shape[1])
-        members = np.zeros((len(groups), len(self.inter)))
-        np.add.at(members, (rows, groups.ravel()), 1)
+        sets, rows, _ = groups.shape
+        flat = groups.reshape(sets * rows, -1)
+        members = self._per_node(np.arange(sets * rows)[:, None], flat, 1.0).reshape(sets, rows, -1)
         present = members > 0
-        k = present.sum(axis=1)
-        g = members.max(axis=1)
-        slowest_intra = np.where(present, self.intra, np.inf).min(axis=1)
+        k = present.sum(axis=2)
+        g = members.max(axis=2)
+        slowest_intra = np.where(present, self.intra, np.inf).min(axis=2)
         intra_part = np.where(g > 1, 2 * (g - 1) / g * der.collective_intra_node / slowest_intra, 0.0)
         spanning = k > 1
-        nic_load = (present & spanning[:, None]).sum(axis=0)
-        busiest = np.where(present, nic_load / self.inter, 0.0).max(axis=1)
+        nic_load = (present & spanning[:, :, None]).sum(axis=1, keepdims=True)
+        busiest = np.where(present, nic_load / self.inter, 0.0).max(axis=2)
         inter_part = np.where(spanning, 2 * (k - 1) / np.maximum(k, 1) * der.collective_inter_node * busiest, 0.0)
-        return float((intra_part + inter_part).max())
+        return (intra_part + inter_part).max(axis=1)

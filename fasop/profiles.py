@@ -8,6 +8,7 @@ smallest) profiled size the nearest profiled time is scaled per sample.
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +77,10 @@ def read_profile(path: Path, model: Model, gpu: str) -> GpuProfile:
             lines = [line for line in handle if line.strip() and not line.lstrip().startswith("#")]
     except FileNotFoundError:
         raise InputError(file, f"no profile for GPU type {gpu} of model {model.name}") from None
+    except UnicodeDecodeError:
+        raise InputError(file, "not a text (UTF-8) CSV file") from None
+    except OSError as err:
+        raise InputError(file, f"cannot be read ({err.strerror})") from None
     reader = csv.DictReader(lines)
     if tuple(reader.fieldnames or ()) != COLUMNS:
         raise InputError(file, f"expected the header {','.join(COLUMNS)}, got {','.join(reader.fieldnames or ())}")
@@ -88,8 +93,8 @@ def read_profile(path: Path, model: Model, gpu: str) -> GpuProfile:
             forward, backward = float(row["forward_s"]), float(row["backward_s"])
         except (TypeError, ValueError):
             raise InputError(where, "expected integers tp, mbs and numbers forward_s, backward_s") from None
-        if tp < 1 or mbs < 1 or not forward > 0 or not backward > 0:
-            raise InputError(where, "expected tp >= 1, mbs >= 1 and positive times")
+        if tp < 1 or mbs < 1 or not 0 < forward < math.inf or not 0 < backward < math.inf:
+            raise InputError(where, "expected tp >= 1, mbs >= 1 and positive, finite times")
         if row["kind"] not in kinds:
             raise InputError(where, f"kind {row['kind']!r} is not one of {', '.join(kinds)} ({model.architecture} model)")
         rows.setdefault((tp, row["kind"]), []).append((mbs, forward, backward))

@@ -35,7 +35,7 @@ class Inputs:
 
 def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None,
             distributed_optimizer: bool = True) -> Inputs:
-    gbs = gbs or model.global_batch_size
+    gbs = model.global_batch_size if gbs is None else gbs
     if gbs < 1:
         raise InputError("--gbs", f"expected a positive global batch size, got {gbs}")
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
@@ -43,9 +43,12 @@ def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir
 
 
 def tensor_degrees(inputs: Inputs) -> list[int]:
-    """Divisors of the GPUs per node (tensor parallelism stays inside a node) profiled for every GPU type."""
+    """Divisors of the GPUs per node (tensor parallelism stays inside a node) that split the attention heads
+    and query groups evenly, as Megatron-LM requires, and are profiled for every GPU type."""
     profiled = [set(p.tensor_degrees) for p in inputs.profiles.values()]
-    return [t for t in divisors(inputs.cluster.gpus_per_node) if all(t in s for s in profiled)]
+    model = inputs.model
+    return [t for t in divisors(inputs.cluster.gpus_per_node)
+            if all(t in s for s in profiled) and model.num_attention_heads % t == 0 and model.num_query_groups % t == 0]
 
 
 def max_stages(model: Model) -> int:
@@ -278,7 +281,8 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
     inputs = prepare(model, sub, gbs, profiles_dir, distributed_optimizer)
     gpn = cluster.gpus_per_node
     if gpn % tp or tp not in tensor_degrees(inputs):
-        raise InputError("--tp", f"expected a divisor of {gpn} GPUs per node that every GPU type's profile has, got {tp}")
+        raise InputError("--tp", f"expected a divisor of {gpn} GPUs per node that divides the attention heads and "
+                                 f"query groups and that every GPU type's profile has, got {tp}")
     if tp * dp * pp != len(placement) * gpn:
         raise InputError("--placement", f"tp*dp*pp = {tp * dp * pp} GPUs but the placement's {len(placement)} nodes hold {len(placement) * gpn}")
     if inputs.gbs % (dp * mbs):

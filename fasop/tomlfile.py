@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,10 @@ def read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(handle)
     except FileNotFoundError:
         raise InputError(str(path), "file not found") from None
-    except tomllib.TOMLDecodeError as err:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise InputError(str(path), f"not valid TOML ({err})") from None
+    except OSError as err:
+        raise InputError(str(path), f"cannot be read ({err.strerror})") from None
 
 
 class Table:
@@ -64,8 +67,8 @@ class Table:
     def float(self, key: str, default: float | None = None, minimum: float = 0.0,
               strict: bool = True) -> float:
         value = self._get(key, default, default is None)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InputError(self.where(key), f"expected a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InputError(self.where(key), f"expected a finite number, got {value!r}")
         if value < minimum or (strict and value == minimum):
             bound = ">" if strict else ">="
             raise InputError(self.where(key), f"expected a number {bound} {minimum}, got {value}")

@@ -1,0 +1,282 @@
+"""Charts: the cost of a run against its speed for every composition of a sweep (`plot_front`), and where
+the time of one step goes on each pipeline stage of one plan (`plot_stages`).
+
+matplotlib is imported only inside these functions, so that the rest of fasop starts without it. The
+figures are drawn headless (Agg) and written as PNG or SVG, chosen by the file suffix.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from fasop.errors import InputError
+
+SUFFIXES = (".png", ".svg")
+SINGLE_MARKERS = ("o", "s", "D", "p", "h", "*", "P", "X")  # single-type compositions, cheapest node type first
+MIXED_MARKER = "^"
+MIXED = "mixed"
+SERIES_GID = "series-"  # SVG group id of each scatter series: series-<label with spaces as dashes>
+COLORS = ("#1f77b4", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+MIXED_COLOR = "#2ca02c"
+
+
+def _figure(width_in: float, height_in: float):
+    """A figure not registered with pyplot; the Agg backend is selected unless pyplot is already in use."""
+    import matplotlib
+
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width_in, height_in), layout="constrained")
+
+
+def _check_out(out_path) -> Path:
+    path = Path(out_path)
+    if path.suffix.lower() not in SUFFIXES:
+        raise InputError(f"--out {out_path}", "expected a file name ending in .png or .svg")
+    return path
+
+
+def _save(fig, path: Path) -> None:
+    """Write the chart whole or not at all, without a date (the same inputs give the same file)."""
+    import matplotlib
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    try:
+        if path.suffix.lower() == ".svg":
+            with matplotlib.rc_context({"svg.hashsalt": "fasop"}):
+                fig.savefig(temp, format="svg", metadata={"Date": None})
+        else:
+            fig.savefig(temp, format="png", dpi=100, metadata={"Software": None})
+        temp.replace(path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def series_label(kind: str | None) -> str:
+    return MIXED if kind is None else f"{kind} only"
+
+
+def _short(record: dict) -> str:
+    from fasop.pareto import node_counts
+
+    return "+".join(f"{n}{name}" for name, n in node_counts(record).items() if n)
+
+
+def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: float | None = None,
+               deadline: float | None = None, chosen: dict | None = None, title: str | None = None) -> dict[str, int]:
+    """Cost of the run (USD) against throughput (samples/s) or time to train (hours), one point per
+    feasible composition.
+
+    Marker shape by composition kind: one shape per single-type composition (circle for the node type
+    with the lowest price per node, then square, diamond, ...), a triangle for mixed compositions. The
+    Pareto front is a step line (the least cost at which each throughput or each deadline can be had),
+    the budget and the deadline are dashed lines, and `chosen` (one of `records`) is circled and labelled.
+
+    Returns the number of points drawn in each series, read back from the figure: one key per
+    scatter series ('A100 only', 'mixed', ...), 'front' (points on the step line), 'chosen' (0 or 1) and
+    'not shown' (compositions without a plan that fits). In an SVG each scatter series is the group
+    with id 'series-<label>' ('series-A100-only', 'series-mixed').
+    """
+    from fasop.pareto import check_limits, composition_kind, composition_label, mark_front, node_counts
+
+    if x not in ("throughput", "time"):
+        raise InputError(f"--x {x}", "expected throughput or time")
+    path = _check_out(out_path)
+    check_limits(budget, deadline)
+    records = [dict(r) for r in records]
+    mark_front(records)  # the front of the points drawn (a front file may have been filtered by hand)
+    feasible = [r for r in records if r.get("feasible")]
+    if not feasible:
+        raise InputError("front", "no composition has a plan that fits in memory: nothing to plot")
+    xkey = "throughput_samples_per_s" if x == "throughput" else "train_hours"
+    xlabel = "throughput (samples/s)" if x == "throughput" else "time to train (hours)"
+
+    # one series per single-type composition kind, cheapest node type first, then the mixed ones
+    price = {}
+    for r in feasible:
+        kind = composition_kind(r)
+        if kind is not None:
+            price.setdefault(kind, r["cost_per_hour_usd"] / node_counts(r)[kind])
+    singles = sorted(price, key=lambda k: (price[k], k))
+    style = {k: (SINGLE_MARKERS[i % len(SINGLE_MARKERS)], COLORS[i % len(COLORS)]) for i, k in enumerate(singles)}
+    style[None] = (MIXED_MARKER, MIXED_COLOR)
+
+    fig = _figure(8.0, 5.4)
+    ax = fig.add_subplot()
+    for kind in [*singles, None]:
+        points = [r for r in feasible if composition_kind(r) == kind]
+        if not points:
+            continue
+        marker, color = style[kind]
+        label = series_label(kind)
+        dots = ax.scatter([r[xkey] for r in points], [r["train_cost_usd"] for r in points], marker=marker, s=42,
+                          color=color, alpha=0.85, edgecolors="none", label=f"{label} ({len(points)})", zorder=3)
+        dots.set_gid(SERIES_GID + label.replace(" ", "-"))
+
+    front = sorted((r for r in feasible if r.get("on_front")), key=lambda r: (r[xkey], r["train_cost_usd"]))
+    if front:
+        # throughput: the cheapest way to reach at least x is the next front point to the right ("pre");
+        # time: the cheapest way to finish within x is the last front point to the left ("post")
+        (line,) = ax.step([r[xkey] for r in front], [r["train_cost_usd"] for r in front],
+                          where="pre" if x == "throughput" else "post", color="black", lw=1.2, zorder=2,
+                          marker="o", markersize=9, markerfacecolor="none", markeredgecolor="black",
+                          markeredgewidth=0.8, label=f"Pareto front ({len(front)})")
+        line.set_gid("front")
+        for r in front:
+            ax.annotate(_short(r), (r[xkey], r["train_cost_usd"]), xytext=(5, -11), textcoords="offset points",
+                        fontsize=7, color="#333333")
+
+    if budget is not None:
+        ax.axhline(budget, ls="--", lw=1.2, color="#ff7f0e", label=f"budget ${budget:,.0f}", zorder=1)
+    if deadline is not None:
+        if x == "time":
+            at, label = deadline, f"deadline {deadline:,.4g} h"
+        else:  # the throughput that finishes the run in time: samples / (deadline), the same for every row
+            samples_over_3600 = feasible[0][xkey] * feasible[0]["train_hours"]  # samples of the run / 3600 s
+            at = samples_over_3600 / deadline
+            label = f"deadline {deadline:,.4g} h (>= {at:,.1f} samples/s)"
+        ax.axvline(at, ls="--", lw=1.2, color="#8c564b", label=label, zorder=1)
+
+    if chosen is not None and chosen.get("feasible") and chosen.get(xkey) is not None:
+        mark = ax.scatter([chosen[xkey]], [chosen["train_cost_usd"]], s=260, facecolors="none", edgecolors="#ff0000",
+                          linewidths=2.2, zorder=4, label="chosen")
+        mark.set_gid("chosen")
+        ax.annotate(f"{composition_label(chosen)}\n{chosen['train_hours']:,.1f} h, ${chosen['train_cost_usd']:,.0f}",
+                    (chosen[xkey], chosen["train_cost_usd"]), xytext=(14, 14), textcoords="offset points",
+                    fontsize=8.5, color="#b00000", fontweight="bold",
+                    bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#ff0000", "alpha": 0.9},
+                    arrowprops={"arrowstyle": "-", "color": "#ff0000", "lw": 1}, zorder=5)
+
+    first = feasible[0]
+    run = ""
+    if first.get("train_steps") and first.get("gbs"):
+        run = f", {int(first['train_steps']):,} steps of {int(first['gbs'])} samples"
+    what = "cost against throughput" if x == "throughput" else "cost against time to train"
+    name = f"{first.get('model', '')} on {first.get('cluster', '')}".strip()
+    ax.set_title(title or f"{name}: {what}{run}", fontsize=11)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("cost of the run (USD)")
+    ax.yaxis.set_major_formatter("${x:,.0f}")
+    ax.grid(True, lw=0.4, alpha=0.5)
+    hidden = len(records) - len(feasible)
+    if hidden:
+        ax.text(0.99, 0.01, f"{hidden} composition{'s' if hidden > 1 else ''} without a plan that fits: not shown",
+                transform=ax.transAxes, ha="right", va="bottom", fontsize=7.5, color="#555555")
+    ax.legend(fontsize=8, loc="best", framealpha=0.9)
+    _save(fig, path)
+
+    counts: dict[str, int] = {}
+    for collection in ax.collections:
+        gid = collection.get_gid() or ""
+        if gid.startswith(SERIES_GID):
+            counts[gid[len(SERIES_GID):].replace("-", " ")] = len(collection.get_offsets())
+    counts["front"] = len(line.get_xdata()) if front else 0
+    counts["chosen"] = sum(len(c.get_offsets()) for c in ax.collections if c.get_gid() == "chosen")
+    counts["not shown"] = hidden
+    return counts
+
+
+STAGE_KEYS = ("compute_s", "p2p_s", "dp_allreduce_s", "gpu")
+PLAN_KEYS = ("stages", "step_time_s", "num_microbatches", "tp", "dp", "pp", "mbs")
+
+
+def check_plan(plan, where: str) -> None:
+    """Refuse anything that is not one plan of `fasop search --output plans.json`."""
+    if not isinstance(plan, dict):
+        raise InputError(where, "expected a fasop plan (an object from fasop search --output plans.json)")
+    missing = [k for k in PLAN_KEYS if k not in plan]
+    if missing:
+        raise InputError(where, f"not a fasop plan (from fasop search --output plans.json): missing key {', '.join(missing)}")
+    stages = plan["stages"]
+    if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
+        raise InputError(where, "not a fasop plan: 'stages' must be a list of per-stage objects")
+    for index, stage in enumerate(stages):
+        lacking = [k for k in STAGE_KEYS if k not in stage]
+        if lacking:
+            raise InputError(where, f"not a fasop plan: stage {index} has no {', '.join(lacking)}")
+        for key in STAGE_KEYS[:3]:
+            if not isinstance(stage[key], (int, float)) or isinstance(stage[key], bool):
+                raise InputError(where, f"not a fasop plan: stage {index} {key} is not a number")
+    for key in ("step_time_s", "num_microbatches"):
+        if not isinstance(plan[key], (int, float)) or isinstance(plan[key], bool) or plan[key] <= 0:
+            raise InputError(where, f"not a fasop plan: {key} is not a positive number")
+
+
+def stage_times(plan: dict) -> dict[str, list[float]]:
+    """Seconds of one step spent by each stage (its busiest GPU) computing, sending and receiving
+    activations (p2p), in the data-parallel all-reduce, and idle: m = num_microbatches micro-batches of
+    compute_s and p2p_s each, the stage's all-reduce once, and the rest of the step (pipeline bubble,
+    waiting for slower stages, the embedding all-reduce)."""
+    m = plan["num_microbatches"]
+    step = plan["step_time_s"]
+    compute = [m * s["compute_s"] for s in plan["stages"]]
+    p2p = [m * s["p2p_s"] for s in plan["stages"]]
+    allreduce = [s["dp_allreduce_s"] for s in plan["stages"]]
+    idle = [max(0.0, step - c - p - a) for c, p, a in zip(compute, p2p, allreduce)]
+    return {"compute": compute, "p2p": p2p, "dp all-reduce": allreduce, "idle": idle}
+
+
+def plot_stages(plan: dict, out_path, *, title: str | None = None) -> dict[str, list[float]]:
+    """A horizontal stacked bar per pipeline stage: compute, p2p communication, data-parallel all-reduce
+    and idle time within one step, in seconds. Returns the seconds drawn per series, one per stage
+    (read back from the bars)."""
+    check_plan(plan, "plan")
+    path = _check_out(out_path)
+    times = stage_times(plan)
+    stages = plan["stages"]
+    labels = []
+    for index, stage in enumerate(stages):
+        layers = f", {stage['layers']} layers" if "layers" in stage else ""
+        nodes = stage.get("nodes")
+        where = f", {node_range(nodes)}" if nodes else ""
+        labels.append(f"stage {stage.get('stage', index)}: {stage['gpu']}{layers}{where}")
+    colors = {"compute": "#1f77b4", "p2p": "#ff7f0e", "dp all-reduce": "#2ca02c", "idle": "#d0d0d0"}
+    fig = _figure(8.0, max(2.6, 1.2 + 0.42 * len(stages)))
+    ax = fig.add_subplot()
+    rows = list(range(len(stages)))
+    left = [0.0] * len(stages)
+    drawn: dict[str, list[float]] = {}
+    for name, values in times.items():
+        bars = ax.barh(rows, values, left=left, color=colors[name], edgecolor="white", linewidth=0.5, label=name,
+                       hatch="//" if name == "idle" else None, height=0.7)
+        for index, patch in enumerate(bars.patches):
+            patch.set_gid(f"bar-{name.replace(' ', '-')}-{index}")
+        drawn[name] = [float(patch.get_width()) for patch in bars.patches]
+        left = [a + b for a, b in zip(left, values)]
+    ax.axvline(plan["step_time_s"], color="black", lw=1, ls="--", label=f"step {plan['step_time_s']:.3f} s")
+    ax.set_yticks(rows, labels, fontsize=8)
+    ax.invert_yaxis()  # stage 0 on top
+    ax.set_xlabel("time per training step (s)")
+    placement = f", placement {compress(plan['placement'])}" if plan.get("placement") else ""
+    ax.set_title(title or (f"{plan.get('model', 'plan')}: tp={plan['tp']} dp={plan['dp']} pp={plan['pp']} "
+                           f"mbs={plan['mbs']}, {plan['num_microbatches']} micro-batches{placement}"), fontsize=10)
+    ax.grid(True, axis="x", lw=0.4, alpha=0.5)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=8, frameon=False)
+    _save(fig, path)
+    return drawn
+
+
+def node_range(nodes: list[int]) -> str:
+    """[0] -> 'node 0'; [2, 3, 4] -> 'nodes 2-4'; [0, 2] -> 'nodes 0,2'."""
+    if len(nodes) == 1:
+        return f"node {nodes[0]}"
+    if all(isinstance(n, int) for n in nodes) and list(nodes) == list(range(nodes[0], nodes[0] + len(nodes))):
+        return f"nodes {nodes[0]}-{nodes[-1]}"
+    return "nodes " + ",".join(map(str, nodes))
+
+
+def compress(names) -> str:
+    """['A100', 'A10', 'A10'] -> 'A100,A10*2'; numbers are joined as they are."""
+    runs: list[list] = []
+    for name in names:
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    return ",".join(str(n) if c == 1 else f"{n}*{c}" for n, c in runs)
