@@ -165,14 +165,19 @@ def main():
               help="Write every feasible plan to plans.json or plans.csv.")
 @click.option("--train-steps", type=click.IntRange(min=1), default=None, help="Steps of the whole run, for its time and price.")
 @click.option("--train-tokens", type=click.FloatRange(min=1), default=None, help="Tokens of the whole run (instead of --train-steps).")
+@click.option("--prune", is_flag=True,
+              help="Solve only plans that can reach the --top best (sound lower bounds skip the rest): faster on "
+                   "large clusters; --output then holds only those plans.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes to search with (default: one per core for clusters of 32 nodes or more, else one).")
 @click.option("--emit", "emit_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write the best plan's Slurm and Megatron-LM launch scripts into this directory "
                    "(site options from the cluster file's [launch] table; `fasop emit` offers them all).")
 @profiles_option
 @optimizer_option
 @reports_input_errors
-def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, emit_dir, profiles_dir,
-           distributed_optimizer):
+def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, prune, workers, emit_dir,
+           profiles_dir, distributed_optimizer):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
     from fasop.search import search_plans
 
@@ -186,7 +191,8 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     progress = Progress("searching")
     started = time.perf_counter()
     result = search_plans(model, cluster, gbs, profiles_dir, distributed_optimizer=distributed_optimizer,
-                          train_steps=train_steps, train_tokens=train_tokens, sort=sort, progress=progress)
+                          train_steps=train_steps, train_tokens=train_tokens, sort=sort, progress=progress,
+                          keep=top if prune else None, workers=workers)
     progress.close()
     elapsed = time.perf_counter() - started
     plans = result.plans
@@ -203,8 +209,14 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
         write_plans(plans, output)
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0]['gbs']}; "
                f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
-               f"solved), {len(plans)} fit in memory, {result.out_of_memory} removed as out of memory.")
+               f"solved), {len(plans)} {'best kept' if prune else 'fit in memory'}, {result.out_of_memory} removed "
+               f"as out of memory.")
     click.echo(format_table(plans, top))
+    if result.pruned:
+        click.echo(f"{result.pruned} layer partitions skipped: their lower bound cannot reach the best {top}.")
+    if any(plan["placement_search"] != "exhaustive" for plan in plans[:top]):
+        click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
+                   "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
     if output is not None:
         click.echo(f"{len(plans)} plans written to {output}")
     if emit_dir is not None:

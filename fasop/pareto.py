@@ -143,6 +143,8 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
         for name in composition:
             if name not in cluster.node_types:
                 raise InputError(f"composition {composition}", f"unknown node type {name!r} (cluster has {', '.join(cluster.node_types)})")
+        if any(n < 0 for n in composition.values()) or not any(composition.values()):
+            raise InputError(f"composition {composition}", "expected node counts >= 0, at least one of them positive")
     # problems common to every composition (a missing or malformed profile) are errors, raised once here
     load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
     records = []

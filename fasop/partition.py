@@ -138,12 +138,34 @@ def _first_feasible(values: np.ndarray, caps_of, filler: _Filler) -> np.ndarray:
     return low
 
 
+def _clipped_hi(p: PartitionBatch) -> np.ndarray:
+    """No stage can take more layers than its segment leaves it after the other stages' minimum."""
+    seg = np.broadcast_to(p.segment_of_stage, p.lo.shape)
+    lo_sum = np.take_along_axis(_segment_sums(p.lo, seg, len(p.segment_layers)), seg, axis=-1)
+    return np.minimum(p.hi, p.segment_layers[seg] - (lo_sum - p.lo)).astype(float)
+
+
+def lower_bounds(batch: PartitionBatch) -> np.ndarray:
+    """(B,) a bound no partition of each problem can beat (inf when none fits), for pruning searches.
+
+    The cheapest layer sum any partition can have, plus (m - 1) times the larger of the smallest possible
+    stage period and the average period, plus the smallest possible all-reduce."""
+    p = batch
+    hi = _clipped_hi(p)
+    widest, feasible = _Filler(p).fill(hi[:, None, :])
+    widest, feasible = widest[:, 0], feasible[:, 0] & (hi >= p.lo).all(-1)
+    layer_sum = (p.layer_s * widest).sum(-1)
+    stages = p.lo.shape[1]
+    period = np.maximum((p.period_fixed_s + p.layer_s * p.lo).max(-1), (p.period_fixed_s.sum(-1) + layer_sum) / stages)
+    allreduce = (p.ar_fixed_s + p.ar_layer_s * p.lo).max(-1)
+    bound = p.base_s + layer_sum + (p.num_microbatches - 1) * period + allreduce
+    return np.where(feasible, bound, np.inf)
+
+
 def optimal_partitions(batch: PartitionBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(counts (B, P), step time (B,), feasible (B,)): the optimal layer counts of every problem."""
     p = batch
-    seg = np.broadcast_to(p.segment_of_stage, p.lo.shape)
-    lo_sum = np.take_along_axis(_segment_sums(p.lo, seg, len(p.segment_layers)), seg, axis=-1)
-    hi = np.minimum(p.hi, p.segment_layers[seg] - (lo_sum - p.lo)).astype(float)
+    hi = _clipped_hi(p)
     widest, feasible = _Filler(p).fill(hi[:, None, :])
     widest, feasible = widest[:, 0], feasible[:, 0] & (hi >= p.lo).all(-1)
     counts = np.where(feasible[:, None], widest, p.lo).astype(float)

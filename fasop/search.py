@@ -4,6 +4,8 @@ models) encoder/decoder stage split, each with its optimal layer partition, rank
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -13,11 +15,12 @@ from fasop.cluster import Cluster
 from fasop.errors import InputError
 from fasop.costmodel import Config, StageCosts, breakdown, embedding_stages, stage_costs
 from fasop.model import Model
-from fasop.partition import PartitionBatch, _Filler, _subset, optimal_partitions
+from fasop.partition import PartitionBatch, _Filler, _subset, lower_bounds, optimal_partitions
 from fasop.placement import Geometry, geometry, placements, with_embedding_group
 from fasop.profiles import GpuProfile, load_profiles
 
-PLACEMENT_LIMIT = 5000  # distinct placements per (tp, dp, pp) searched exhaustively
+PLACEMENT_LIMIT = 500  # more distinct placements per (tp, dp, pp) than this: the type-block subset
+PARALLEL_NODES = 32  # clusters this large are searched with one process per core
 
 
 def divisors(n: int) -> list[int]:
@@ -77,25 +80,28 @@ class Group:
     exhaustive: bool
 
 
-def groups(inputs: Inputs, placement_limit: int = PLACEMENT_LIMIT) -> list[Group]:
+def combinations(inputs: Inputs) -> list[tuple[int, int]]:
+    """Every (tp, dp) whose pipeline degree uses all GPUs and whose data-parallel degree divides the batch."""
+    model, world, gbs = inputs.model, inputs.cluster.num_gpus, inputs.gbs
+    return [(tp, dp) for tp in tensor_degrees(inputs) for dp in divisors(world // tp)
+            if gbs % dp == 0 and world // (tp * dp) <= max_stages(model)]
+
+
+def groups(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int = PLACEMENT_LIMIT) -> list[Group]:
     model, cluster, gbs = inputs.model, inputs.cluster, inputs.gbs
-    world = cluster.num_gpus
     result = []
-    for tp in tensor_degrees(inputs):
-        for dp in divisors(world // tp):
-            pp = world // (tp * dp)
-            if gbs % dp or pp > max_stages(model):
-                continue
-            nodes, exhaustive = placements(cluster, tp * dp, placement_limit)
-            geos = [geometry(cluster, placement, tp, dp, pp) for placement in nodes]
-            for split in encoder_splits(model, pp):
-                config = Config(tp, dp, pp, 1, gbs, split, inputs.distributed_optimizer)
-                emb = embedding_stages(model, config)
-                unique: dict[tuple, Geometry] = {}
-                for geo in geos:
-                    geo = with_embedding_group(cluster, geo, emb)
-                    unique.setdefault(_signature(geo), geo)
-                result.append(Group(config, list(unique.values()), divisors(gbs // dp), exhaustive))
+    for tp, dp in combos:
+        pp = cluster.num_gpus // (tp * dp)
+        nodes, exhaustive = placements(cluster, tp * dp, placement_limit)
+        geos = [geometry(cluster, placement, tp, dp, pp) for placement in nodes]
+        for split in encoder_splits(model, pp):
+            config = Config(tp, dp, pp, 1, gbs, split, inputs.distributed_optimizer)
+            emb = embedding_stages(model, config)
+            unique: dict[tuple, Geometry] = {}
+            for geo in geos:
+                geo = with_embedding_group(cluster, geo, emb)
+                unique.setdefault(_signature(geo), geo)
+            result.append(Group(config, list(unique.values()), divisors(gbs // dp), exhaustive))
     return result
 
 
@@ -187,66 +193,126 @@ class SearchResult:
     plans_evaluated: int  # (tp, dp, pp, mbs, placement) combinations, each with its best split and partition
     partitions_solved: int  # layer-partition problems solved (one per encoder/decoder split)
     out_of_memory: int  # plans for which no partition fits memory
+    pruned: int = 0  # partition problems skipped because their lower bound cannot reach the kept plans
     closest_memory_factor: float | None = None  # when nothing fits: how much more memory the closest plan needs
     closest_plan: Config | None = None
 
+    def merge(self, other: "SearchResult") -> None:
+        self.plans += other.plans
+        self.plans_evaluated += other.plans_evaluated
+        self.partitions_solved += other.partitions_solved
+        self.out_of_memory += other.out_of_memory
+        self.pruned += other.pruned
+        if other.closest_plan is not None and (self.closest_plan is None
+                                               or other.closest_memory_factor < self.closest_memory_factor):
+            self.closest_memory_factor, self.closest_plan = other.closest_memory_factor, other.closest_plan
 
-def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None, *,
-                 distributed_optimizer: bool = True, train_steps: int | None = None, train_tokens: float | None = None,
-                 sort: str = "time", progress: Callable[[int, int], None] | None = None,
-                 placement_limit: int = PLACEMENT_LIMIT) -> SearchResult:
-    """Every plan that fits memory, best first, as plain records (see docs/formats.md for the keys)."""
-    inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer)
-    if not tensor_degrees(inputs):
-        profiled = {g: p.tensor_degrees for g, p in inputs.profiles.items()}
-        raise InputError("profiles", f"no tensor degree dividing {cluster.gpus_per_node} GPUs per node is profiled for every GPU type {profiled}")
-    todo = groups(inputs, placement_limit)
-    if not todo:
-        raise InputError("--gbs", f"no plan can use a global batch size of {inputs.gbs} on {cluster.num_gpus} GPUs "
-                                  f"(data-parallel degree must divide it and pipeline stages must not exceed {max_stages(model)})")
-    rows, evaluated, solved, closest = [], 0, 0, None
+
+def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int = PLACEMENT_LIMIT,
+             keep: int | None = None, progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """Plans of the given (tp, dp) combinations, unranked. With `keep`, partition problems whose lower bound
+    exceeds the keep-th best step time found so far are skipped (they cannot be among the best `keep`)."""
+    model, cluster = inputs.model, inputs.cluster
+    todo = groups(inputs, combos, placement_limit)
     items = [(group, geo) for group in todo for geo in group.geos]
     buckets: dict[int, list] = {}
     for group, geo in items:  # plans with the same number of stages are partitioned in one batch
         costs = stage_costs(model, cluster, inputs.profiles, geo, group.config, group.mbs_values)
         buckets.setdefault(group.config.pp, []).append((group, geo, costs))
+    problems = {pp: concat([c.problem for _, _, c in bucket]) for pp, bucket in buckets.items()}
+    bounds = {pp: lower_bounds(batch) if keep else np.zeros(len(batch)) for pp, batch in problems.items()}
     # encoder-decoder plans differing only in their encoder/decoder split compete: the best split is the plan's
     best: dict[tuple, tuple] = {}
-    done = 0
-    for bucket in buckets.values():
-        counts, value, feasible = optimal_partitions(concat([c.problem for _, _, c in bucket]))
-        solved += len(value)
+    found: list[float] = []  # step times found so far (for the pruning threshold)
+    solved = pruned = done = 0
+    skipped: set[tuple] = set()  # plans with a split that was pruned rather than found not to fit
+    for pp in sorted(buckets, key=lambda pp: bounds[pp].min()):  # most promising first
+        bucket, batch = buckets[pp], problems[pp]
+        threshold = sorted(found)[keep - 1] if keep and len(found) >= keep else np.inf
+        chosen = np.flatnonzero(bounds[pp] <= threshold)
+        pruned += len(batch) - len(chosen)
+        solved_here = np.zeros(len(batch), dtype=bool)
+        solved_here[chosen] = True
+        counts = np.zeros(batch.lo.shape, dtype=int)
+        value = np.full(len(batch), np.inf)
+        if len(chosen):
+            counts[chosen], value[chosen], _ = optimal_partitions(_subset(batch, chosen))
+        solved += len(chosen)
+        found += list(value[np.isfinite(value)])
         at = 0
         for group, geo, costs in bucket:
             for row in range(len(costs.mbs)):
                 key = (group.config.tp, group.config.dp, group.config.pp, geo.placement, int(costs.mbs[row]))
                 entry = (value[at + row], group.config.encoder_stages, group, geo, costs, row, counts[at + row])
+                if not solved_here[at + row]:
+                    skipped.add(key)
                 if key not in best or entry[:2] < best[key][:2]:
                     best[key] = entry
             at += len(costs.mbs)
         done += len(bucket)
         if progress:
             progress(done, len(items))
+    rows = []
     for value, _, group, geo, costs, row, counts in best.values():
-        evaluated += 1
         if np.isfinite(value):
-            keep = np.zeros(len(costs.mbs), dtype=bool)
-            keep[row] = True
-            rows += plan_rows(inputs, group.config, geo, costs, np.broadcast_to(counts, costs.problem.lo.shape), keep, group.exhaustive)
-    oom = evaluated - len(rows)
+            chosen = np.zeros(len(costs.mbs), dtype=bool)
+            chosen[row] = True
+            rows += plan_rows(inputs, group.config, geo, costs, np.broadcast_to(counts, costs.problem.lo.shape), chosen,
+                              group.exhaustive)
+    oom = sum(1 for key, entry in best.items() if np.isinf(entry[0]) and key not in skipped)
+    result = SearchResult(rows, len(best), solved, oom, pruned)
     if not rows:
         for value, _, group, geo, costs, row, counts in best.values():
             factor = memory_overshoot(costs, row, cluster.memory_margin)
-            if closest is None or factor < closest[0]:
-                closest = (factor, replace(group.config, mbs=int(costs.mbs[row])))
+            if result.closest_plan is None or factor < result.closest_memory_factor:
+                result.closest_memory_factor, result.closest_plan = factor, replace(group.config, mbs=int(costs.mbs[row]))
+    return result
+
+
+def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None, *,
+                 distributed_optimizer: bool = True, train_steps: int | None = None, train_tokens: float | None = None,
+                 sort: str = "time", progress: Callable[[int, int], None] | None = None,
+                 placement_limit: int = PLACEMENT_LIMIT, keep: int | None = None,
+                 workers: int | None = None) -> SearchResult:
+    """Every plan that fits memory, best first, as plain records (see docs/formats.md for the keys).
+
+    keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
+    workers: processes to use; default: one per core for clusters of 32 nodes or more, else one (small
+    searches finish before extra processes would have started).
+    """
+    inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer)
+    if not tensor_degrees(inputs):
+        profiled = {g: p.tensor_degrees for g, p in inputs.profiles.items()}
+        raise InputError("profiles", f"no tensor degree dividing {cluster.gpus_per_node} GPUs per node, the attention "
+                                     f"heads and the query groups is profiled for every GPU type {profiled}")
+    combos = combinations(inputs)
+    if not combos:
+        raise InputError("--gbs", f"no plan can use a global batch size of {inputs.gbs} on {cluster.num_gpus} GPUs "
+                                  f"(data-parallel degree must divide it and pipeline stages must not exceed {max_stages(model)})")
+    if workers is None:
+        workers = (os.cpu_count() or 1) if cluster.num_nodes >= PARALLEL_NODES else 1
+    workers = max(1, min(workers, len(combos)))
+    if workers == 1:
+        result = evaluate(inputs, combos, placement_limit, keep, progress)
+    else:
+        result = SearchResult([], 0, 0, 0)
+        shares = [combos[i::workers] for i in range(workers)]  # interleaved, so each gets all pipeline depths
+        with ProcessPoolExecutor(workers) as pool:
+            futures = [pool.submit(evaluate, inputs, share, placement_limit, keep) for share in shares]
+            for done, future in enumerate(as_completed(futures), start=1):
+                result.merge(future.result())
+                if progress:
+                    progress(done, len(futures))
+    rows = result.plans
+    if result.closest_plan is not None and rows:
+        result.closest_memory_factor = result.closest_plan = None
     for row in rows:
         add_training_run(row, model, train_steps, train_tokens)
     rows.sort(key=lambda r: (r[SORT_KEYS[sort]], r["step_time_s"], r["tp"], r["dp"], r["pp"], r["mbs"],
                              r["encoder_stages"], r["placement"]))
-    rows = [{"rank": rank, **row} for rank, row in enumerate(rows, start=1)]
-    result = SearchResult(rows, evaluated, solved, oom)
-    if not rows and closest is not None:
-        result.closest_memory_factor, result.closest_plan = closest
+    if keep:
+        rows = rows[:keep]
+    result.plans = [{"rank": rank, **row} for rank, row in enumerate(rows, start=1)]
     return result
 
 

@@ -277,6 +277,10 @@ def test_run_length(model, cluster):
     assert sweep(model, cluster, one)[0]["train_steps"] == DEFAULT_TRAIN_STEPS
     with pytest.raises(InputError):
         sweep(model, cluster, one, train_steps=10, train_tokens=1e9)
+    with pytest.raises(InputError):
+        sweep(model, cluster, [{"A100": 0, "A10": 0}])
+    with pytest.raises(InputError, match="H100"):
+        sweep(model, cluster, [{"H100": 1}])
 
 
 # -- the front file -----------------------------------------------------------------------------------------
