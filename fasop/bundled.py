@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from fasop.errors import InputError
+
 
 def data_dir(kind: str) -> Path:
     """The bundled folder `kind` (models, profiles, clusters or catalogue)."""
@@ -23,6 +25,16 @@ def resolve(kind: str, name_or_path: str, suffix: str) -> Path:
     if path.exists() or path.suffix == suffix or len(path.parts) > 1:
         return path
     return data_dir(kind) / f"{name_or_path}{suffix}"
+
+
+def locate(kind: str, name_or_path: str, suffix: str, option: str) -> tuple[Path, bool]:
+    """(path, is_bundled) of a file given by path or by bundled name; an unknown name lists the known ones."""
+    path = resolve(kind, name_or_path, suffix)
+    is_bundled = path.parent == data_dir(kind)
+    if is_bundled and not path.exists():
+        known = ", ".join(names(kind, suffix))
+        raise InputError(f"{option} {name_or_path}", f"no such file or bundled {kind[:-1]} (bundled: {known})")
+    return path, is_bundled
 
 
 def names(kind: str, suffix: str) -> list[str]:

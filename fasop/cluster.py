@@ -122,10 +122,7 @@ def _node_type(raw: Any, file: str, index: int) -> NodeType:
 
 def load_cluster(name_or_path: str) -> Cluster:
     """Load a cluster from a TOML file, or a bundled cluster by name (`fasop-1xA100-7xA10`, ...)."""
-    path = bundled.resolve("clusters", name_or_path, ".toml")
-    if not path.exists() and path.parent == bundled.data_dir("clusters"):
-        known = ", ".join(bundled.names("clusters", ".toml"))
-        raise InputError(f"--cluster {name_or_path}", f"no such cluster file or bundled cluster (bundled: {known})")
+    path, is_bundled = bundled.locate("clusters", name_or_path, ".toml", "--cluster")
     raw = read_toml(path)
     file = str(path)
     for key in raw:
@@ -160,5 +157,5 @@ def load_cluster(name_or_path: str) -> Cluster:
         memory_margin=head.float("memory_margin", 1.0),
         description=head.str("description", ""),
         launch=launch,
-        file=name_or_path if path.parent == bundled.data_dir("clusters") else file,
+        file=name_or_path if is_bundled else file,
     )

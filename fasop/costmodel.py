@@ -33,10 +33,6 @@ class Config:
     encoder_stages: int  # encoder-decoder models: stages holding the encoder; else 0
     distributed_optimizer: bool
 
-    @property
-    def num_microbatches(self) -> int:
-        return self.gbs // (self.dp * self.mbs)
-
 
 def bytes_per_param(model: Model, dp: int, distributed_optimizer: bool) -> float:
     """Weights, fp32 main gradients and Adam state (with an fp32 master copy under mixed precision).

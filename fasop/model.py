@@ -82,12 +82,6 @@ class Model:
         return (self.num_layers,)
 
     @property
-    def segment_seq_lengths(self) -> tuple[int, ...]:
-        if self.is_encoder_decoder:
-            return (self.encoder_seq_length, self.decoder_seq_length)
-        return (self.input_seq_length,)
-
-    @property
     def precision_bytes(self) -> int:
         return PRECISION_BYTES[self.precision]
 
@@ -225,10 +219,7 @@ _KNOWN = {
 
 def load_model(name_or_path: str) -> Model:
     """Load a model by bundled name (`gpt2-xl`, `bert`, `t5`, ...) or from a TOML file."""
-    path = bundled.resolve("models", name_or_path, ".toml")
-    if not path.exists() and path.parent == bundled.data_dir("models"):
-        known = ", ".join(bundled.names("models", ".toml"))
-        raise InputError(f"--model {name_or_path}", f"no such model file or bundled model (bundled: {known})")
+    path, is_bundled = bundled.locate("models", name_or_path, ".toml", "--model")
     raw = read_toml(path)
     table = Table(raw.get("model"), str(path), "model")
     table.reject_unknown(_KNOWN)
@@ -269,6 +260,6 @@ def load_model(name_or_path: str) -> Model:
         global_batch_size=table.int("global_batch_size"),
         make_vocab_size_divisible_by=table.int("make_vocab_size_divisible_by", 128),
         source=table.str("source", ""),
-        file=name_or_path if path.parent == bundled.data_dir("models") else str(path),
+        file=name_or_path if is_bundled else str(path),
     )
     return model

@@ -320,14 +320,14 @@ def search(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir:
     """Every plan that fits memory as a pandas DataFrame, best first, one row per plan with every cost term.
 
     Options are those of `search_plans`; `frame.attrs` holds plans_evaluated, partitions_solved,
-    out_of_memory and, when nothing fits, closest_memory_factor and closest_plan.
+    out_of_memory, pruned and, when nothing fits, closest_memory_factor and closest_plan.
     """
     import pandas as pd  # only the Python API needs pandas; the command line starts faster without it
 
     result = search_plans(model, cluster, gbs, profiles_dir, **options)
     frame = pd.DataFrame(result.plans)
     frame.attrs.update(plans_evaluated=result.plans_evaluated, partitions_solved=result.partitions_solved,
-                       out_of_memory=result.out_of_memory)
+                       out_of_memory=result.out_of_memory, pruned=result.pruned)
     if result.closest_plan is not None:
         frame.attrs.update(closest_memory_factor=result.closest_memory_factor, closest_plan=result.closest_plan)
     return frame
