@@ -19,8 +19,9 @@ from fasop.partition import PartitionBatch, _Filler, _subset, lower_bounds, opti
 from fasop.placement import Geometry, geometry, placements, with_embedding_group
 from fasop.profiles import GpuProfile, load_profiles
 
-PLACEMENT_LIMIT = 500  # more distinct placements per (tp, dp, pp) than this: the type-block subset
+PLACEMENT_LIMIT = 100  # more distinct placements per (tp, dp, pp) than this: the type-block subset
 PARALLEL_NODES = 32  # clusters this large are searched with one process per core
+PRUNE_CHUNK = 256  # partition problems solved between two updates of the pruning threshold
 
 
 def divisors(n: int) -> list[int]:
@@ -228,17 +229,20 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
     skipped: set[tuple] = set()  # plans with a split that was pruned rather than found not to fit
     for pp in sorted(buckets, key=lambda pp: bounds[pp].min()):  # most promising first
         bucket, batch = buckets[pp], problems[pp]
-        threshold = sorted(found)[keep - 1] if keep and len(found) >= keep else np.inf
-        chosen = np.flatnonzero(bounds[pp] <= threshold)
-        pruned += len(batch) - len(chosen)
-        solved_here = np.zeros(len(batch), dtype=bool)
-        solved_here[chosen] = True
         counts = np.zeros(batch.lo.shape, dtype=int)
         value = np.full(len(batch), np.inf)
-        if len(chosen):
-            counts[chosen], value[chosen], _ = optimal_partitions(_subset(batch, chosen))
-        solved += len(chosen)
-        found += list(value[np.isfinite(value)])
+        solved_here = np.zeros(len(batch), dtype=bool)
+        order = np.argsort(bounds[pp], kind="stable")
+        for start in range(0, len(order), PRUNE_CHUNK if keep else len(order)):
+            threshold = np.partition(found, keep - 1)[keep - 1] if keep and len(found) >= keep else np.inf
+            chunk = order[start:start + (PRUNE_CHUNK if keep else len(order))]
+            chunk = chunk[bounds[pp][chunk] <= threshold]
+            if len(chunk):
+                counts[chunk], value[chunk], _ = optimal_partitions(_subset(batch, chunk))
+                solved_here[chunk] = True
+                found += list(value[chunk][np.isfinite(value[chunk])])
+        solved += int(solved_here.sum())
+        pruned += len(batch) - int(solved_here.sum())
         at = 0
         for group, geo, costs in bucket:
             for row in range(len(costs.mbs)):
