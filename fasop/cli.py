@@ -43,6 +43,9 @@ def write_atomically(path: Path, text: str) -> None:
     try:
         with os.fdopen(handle, "w", newline="") as out:
             out.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temp, 0o666 & ~umask)  # the mode a plain open() would give, not mkstemp's private 0600
         os.replace(temp, path)
     except BaseException:
         os.unlink(temp)
@@ -526,6 +529,8 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
            profiles_dir, distributed_optimizer):
     """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
     the Pareto front; with --budget or --deadline, which mix to rent."""
+    import math
+
     from fasop.pareto import DEFAULT_TRAIN_STEPS, check_limits, choose, compositions, sweep, write_front_csv
 
     check_limits(budget, deadline)
@@ -546,6 +551,18 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
         raise InputError(f"--chart {chart}", "expected a file name ending in .png or .svg")
     model, cluster = load_model(model_name), load_cluster(cluster_name)
     todo = compositions(cluster, _max_nodes(max_nodes))
+    batch = gbs or model.global_batch_size
+    if train_tokens is not None:
+        length = f"{train_tokens:,.0f} tokens"
+        if batch > 0:
+            length += f" = {math.ceil(train_tokens / (batch * model.seq_length)):,} steps"
+    else:
+        length = f"{train_steps or DEFAULT_TRAIN_STEPS:,} steps"
+        if train_steps is None:
+            length += " (default; set --train-steps or --train-tokens)"
+    caps = ", ".join(f"0-{max(c[n] for c in todo)} {n}" for n in cluster.node_types)
+    click.echo(f"{model.name} on {cluster.name}: {len(todo)} compositions of {caps} nodes ({cluster.gpus_per_node} GPUs each), "
+               f"global batch {batch}, a run of {length}")
     progress = Progress("sweeping")
     started = time.perf_counter()
     records = sweep(model, cluster, todo, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
@@ -553,13 +570,6 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
     progress.close()
     elapsed = time.perf_counter() - started
     feasible = [r for r in records if r["feasible"]]
-    steps = feasible[0]["train_steps"] if feasible else (train_steps or DEFAULT_TRAIN_STEPS)
-    length = f"{steps:,} steps" if train_steps is not None or train_tokens is None else f"{train_tokens:,.0f} tokens = {steps:,} steps"
-    if train_steps is None and train_tokens is None:
-        length += " (default; set --train-steps or --train-tokens)"
-    caps = ", ".join(f"0-{max(c[n] for c in todo)} {n}" for n in cluster.node_types)
-    click.echo(f"{model.name} on {cluster.name}: {len(todo)} compositions of {caps} nodes ({cluster.gpus_per_node} GPUs each), "
-               f"global batch {records[0]['gbs']}, a run of {length}")
     click.echo(_front_table(records))
     on_front = sum(r["on_front"] for r in records)
     click.echo(f"{len(records)} compositions swept in {elapsed:.2f} s, {sum(r['plans_evaluated'] for r in records):,} plans "

@@ -17,6 +17,9 @@ import csv
 import io
 import itertools
 import math
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +31,7 @@ from fasop.model import Model
 
 DEFAULT_TRAIN_STEPS = 10_000  # run length used when neither train_steps nor train_tokens is given
 NODES_PREFIX = "nodes_"
+PARALLEL_COMPOSITIONS = 8  # compositions per process: smaller sweeps stay in one process
 
 # Columns of a front file, in order; the per-type node counts (nodes_<type>) come first, after the inputs.
 HEAD_COLUMNS = ("model", "cluster", "gbs")
@@ -111,6 +115,49 @@ def _empty_record(model: Model, cluster: Cluster, composition: dict[str, int], g
     return record
 
 
+@dataclass(frozen=True)
+class _Composition:
+    """Finds the fastest plan of one composition (a picklable task, so compositions can run in parallel)."""
+
+    model: Model
+    cluster: Cluster
+    gbs: int
+    train_steps: int | None
+    train_tokens: float | None
+    distributed_optimizer: bool
+    profiles: dict
+
+    def __call__(self, composition: dict[str, int]) -> dict:
+        from fasop.search import search_plans
+
+        model, cluster = self.model, self.cluster
+        record = _empty_record(model, cluster, composition, self.gbs)
+        try:
+            # only the fastest plan matters: sound lower bounds skip partitions that cannot beat it
+            result = search_plans(model, cluster.with_counts(composition), self.gbs, profiles=self.profiles,
+                                  distributed_optimizer=self.distributed_optimizer, train_steps=self.train_steps,
+                                  train_tokens=self.train_tokens, sort="time", keep=1, workers=1)
+        except InputError as err:  # e.g. no data-parallel degree divides the batch size on these GPUs
+            record["note"] = err.problem
+            return record
+        record["plans_evaluated"] = result.plans_evaluated
+        record["out_of_memory"] = result.out_of_memory
+        if result.plans:
+            best = result.plans[0]
+            for key in PLAN_FIELDS:
+                record[key] = best[key]
+            record["placement"] = list(best["placement"])
+            record["layers_per_stage"] = list(best["layers_per_stage"])
+            record["cost_per_hour_usd"] = best["cost_per_hour_usd"]
+            record["feasible"] = True
+        else:
+            note = f"no plan fits in memory ({result.out_of_memory} tried)"
+            if result.closest_memory_factor is not None:
+                note += f"; the closest needs {result.closest_memory_factor:.2f}x the GPU memory"
+            record["note"] = note
+        return record
+
+
 def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | None = None, *,
           gbs: int | None = None, train_steps: int | None = None, train_tokens: float | None = None,
           profiles_dir: str | None = None, distributed_optimizer: bool = True,
@@ -124,7 +171,6 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
     and cost of every composition scale with it alike); budgets and deadlines do.
     """
     from fasop.profiles import load_profiles
-    from fasop.search import search_plans
 
     if train_steps is not None and train_tokens is not None:
         raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
@@ -134,7 +180,7 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
         raise InputError("--train-tokens", f"expected a positive number of tokens, got {train_tokens}")
     if train_steps is None and train_tokens is None:
         train_steps = DEFAULT_TRAIN_STEPS
-    gbs = gbs or model.global_batch_size
+    gbs = model.global_batch_size if gbs is None else gbs
     if gbs < 1:
         raise InputError("--gbs", f"expected a positive global batch size, got {gbs}")
     if compositions is None:
@@ -145,36 +191,24 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
                 raise InputError(f"composition {composition}", f"unknown node type {name!r} (cluster has {', '.join(cluster.node_types)})")
         if any(n < 0 for n in composition.values()) or not any(composition.values()):
             raise InputError(f"composition {composition}", "expected node counts >= 0, at least one of them positive")
-    # problems common to every composition (a missing or malformed profile) are errors, raised once here
-    load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
-    records = []
-    for done, composition in enumerate(compositions, start=1):
-        record = _empty_record(model, cluster, composition, gbs)
-        try:
-            result = search_plans(model, cluster.with_counts(composition), gbs, profiles_dir,
-                                  distributed_optimizer=distributed_optimizer, train_steps=train_steps,
-                                  train_tokens=train_tokens, sort="time")
-        except InputError as err:  # e.g. no data-parallel degree divides the batch size on these GPUs
-            record["note"] = err.problem
-        else:
-            record["plans_evaluated"] = result.plans_evaluated
-            record["out_of_memory"] = result.out_of_memory
-            if result.plans:
-                best = result.plans[0]
-                for key in PLAN_FIELDS:
-                    record[key] = best[key]
-                record["placement"] = list(best["placement"])
-                record["layers_per_stage"] = list(best["layers_per_stage"])
-                record["cost_per_hour_usd"] = best["cost_per_hour_usd"]
-                record["feasible"] = True
-            else:
-                note = f"no plan fits in memory ({result.out_of_memory} tried)"
-                if result.closest_memory_factor is not None:
-                    note += f"; the closest needs {result.closest_memory_factor:.2f}x the GPU memory"
-                record["note"] = note
-        records.append(record)
-        if progress:
-            progress(done, len(compositions))
+    # problems common to every composition (a missing or malformed profile) are errors, raised once here;
+    # the profiles, and the per-size times they memoise, then serve every composition
+    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
+    task = _Composition(model, cluster, gbs, train_steps, train_tokens, distributed_optimizer, profiles)
+    workers = min(os.cpu_count() or 1, len(compositions) // PARALLEL_COMPOSITIONS)
+    if workers <= 1:
+        records = []
+        for done, composition in enumerate(compositions, start=1):
+            records.append(task(composition))
+            if progress:
+                progress(done, len(compositions))
+    else:
+        with ProcessPoolExecutor(workers) as pool:
+            futures = [pool.submit(task, composition) for composition in compositions]
+            for done, _ in enumerate(as_completed(futures), start=1):
+                if progress:
+                    progress(done, len(compositions))
+            records = [future.result() for future in futures]
     mark_front(records)
     return records
 

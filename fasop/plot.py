@@ -7,7 +7,6 @@ figures are drawn headless (Agg) and written as PNG or SVG, chosen by the file s
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -148,7 +147,9 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
                           linewidths=2.2, zorder=4, label="chosen")
         mark.set_gid("chosen")
         ax.annotate(f"{composition_label(chosen)}\n{chosen['train_hours']:,.1f} h, ${chosen['train_cost_usd']:,.0f}",
-                    (chosen[xkey], chosen["train_cost_usd"]), xytext=(14, 14), textcoords="offset points",
+                    (chosen[xkey], chosen["train_cost_usd"]), textcoords="offset points",
+                    # towards the empty corner: slow and dear (upper left against throughput, upper right against time)
+                    xytext=(-30, 36) if x == "throughput" else (30, 36), ha="right" if x == "throughput" else "left",
                     fontsize=8.5, color="#b00000", fontweight="bold",
                     bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#ff0000", "alpha": 0.9},
                     arrowprops={"arrowstyle": "-", "color": "#ff0000", "lw": 1}, zorder=5)
@@ -164,6 +165,7 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
     ax.set_ylabel("cost of the run (USD)")
     ax.yaxis.set_major_formatter("${x:,.0f}")
     ax.grid(True, lw=0.4, alpha=0.5)
+    ax.margins(x=0.07, y=0.06)  # room for the labels of the outermost points
     hidden = len(records) - len(feasible)
     if hidden:
         ax.text(0.99, 0.01, f"{hidden} composition{'s' if hidden > 1 else ''} without a plan that fits: not shown",

@@ -38,12 +38,15 @@ class Inputs:
 
 
 def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None,
-            distributed_optimizer: bool = True) -> Inputs:
+            distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None) -> Inputs:
+    """Checked inputs of one search; `profiles` (already loaded, e.g. for many compositions) skips the files."""
     gbs = model.global_batch_size if gbs is None else gbs
     if gbs < 1:
         raise InputError("--gbs", f"expected a positive global batch size, got {gbs}")
-    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
-    return Inputs(model, cluster, profiles, gbs, distributed_optimizer)
+    gpus = sorted({t.gpu for t in cluster.node_types.values()})
+    if profiles is None:
+        profiles = load_profiles(model, gpus, profiles_dir)
+    return Inputs(model, cluster, {g: profiles[g] for g in gpus}, gbs, distributed_optimizer)
 
 
 def tensor_degrees(inputs: Inputs) -> list[int]:
@@ -277,14 +280,15 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  distributed_optimizer: bool = True, train_steps: int | None = None, train_tokens: float | None = None,
                  sort: str = "time", progress: Callable[[int, int], None] | None = None,
                  placement_limit: int = PLACEMENT_LIMIT, keep: int | None = None,
-                 workers: int | None = None) -> SearchResult:
+                 workers: int | None = None, profiles: dict[str, GpuProfile] | None = None) -> SearchResult:
     """Every plan that fits memory, best first, as plain records (see docs/formats.md for the keys).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
     workers: processes to use; default: one per core for clusters of 32 nodes or more, else one (small
     searches finish before extra processes would have started).
+    profiles: already loaded profiles (by GPU type) instead of reading profiles_dir.
     """
-    inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer)
+    inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles)
     if not tensor_degrees(inputs):
         profiled = {g: p.tensor_degrees for g, p in inputs.profiles.items()}
         raise InputError("profiles", f"no tensor degree dividing {cluster.gpus_per_node} GPUs per node, the attention "
