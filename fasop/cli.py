@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import csv
 import functools
-import io
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import click
 
 from fasop.cluster import load_cluster
-from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, emit_plan, launch_options, load_plans,
-                        select_plan, split_flags)
+from fasop.emit import FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, emit_plan, launch_options, split_flags
 from fasop.errors import InputError
 from fasop.model import load_model
+from fasop.plans import load_plans, select_plan, write_plans
 
 
 def reports_input_errors(command):
@@ -34,22 +30,6 @@ def reports_input_errors(command):
             raise click.exceptions.Exit(2) from None
 
     return wrapper
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write the whole file or nothing: a temporary file beside it is renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "w", newline="") as out:
-            out.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temp, 0o666 & ~umask)  # the mode a plain open() would give, not mkstemp's private 0600
-        os.replace(temp, path)
-    except BaseException:
-        os.unlink(temp)
-        raise
 
 
 class Progress:
@@ -108,36 +88,6 @@ def format_table(plans: list[dict], top: int) -> str:
         cells.append(line)
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
-
-
-CSV_LISTS = ("placement", "layers_per_stage")
-
-
-def plans_as_json(plans: list[dict]) -> str:
-    return json.dumps(plans, indent=1) + "\n"
-
-
-def plans_as_csv(plans: list[dict]) -> str:
-    """The same columns as the JSON; lists joined with '-', the per-stage breakdown as compact JSON."""
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(plans[0]), lineterminator="\n")
-    writer.writeheader()
-    for plan in plans:
-        flat = dict(plan)
-        for key in CSV_LISTS:
-            flat[key] = "-".join(map(str, plan[key]))
-        flat["stages"] = json.dumps(plan["stages"], separators=(",", ":"))
-        writer.writerow(flat)
-    return out.getvalue()
-
-
-def write_plans(plans: list[dict], output: Path) -> None:
-    if output.suffix == ".json":
-        write_atomically(output, plans_as_json(plans))
-    elif output.suffix == ".csv":
-        write_atomically(output, plans_as_csv(plans))
-    else:
-        raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
 
 
 model_option = click.option("--model", "model_name", required=True, metavar="NAME|FILE",
@@ -590,27 +540,11 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
 
 
 def _load_plan(plan_file: Path, rank: int) -> dict:
-    """Plan `rank` of a `fasop search --output plans.json` file."""
+    """Plan `rank` of a `fasop search --output plans.json` file, with the per-stage breakdown a chart needs."""
     from fasop.plot import check_plan
 
-    where = str(plan_file)
-    try:
-        text = plan_file.read_text()
-    except FileNotFoundError:
-        raise InputError(where, "no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise InputError(where, f"cannot be read ({err.__class__.__name__})") from None
-    try:
-        plans = json.loads(text)
-    except ValueError:
-        raise InputError(where, "not JSON: expected the plan list written by fasop search --output plans.json") from None
-    if not isinstance(plans, list) or not plans or not all(isinstance(p, dict) for p in plans):
-        raise InputError(where, "not a list of fasop plans (expected the file written by fasop search --output plans.json)")
-    if rank < 1 or rank > len(plans):
-        raise InputError(f"--rank {rank}", f"expected a rank from 1 to {len(plans)} (the plans in {where})")
-    ranked = [p for p in plans if p.get("rank") == rank]
-    plan = ranked[0] if ranked else plans[rank - 1]
-    check_plan(plan, f"{where}: plan {rank}")
+    plan = select_plan(load_plans(plan_file), rank, str(plan_file))
+    check_plan(plan, f"{plan_file}: plan {rank}")
     return plan
 
 

@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from fasop.errors import InputError
+from fasop.plans import PLAN_KEYS
 
 ENTRY_SCRIPTS = {"decoder": "pretrain_gpt.py", "encoder": "pretrain_bert.py", "encoder-decoder": "pretrain_t5.py"}
 FLAVORS = ("stock", "fasop-fork")
 PIPELINE_SPLITS = ("auto", "layout", "first-last")
 OUTPUT_FILES = ("sbatch.sh", "run_inter.sh", "plan.json")
-PLAN_KEYS = ("rank", "gbs", "mbs", "tp", "dp", "pp", "placement", "layers_per_stage")
 
 # Characters Slurm reads unquoted in "#SBATCH --key=value" lines.
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
@@ -190,44 +190,6 @@ def launch_options(launch: Mapping[str, Any] | None = None, where: str = "[launc
 
 
 # -- plans ----------------------------------------------------------------------------------------------
-
-
-def load_plans(path: str | os.PathLike) -> list[dict]:
-    """The plan list written by `fasop search --output plans.json`, checked to be one."""
-    where = str(path)
-    if str(path).endswith(".csv"):
-        raise InputError(where, "fasop emit reads the JSON plan list (fasop search --output plans.json), not CSV")
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(where, "no such plan file") from None
-    except IsADirectoryError:
-        raise InputError(where, "is a directory, expected a plan file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise InputError(where, f"cannot read ({err})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise InputError(where, f"not a fasop plan list: not JSON ({err.msg} at line {err.lineno})") from None
-    if not isinstance(data, list) or not data:
-        raise InputError(where, "not a fasop plan list: expected a non-empty JSON list of plan objects")
-    for index, plan in enumerate(data):
-        if not isinstance(plan, dict):
-            raise InputError(where, f"not a fasop plan list: entry {index} is not an object")
-        missing = [key for key in PLAN_KEYS if key not in plan]
-        if missing:
-            raise InputError(where, f"not a fasop plan list: entry {index} lacks {', '.join(missing)}")
-    return data
-
-
-def select_plan(plans: Sequence[dict], rank: int, where: str) -> dict:
-    """The plan whose `rank` is `rank` (1 = best)."""
-    for plan in plans:
-        if plan.get("rank") == rank:
-            return plan
-    ranks = sorted(p["rank"] for p in plans if isinstance(p.get("rank"), int))
-    held = f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no ranks"
-    raise InputError(f"--rank {rank}", f"no such plan in {where} (it holds {len(plans)} plans, {held})")
 
 
 def check_out_dir(out_dir: Path, force: bool) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from fasop.cluster import Cluster
 from fasop.errors import InputError
+from fasop.files import write_atomically
 from fasop.model import Model
 
 DEFAULT_TRAIN_STEPS = 10_000  # run length used when neither train_steps nor train_tokens is given
@@ -362,8 +363,6 @@ def front_as_csv(records: list[dict]) -> str:
 
 def write_front_csv(records: list[dict], path) -> None:
     """Write the front file whole or not at all."""
-    from fasop.cli import write_atomically
-
     write_atomically(Path(path), front_as_csv(records))
 
 

@@ -52,8 +52,6 @@ measured profiles in one search.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -61,6 +59,7 @@ from typing import NamedTuple
 from fasop import bundled
 from fasop.cluster import parse_bandwidth
 from fasop.errors import InputError
+from fasop.files import write_atomically
 from fasop.model import DROPOUT_MASK_BYTES, Model
 from fasop.profiles import COLUMNS, required_kinds
 from fasop.tomlfile import Table, read_toml
@@ -381,15 +380,5 @@ def write_profile(path, rows, header_comment_lines, force: bool = False) -> Path
         raise InputError(str(path), "already exists (pass --force to overwrite it)")
     if path.exists() and path.is_dir():
         raise InputError(str(path), "is a directory; expected a .csv file name")
-    text = format_profile(rows, header_comment_lines)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "w", newline="") as out:
-            out.write(text)
-        os.chmod(temp, 0o644)  # mkstemp creates 0600; a profile is an ordinary readable file
-        os.replace(temp, path)
-    except BaseException:
-        os.unlink(temp)
-        raise
+    write_atomically(path, format_profile(rows, header_comment_lines))
     return path

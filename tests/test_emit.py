@@ -16,9 +16,10 @@ from click.testing import CliRunner
 from fasop.cli import emit
 from fasop.cluster import load_cluster
 from fasop.emit import (LaunchOptions, emit_plan, fasop_units_to_layers, first_last_split, launch_options,
-                        load_plans, pipeline_layout, render_plan)
+                        pipeline_layout, render_plan)
 from fasop.errors import InputError
 from fasop.model import load_model
+from fasop.plans import load_plans
 
 CLUSTER_TOML = """\
 [cluster]

@@ -480,7 +480,7 @@ def test_plot_bad_input(cluster_file, records, folder):
         one_line_error(run("plot", "--plan", not_plans, "--out", folder / "x.png"), str(not_plans))
     plans = folder / "few-plans.json"
     plans.write_text(json.dumps(search_plans(load_model("gpt2-xl"), load_cluster(str(cluster_file)).with_counts({"A10": 1})).plans[:3]))
-    one_line_error(run("plot", "--plan", plans, "--rank", 4, "--out", folder / "x.png"), "--rank", "1 to 3")
+    one_line_error(run("plot", "--plan", plans, "--rank", 4, "--out", folder / "x.png"), "--rank", "ranks 1-3")
     one_line_error(run("plot", "--plan", plans, "--rank", 0, "--out", folder / "x.png"), "--rank")
 
 
