@@ -46,6 +46,13 @@ class PartitionBatch:
     def __len__(self) -> int:
         return len(self.base_s)
 
+    def take(self, rows: np.ndarray) -> "PartitionBatch":
+        """The problems `rows` of this batch."""
+        seg = self.segment_of_stage if self.segment_of_stage.ndim == 1 else self.segment_of_stage[rows]
+        return PartitionBatch(seg, self.segment_layers, self.lo[rows], self.hi[rows], self.layer_s[rows],
+                              self.period_fixed_s[rows], self.ar_fixed_s[rows], self.ar_layer_s[rows],
+                              self.num_microbatches[rows], self.base_s[rows])
+
     def objective(self, counts: np.ndarray) -> np.ndarray:
         """F(n) for counts (B, P) -> (B,)."""
         n = np.asarray(counts, dtype=float)
@@ -145,6 +152,11 @@ def _clipped_hi(p: PartitionBatch) -> np.ndarray:
     return np.minimum(p.hi, p.segment_layers[seg] - (lo_sum - p.lo)).astype(float)
 
 
+def admits(batch: PartitionBatch, caps: np.ndarray) -> np.ndarray:
+    """(B,): whether each problem has a partition with at most caps (B, P) layers per stage."""
+    return _Filler(batch).fill(caps[:, None, :])[1][:, 0]
+
+
 def lower_bounds(batch: PartitionBatch) -> np.ndarray:
     """(B,) a bound no partition of each problem can beat (inf when none fits), for pruning searches.
 
@@ -172,7 +184,7 @@ def optimal_partitions(batch: PartitionBatch) -> tuple[np.ndarray, np.ndarray, n
     value = np.full(len(p), np.inf)
     rows = np.flatnonzero(feasible)
     if len(rows):
-        counts[rows], value[rows] = _Search(_subset(p, rows), hi[rows], widest[rows]).run()
+        counts[rows], value[rows] = _Search(p.take(rows), hi[rows], widest[rows]).run()
     return np.rint(counts).astype(int), value, feasible
 
 
@@ -229,7 +241,7 @@ class _Search:
             score = np.where(grid_ok & x_real[:, :, None] & np.isfinite(y_vals)[:, None, :], score, np.inf)
             flat = score.reshape(len(chunk), -1).argmin(-1)
             pick = grid_counts.reshape(len(chunk), -1, p.lo.shape[1])[np.arange(len(chunk)), flat]
-            pick_value = _subset(p, chunk).objective(pick)
+            pick_value = p.take(chunk).objective(pick)
             better = pick_value < best[chunk]
             best[chunk] = np.where(better, pick_value, best[chunk])
             best_counts[chunk] = np.where(better[:, None], pick, best_counts[chunk])
@@ -265,11 +277,3 @@ def _chunks(nx: np.ndarray, ny: np.ndarray, stages: int):
         step = max(1, _GRID_ELEMENTS // per_problem)
         for start in range(0, len(rows), step):
             yield rows[start:start + step]
-
-
-def _subset(p: PartitionBatch, rows: np.ndarray) -> PartitionBatch:
-    seg = p.segment_of_stage if p.segment_of_stage.ndim == 1 else p.segment_of_stage[rows]
-    return PartitionBatch(
-        seg, p.segment_layers, p.lo[rows], p.hi[rows], p.layer_s[rows], p.period_fixed_s[rows],
-        p.ar_fixed_s[rows], p.ar_layer_s[rows], p.num_microbatches[rows], p.base_s[rows],
-    )

@@ -15,7 +15,7 @@ from fasop.cluster import Cluster
 from fasop.errors import InputError
 from fasop.costmodel import Config, StageCosts, breakdown, embedding_stages, stage_costs
 from fasop.model import Model
-from fasop.partition import PartitionBatch, _Filler, _subset, lower_bounds, optimal_partitions
+from fasop.partition import PartitionBatch, admits, lower_bounds, optimal_partitions
 from fasop.placement import Geometry, geometry, placements, with_embedding_group
 from fasop.profiles import GpuProfile, load_profiles
 
@@ -153,9 +153,7 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
 
 def memory_overshoot(costs: StageCosts, row: int, margin: float) -> float:
     """Smallest factor by which the GPUs' memory would have to grow for some partition of row `row` to fit."""
-    p = costs.problem
-    one = _subset(p, np.array([row]))
-    filler = _Filler(one)
+    one = costs.problem.take(np.array([row]))
     usable = costs.capacity_gib / margin
     mem_fixed, mem_layer = costs.mem_fixed_gib[row], costs.mem_layer_gib[row]
 
@@ -165,7 +163,7 @@ def memory_overshoot(costs: StageCosts, row: int, margin: float) -> float:
             return False
         with np.errstate(divide="ignore"):
             hi = np.floor(room / np.where(mem_layer > 0, mem_layer, np.inf) + 1e-12)
-        return bool(filler.fill(np.minimum(hi, 1e9)[None, None, :])[1][0, 0])
+        return bool(admits(one, np.minimum(hi, 1e9)[None, :])[0])
 
     low, high = 0.0, 1.0
     while not fits(high):
@@ -241,7 +239,7 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
             chunk = order[start:start + (PRUNE_CHUNK if keep else len(order))]
             chunk = chunk[bounds[pp][chunk] <= threshold]
             if len(chunk):
-                counts[chunk], value[chunk], _ = optimal_partitions(_subset(batch, chunk))
+                counts[chunk], value[chunk], _ = optimal_partitions(batch.take(chunk))
                 solved_here[chunk] = True
                 found += list(value[chunk][np.isfinite(value[chunk])])
         solved += int(solved_here.sum())
