@@ -210,6 +210,26 @@ class SearchResult:
             self.closest_memory_factor, self.closest_plan = other.closest_memory_factor, other.closest_plan
 
 
+def _solve(batch: PartitionBatch, bound: np.ndarray, keep: int | None, found: list[float]):
+    """(counts, step times, solved mask) of a batch, most promising problems first. With `keep`, a problem is
+    skipped when its lower bound exceeds the keep-th best step time in `found`, which grows as problems are
+    solved (chunk by chunk, so the threshold tightens as the search goes)."""
+    counts = np.zeros(batch.lo.shape, dtype=int)
+    value = np.full(len(batch), np.inf)
+    solved = np.zeros(len(batch), dtype=bool)
+    order = np.argsort(bound, kind="stable")
+    step = PRUNE_CHUNK if keep else len(order)
+    for start in range(0, len(order), step):
+        threshold = np.partition(found, keep - 1)[keep - 1] if keep and len(found) >= keep else np.inf
+        chunk = order[start:start + step]
+        chunk = chunk[bound[chunk] <= threshold]
+        if len(chunk):
+            counts[chunk], value[chunk], _ = optimal_partitions(batch.take(chunk))
+            solved[chunk] = True
+            found += list(value[chunk][np.isfinite(value[chunk])])
+    return counts, value, solved
+
+
 def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int = PLACEMENT_LIMIT,
              keep: int | None = None, progress: Callable[[int, int], None] | None = None) -> SearchResult:
     """Plans of the given (tp, dp) combinations, unranked. With `keep`, partition problems whose lower bound
@@ -230,18 +250,7 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
     skipped: set[tuple] = set()  # plans with a split that was pruned rather than found not to fit
     for pp in sorted(buckets, key=lambda pp: bounds[pp].min()):  # most promising first
         bucket, batch = buckets[pp], problems[pp]
-        counts = np.zeros(batch.lo.shape, dtype=int)
-        value = np.full(len(batch), np.inf)
-        solved_here = np.zeros(len(batch), dtype=bool)
-        order = np.argsort(bounds[pp], kind="stable")
-        for start in range(0, len(order), PRUNE_CHUNK if keep else len(order)):
-            threshold = np.partition(found, keep - 1)[keep - 1] if keep and len(found) >= keep else np.inf
-            chunk = order[start:start + (PRUNE_CHUNK if keep else len(order))]
-            chunk = chunk[bounds[pp][chunk] <= threshold]
-            if len(chunk):
-                counts[chunk], value[chunk], _ = optimal_partitions(batch.take(chunk))
-                solved_here[chunk] = True
-                found += list(value[chunk][np.isfinite(value[chunk])])
+        counts, value, solved_here = _solve(batch, bounds[pp], keep, found)
         solved += int(solved_here.sum())
         pruned += len(batch) - int(solved_here.sum())
         at = 0
