@@ -26,6 +26,8 @@ import numpy as np
 
 _EPS = 1e-9
 _GRID_ELEMENTS = 4_000_000  # grid cells (problems x X x Y x stages) evaluated at once
+# the fields a batch holds per problem, in constructor order after the segments
+_PER_PROBLEM = ("lo", "hi", "layer_s", "period_fixed_s", "ar_fixed_s", "ar_layer_s", "num_microbatches", "base_s")
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,17 @@ class PartitionBatch:
     def __len__(self) -> int:
         return len(self.base_s)
 
+    @staticmethod
+    def stack(problems: list["PartitionBatch"]) -> "PartitionBatch":
+        """One batch of all the problems (same number of stages and segment sizes)."""
+        seg = np.concatenate([np.broadcast_to(p.segment_of_stage, p.lo.shape) for p in problems])
+        return PartitionBatch(seg, problems[0].segment_layers,
+                              *(np.concatenate([getattr(p, f) for p in problems]) for f in _PER_PROBLEM))
+
     def take(self, rows: np.ndarray) -> "PartitionBatch":
         """The problems `rows` of this batch."""
         seg = self.segment_of_stage if self.segment_of_stage.ndim == 1 else self.segment_of_stage[rows]
-        return PartitionBatch(seg, self.segment_layers, self.lo[rows], self.hi[rows], self.layer_s[rows],
-                              self.period_fixed_s[rows], self.ar_fixed_s[rows], self.ar_layer_s[rows],
-                              self.num_microbatches[rows], self.base_s[rows])
+        return PartitionBatch(seg, self.segment_layers, *(getattr(self, f)[rows] for f in _PER_PROBLEM))
 
     def objective(self, counts: np.ndarray) -> np.ndarray:
         """F(n) for counts (B, P) -> (B,)."""

@@ -241,7 +241,7 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
     for group, geo in items:  # plans with the same number of stages are partitioned in one batch
         costs = stage_costs(model, cluster, inputs.profiles, geo, group.config, group.mbs_values)
         buckets.setdefault(group.config.pp, []).append((group, geo, costs))
-    problems = {pp: concat([c.problem for _, _, c in bucket]) for pp, bucket in buckets.items()}
+    problems = {pp: PartitionBatch.stack([c.problem for _, _, c in bucket]) for pp, bucket in buckets.items()}
     bounds = {pp: lower_bounds(batch) if keep else np.zeros(len(batch)) for pp, batch in problems.items()}
     # encoder-decoder plans differing only in their encoder/decoder split compete: the best split is the plan's
     best: dict[tuple, tuple] = {}
@@ -386,12 +386,3 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
     usable = np.array([s["memory_capacity_gib"] for s in row["stages"]]) / cluster.memory_margin
     row["fits_memory"] = bool(all(s["memory_gib"] <= u for s, u in zip(row["stages"], usable)))
     return row
-
-
-def concat(problems: list[PartitionBatch]) -> PartitionBatch:
-    """One batch of all the problems (same number of stages and segment sizes)."""
-    stack = lambda name: np.concatenate([getattr(p, name) for p in problems])  # noqa: E731
-    segments = np.concatenate([np.broadcast_to(p.segment_of_stage, p.lo.shape) for p in problems])
-    return PartitionBatch(segments, problems[0].segment_layers, stack("lo"), stack("hi"), stack("layer_s"),
-                          stack("period_fixed_s"), stack("ar_fixed_s"), stack("ar_layer_s"),
-                          stack("num_microbatches"), stack("base_s"))

@@ -1,7 +1,6 @@
 """Each cost term against values computed by hand on tiny cases, and the 1F1B closed form against an event
 simulation of Megatron's schedule."""
 
-import heapq
 import random
 from dataclasses import replace
 
@@ -14,6 +13,7 @@ from fasop.costmodel import Config, bytes_per_param, embedding_stages, stage_cos
 from fasop.model import Model
 from fasop.placement import geometry, placements, with_embedding_group
 from fasop.search import prepare, search_plans
+from fasop.simulate import simulate_1f1b
 
 GIB = 2.0**30
 
@@ -181,53 +181,6 @@ def test_plans_that_do_not_fit_are_removed_and_counted(tiny):
 
 
 # -- the 1F1B pipeline time against an event simulation ------------------------------------------------
-
-
-def simulate_1f1b(forward, backward, send, m):
-    """Event simulation of Megatron's 1F1B schedule: stage i runs min(P-1-i, m) warm-up forwards, then
-    alternates one forward and one backward, then drains its backwards. After a forward a stage sends the
-    activation downstream, after a backward the gradient upstream; it is busy for the send (blocking), and
-    the receiver may start once the send has ended. Returns when stage 0 finishes its last backward."""
-    p = len(forward)
-    programs = []
-    for i in range(p):
-        warm = min(p - 1 - i, m)
-        ops = [("F", j) for j in range(warm)]
-        for j in range(m - warm):
-            ops += [("F", j + warm), ("B", j)]
-        programs.append(ops + [("B", j) for j in range(m - warm, m)])
-    ready = {("F", 0, j): 0.0 for j in range(m)}  # inputs of stage 0 are there at time 0
-    clock, position, events = [0.0] * p, [0] * p, []
-    waiting = set(range(p))
-    finish = 0.0
-    while waiting or events:
-        for i in sorted(waiting):
-            kind, j = programs[i][position[i]]
-            key = (kind, i, j) if not (kind == "B" and i == p - 1) else ("F", i, j)
-            if key in ready:
-                waiting.discard(i)
-                start = max(clock[i], ready[key] if kind == "F" or i < p - 1 else clock[i])
-                end = start + (forward[i] if kind == "F" else backward[i])
-                if kind == "F" and i < p - 1:
-                    end += send[i]
-                    heapq.heappush(events, (end, ("F", i + 1, j)))
-                if kind == "B" and i > 0:
-                    end += send[i - 1]
-                    heapq.heappush(events, (end, ("B", i - 1, j)))
-                if kind == "B" and i == 0:
-                    finish = max(finish, end)
-                heapq.heappush(events, (end, ("free", i, None)))
-        if not events:
-            break
-        when, (what, i, j) = heapq.heappop(events)
-        if what == "free":
-            clock[i] = when
-            position[i] += 1
-            if position[i] < len(programs[i]):
-                waiting.add(i)
-        else:
-            ready[(what, i, j)] = when
-    return finish
 
 
 def closed_form(forward, backward, send, m):

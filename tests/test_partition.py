@@ -20,8 +20,7 @@ def compositions(total: int, parts: int, lo: list[int]):
 
 
 def row_problem(batch: PartitionBatch, row: int) -> PartitionBatch:
-    fields = ("lo", "hi", "layer_s", "period_fixed_s", "ar_fixed_s", "ar_layer_s", "num_microbatches", "base_s")
-    return PartitionBatch(batch.segment_of_stage, batch.segment_layers, *(getattr(batch, f)[row:row + 1] for f in fields))
+    return batch.take(np.array([row]))
 
 
 def brute_force(batch: PartitionBatch, row: int):

@@ -1,0 +1,134 @@
+"""How far fasop's two approximations land from what they approximate.
+
+    python scripts/measure_accuracy.py [--instances 200] [--seed 0]
+
+1. The 1F1B closed form (docs/cost-model.md section 4) against the event simulation of fasop/simulate.py:
+   on the best plan of each of FASOP's six experiments, and on random stage sets (speeds 0.3x to 3x apart).
+2. The placement subset that large searches use (type blocks and their rotations, docs/cost-model.md
+   section 1) against exhaustive search, on random clusters of up to 16 nodes of up to 3 GPU types that are
+   small enough to search exhaustively. tests/test_scale.py runs the same comparison on fewer instances.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import fasop
+from fasop.cluster import Cluster, Derating, NodeType, parse_bandwidth
+from fasop.model import Model
+from fasop.partition import PartitionBatch
+from fasop.placement import more_sequences_than, placement_unit, type_order
+from fasop.search import search_plans
+from fasop.simulate import simulate_1f1b
+
+EXPERIMENTS = [("gpt2-xl", "fasop-8xA10"), ("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-4xA10"),
+               ("bert", "fasop-1xA100-3xA10"), ("t5", "fasop-8xA10"), ("t5", "fasop-1xA100-7xA10")]
+
+# the random clusters' GPU types: relative layer time, memory and network
+SPEED = {"fast": 1.0, "mid": 2.0, "slow": 4.5}
+MEMORY_GIB = {"fast": 40.0, "mid": 24.0, "slow": 16.0}
+NETWORK = {"fast": "100 Gbit/s", "mid": "50 Gbit/s", "slow": "25 Gbit/s"}
+
+
+def write_profiles(folder: Path) -> None:
+    """Profiles of the random clusters' GPU types, for the model of random_instance."""
+    for gpu, slow in SPEED.items():
+        rows = ["tp,mbs,kind,forward_s,backward_s"]
+        for tp in (1, 2):
+            for kind, base in (("embedding", 0.002), ("layer", 0.010), ("head", 0.006)):
+                t = base * slow / tp**0.8
+                rows.append(f"{tp},1,{kind},{t},{2 * t}")
+        (folder / f"{gpu}.csv").write_text("\n".join(rows) + "\n")
+
+
+def random_instance(rng: random.Random) -> tuple[Model, Cluster]:
+    """A small decoder model on 2 to 16 nodes of 2 or 3 GPU types, some with little memory."""
+    model = Model(name="m", architecture="decoder", encoder_num_layers=0, decoder_num_layers=rng.choice([6, 8, 12]),
+                  hidden_size=1024, num_attention_heads=16, kv_channels=64, num_query_groups=16,
+                  ffn_hidden_size=4096, encoder_seq_length=0, decoder_seq_length=1024, vocab_size=32000,
+                  precision="fp16", global_batch_size=rng.choice([8, 16, 32]))
+    gpus = rng.choice([2, 4])
+    types = rng.sample(sorted(SPEED), rng.choice([2, 3]))
+    counts = [1] * len(types)
+    for _ in range(rng.randint(2, 16) - len(types)):
+        counts[rng.randrange(len(types))] += 1
+    nodes = {t: NodeType(t, t, gpus, rng.choice([MEMORY_GIB[t], MEMORY_GIB[t] / 8]), parse_bandwidth("100 GB/s", t),
+                         parse_bandwidth(NETWORK[t], t), 1.0 + SPEED[t], n) for t, n in zip(types, counts)}
+    return model, Cluster("random", nodes, Derating(), 1.0)
+
+
+def subset_gap(model: Model, cluster: Cluster, profiles: str, limit: int = 3000) -> float | None:
+    """Step time of the subset's best plan over the exhaustive best, minus one; None when the instance has
+    more than `limit` node orders or no plan."""
+    counts = tuple(cluster.node_types[n].count for n in type_order(cluster))
+    if more_sequences_than(counts, placement_unit(cluster.gpus_per_node, 1), limit):
+        return None
+    try:
+        exhaustive = search_plans(model, cluster, profiles_dir=profiles, placement_limit=10**9, workers=1)
+    except fasop.InputError:  # no plan can use this batch size on this many GPUs
+        return None
+    if not exhaustive.plans:
+        return None
+    subset = search_plans(model, cluster, profiles_dir=profiles, placement_limit=0, workers=1)
+    return subset.plans[0]["step_time_s"] / exhaustive.plans[0]["step_time_s"] - 1
+
+
+def closed_form(compute_s: np.ndarray, send_s: np.ndarray, m: int) -> float:
+    """fasop's own pipeline time of stages with these times: one layer per stage in a partition problem."""
+    p = len(compute_s)
+    exchange = np.zeros(p)
+    exchange[1:] += send_s
+    exchange[:-1] += send_s
+    one = np.ones((1, p), dtype=int)
+    batch = PartitionBatch(np.zeros(p, dtype=int), np.array([p]), one, one, compute_s[None, :], exchange[None, :],
+                           np.zeros((1, p)), np.zeros((1, p)), np.array([m]), np.array([2 * send_s.sum()]))
+    return float(batch.objective(one)[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--instances", type=int, default=200, help="random clusters compared with exhaustive search")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+
+    print("1F1B closed form against the event simulation (closed / simulated - 1)")
+    for model_name, cluster_name in EXPERIMENTS:
+        plan = search_plans(fasop.load_model(model_name), fasop.load_cluster(cluster_name)).plans[0]
+        compute = np.array([s["compute_s"] for s in plan["stages"]])  # these profiles: backward = 2 x forward
+        sends = np.array([s["p2p_s"] for s in plan["stages"]])
+        boundary = np.zeros(len(compute) - 1)
+        for j in range(len(boundary)):  # stage p2p = sends across its two boundaries; unwind from stage 0
+            boundary[j] = sends[j] - (boundary[j - 1] if j else 0.0)
+        sim = simulate_1f1b(list(compute / 3), list(2 * compute / 3), list(boundary) + [0.0], plan["num_microbatches"])
+        print(f"  best plan of {model_name} on {cluster_name}: {plan['pipeline_time_s'] / sim - 1:+.2%}")
+    gaps = []
+    for _ in range(args.instances):
+        p, m = rng.randint(1, 8), rng.randint(1, 16)
+        compute = np.array([rng.uniform(0.3, 3.0) for _ in range(p)])
+        send = np.array([rng.uniform(0.0, 0.5) for _ in range(p - 1)])
+        sim = simulate_1f1b(list(compute / 3), list(2 * compute / 3), list(send) + [0.0], m)
+        gaps.append(closed_form(compute, send, m) / sim - 1)
+    print(f"  {args.instances} random stage sets: mean {np.mean(gaps):+.2%}, worst {max(gaps):+.2%}, "
+          f"never below the simulation: {min(gaps) >= -1e-12}")
+
+    print("placement subset against exhaustive search (subset best / exhaustive best - 1)")
+    with tempfile.TemporaryDirectory() as folder:
+        write_profiles(Path(folder))
+        gaps, tried = [], 0
+        while len(gaps) < args.instances:
+            tried += 1
+            gap = subset_gap(*random_instance(rng), folder)
+            if gap is not None:
+                gaps.append(gap)
+    print(f"  {len(gaps)} random clusters (of {tried} drawn; the rest too large to search exhaustively or without "
+          f"a plan): mean {np.mean(gaps):+.3%}, worst {max(gaps):+.3%}, within 1%: {sum(g <= 0.01 for g in gaps)}")
+
+
+if __name__ == "__main__":
+    main()
