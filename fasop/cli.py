@@ -12,7 +12,8 @@ from pathlib import Path
 import click
 
 from fasop.cluster import load_cluster
-from fasop.emit import FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, emit_plan, launch_options, split_flags
+from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, emit_plan, launch_options, restate_plan,
+                        split_flags)
 from fasop.errors import InputError
 from fasop.model import load_model
 from fasop.plans import load_plans, select_plan, write_plans
@@ -263,7 +264,9 @@ _SITE_HELP = "Overrides the [launch] table of the cluster file."
 @click.option("--rank", type=int, default=1, show_default=True, help="Which plan of the list (1 = the best).")
 @click.option("--out", "out_dir", required=True, metavar="DIR",
               help="Directory to write sbatch.sh, run_inter.sh and plan.json into (created if missing).")
-@click.option("--force", is_flag=True, help="Overwrite the files of a directory that holds files already.")
+@click.option("--force", is_flag=True,
+              help="Overwrite the files of a directory that holds files already, and emit a plan whose figures "
+                   "disagree with a fresh estimate (with a warning; plan.json gets the fresh figures).")
 @click.option("--model", "model_name", default=None, metavar="NAME|FILE",
               help="Model file (default: the plan's model_file).")
 @click.option("--cluster", "cluster_name", default=None, metavar="NAME|FILE",
@@ -313,23 +316,27 @@ _SITE_HELP = "Overrides the [launch] table of the cluster file."
               help="How uneven layers per stage are passed (stock flavour): auto (default) uses "
                    "--decoder-first/last-pipeline-num-layers when the split has that form, else "
                    "--pipeline-model-parallel-layout; layout or first-last force one. " + _SITE_HELP)
+@profiles_option
 @reports_input_errors
 def emit(plans_file: str, rank: int, out_dir: str, force: bool, model_name: str | None, cluster_name: str | None,
-         partitions: tuple[str, ...], gres_types: tuple[str, ...], extra_flags: tuple[str, ...], **site) -> None:
+         partitions: tuple[str, ...], gres_types: tuple[str, ...], extra_flags: tuple[str, ...],
+         profiles_dir: str | None, **site) -> None:
     """Write Slurm and Megatron-LM launch scripts for one plan of a plan list.
 
     DIR gets sbatch.sh (one Slurm job, a heterogeneous-job component per run of node types in the plan's
     placement order), run_inter.sh (torchrun and Megatron-LM flags, one per node) and plan.json (the plan and
-    its estimate). Submit with: cd DIR && sbatch sbatch.sh
+    its estimate). The plan is estimated afresh from the model, cluster and profiles first, and refused when
+    the figures in the plan file disagree. Submit with: cd DIR && sbatch sbatch.sh
     """
     written = _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions, gres_types,
-                    extra_flags, site)
+                    extra_flags, profiles_dir, site)
     for path in written:
         click.echo(str(path))
     click.echo(f"Submit with: cd {out_dir} && sbatch sbatch.sh", err=True)
 
 
-def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions, gres_types, extra_flags, site):
+def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions, gres_types, extra_flags,
+          profiles_dir, site):
     plans_path = Path(plans_file)
     plans = load_plans(plans_path)
     plan = select_plan(plans, rank, plans_file)
@@ -341,6 +348,7 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
             raise InputError(where, f"names no {key}; give --{key.split('_')[0]}")
     model = load_model(model_name or _resolve_input(plan["model_file"], plans_path))
     cluster = load_cluster(cluster_name or _resolve_input(plan["cluster_file"], plans_path))
+    plan, warning = restate_plan(plan, model, cluster, profiles_dir, force, where)
     # A plain NAME on the command line applies to every node type, over what the cluster file says.
     partition, partition_map = _type_map(partitions, "--partition")
     gres_type, gres_map = _type_map(gres_types, "--gres-type")
@@ -356,7 +364,10 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
         getattr(cluster, "launch", {}), f"{getattr(cluster, 'file', '') or cluster.name}: launch",
         partition=partition, partitions=partition_map, gres_type=gres_type, gres_types=gres_map,
         extra_flags=tuple(flags), **overrides)
-    return emit_plan(plan, model, cluster, out, options, force=force, where=where)
+    written = emit_plan(plan, model, cluster, out, options, force=force, where=where)
+    if warning:
+        click.echo(warning, err=True)
+    return written
 
 
 # -- fasop profile ---

@@ -8,6 +8,7 @@ from typing import Any
 
 from fasop import bundled
 from fasop.errors import InputError
+from fasop.names import table_name
 from fasop.tomlfile import Table, read_toml
 
 # Units a bandwidth may be written in, as bytes per second per unit. "Gb/s" and "Gbps" are refused: one
@@ -100,8 +101,9 @@ _NODE_FIELDS = {
 def _node_type(raw: Any, file: str, index: int) -> NodeType:
     table = Table(raw, file, f"node_type[{index}]")
     table.reject_unknown(_NODE_FIELDS)
-    name = table.str("name")
+    name = table_name(table, "name")
     table.prefix = f"node_type.{name}"
+    table_name(table, "gpu")  # checked before use: it also names the GPU's profile files
     return NodeType(
         name=name,
         gpu=table.str("gpu"),
@@ -150,7 +152,7 @@ def load_cluster(name_or_path: str) -> Cluster:
     if not isinstance(launch, dict):
         raise InputError(f"{file}: launch", "expected a table")
     return Cluster(
-        name=head.str("name"),
+        name=table_name(head, "name"),
         node_types={n: t for n, t in types.items() if t.count > 0},
         derating=derating,
         memory_margin=head.float("memory_margin", 1.0),

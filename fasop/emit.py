@@ -9,7 +9,8 @@ Three files are written for a plan:
   position in the plan's placement, and it becomes the torchrun node rank. The first node of component 0 is
   the rendezvous.
 * `run_inter.sh`: the per-node launcher, `torchrun ... <entry script> <Megatron-LM flags>`.
-* `plan.json`: the plan and its estimate, to compare the run with the prediction.
+* `plan.json`: the plan and its estimate, to compare the run with the prediction. `fasop emit` first estimates
+  the plan afresh (`restate_plan`) and refuses a plan file whose figures disagree.
 
 How the plan's per-stage layer counts reach Megatron-LM (stock flavour):
 
@@ -27,6 +28,7 @@ The `fasop-fork` flavour writes FASOP's `--balance k0-k1-...` (transformer layer
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -44,10 +46,11 @@ FLAVORS = ("stock", "fasop-fork")
 PIPELINE_SPLITS = ("auto", "layout", "first-last")
 OUTPUT_FILES = ("sbatch.sh", "run_inter.sh", "plan.json")
 
-# Characters Slurm reads unquoted in "#SBATCH --key=value" lines.
-_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
-_SLURM_LIST = re.compile(r"^[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*$")
-_SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$")
+# Characters Slurm reads unquoted in "#SBATCH --key=value" lines; always applied with fullmatch (a pattern
+# ending in "$" would also accept a trailing newline, which ends the directive and starts a shell line).
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+_SLURM_LIST = re.compile(r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*")
+_SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}", re.ASCII)
 _WORDPIECE = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 
@@ -99,10 +102,10 @@ def _check_options(opts: LaunchOptions, where: str) -> None:
     port = opts.master_port
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise bad("master_port", f"expected a port number 1-65535, got {port!r}")
-    if not isinstance(opts.time_limit, str) or not _SLURM_TIME.match(opts.time_limit):
+    if not isinstance(opts.time_limit, str) or not _SLURM_TIME.fullmatch(opts.time_limit):
         raise bad("time_limit", f"expected a Slurm time such as 90, 01:30:00 or 1-12:00:00, got {opts.time_limit!r}")
     def slurm_name(value: Any, pattern: re.Pattern, empty_ok: bool) -> bool:
-        return isinstance(value, str) and (bool(pattern.match(value)) or (empty_ok and value == ""))
+        return isinstance(value, str) and (bool(pattern.fullmatch(value)) or (empty_ok and value == ""))
 
     for key, pattern in (("partition", _SLURM_LIST), ("gres_type", _SLURM_NAME), ("account", _SLURM_NAME),
                          ("job_name", _SLURM_NAME)):
@@ -260,6 +263,8 @@ def _check_plan(plan: Mapping[str, Any], model: Any, cluster: Any, opts: LaunchO
         if len(sizes) > 1:
             raise InputError(f"{where}: placement", f"node types with different GPUs per node {sorted(sizes)}")
         gpn = sizes.pop()
+        if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:  # written into the scripts as it is
+            raise InputError(f"cluster {cluster.name}: gpus_per_node", f"expected an integer >= 1, got {gpn!r}")
     world = tp * dp * pp
     if world != gpn * len(placement):
         raise InputError(f"{where}: placement",
@@ -280,6 +285,67 @@ def _check_plan(plan: Mapping[str, Any], model: Any, cluster: Any, opts: LaunchO
         raise InputError(f"{where}: distributed_optimizer", f"expected true or false, got {distributed_optimizer!r}")
     return _Plan(plan["rank"], tp, dp, pp, mbs, gbs, tuple(placement), tuple(layers), encoder_stages,
                  distributed_optimizer, gpn)
+
+
+# -- the plan's figures, estimated afresh ----------------------------------------------------------------
+
+FIGURE_TOLERANCE = 1e-6  # relative; a plan written by fasop search re-estimates to within rounding noise
+_NOT_FIGURES = ("model", "model_file", "cluster", "cluster_file", "placement_search", "fits_memory")
+
+
+def _disagreements(given: Any, fresh: Any, key: str) -> list[tuple[str, Any, Any]]:
+    """(key, given, fresh) where `given` (read from a plan file) differs from `fresh`: numbers beyond
+    FIGURE_TOLERANCE, everything else exactly; keys that `given` lacks are not compared."""
+    if isinstance(fresh, dict) and isinstance(given, dict):
+        return [d for k in fresh if k in given for d in _disagreements(given[k], fresh[k], f"{key}.{k}".lstrip("."))]
+    if isinstance(fresh, list) and isinstance(given, list) and len(given) == len(fresh):
+        return [d for i, (g, f) in enumerate(zip(given, fresh)) for d in _disagreements(g, f, f"{key}[{i}]")]
+    if isinstance(fresh, float) and isinstance(given, (int, float)) and not isinstance(given, bool):
+        agree = math.isclose(given, fresh, rel_tol=FIGURE_TOLERANCE, abs_tol=1e-12)
+    else:
+        agree = type(given) is type(fresh) and given == fresh
+    return [] if agree else [(key, given, fresh)]
+
+
+def restate_plan(plan: Mapping[str, Any], model: Any, cluster: Any, profiles_dir: str | None = None,
+                 force: bool = False, where: str | None = None) -> tuple[dict, str | None]:
+    """The plan to launch and a warning, its figures checked against an estimate made afresh from `model`,
+    `cluster` and the profiles (a plan file may be edited by hand, or older than its inputs).
+
+    Refuses a plan whose step time, memory, layer counts or any other figure it states disagrees with the fresh
+    estimate (beyond FIGURE_TOLERANCE), or that no longer fits memory; with `force` such a plan is returned
+    with the fresh figures, and a warning. Figures the plan file lacks are filled in from the estimate.
+    """
+    from fasop.search import add_training_run, estimate  # the search modules load only when a plan is checked
+
+    where = where or f"plan {plan.get('rank', '?')}"
+    p = _check_plan(plan, model, cluster, LaunchOptions(), where)
+    try:
+        fresh = estimate(model, cluster, tp=p.tp, dp=p.dp, pp=p.pp, mbs=p.mbs, placement=list(p.placement),
+                         layers=list(p.layers), gbs=p.gbs, profiles_dir=profiles_dir,
+                         distributed_optimizer=p.distributed_optimizer)
+    except InputError as err:
+        raise InputError(where, f"cannot be estimated afresh from model {model.name} and cluster {cluster.name} "
+                                f"({err})") from None
+    if "train_steps" in plan:
+        add_training_run(fresh, model, _positive(plan, "train_steps", where), None)
+    figures = {key: value for key, value in fresh.items() if key not in _NOT_FIGURES}
+    problems = []
+    stale = _disagreements(plan, figures, "")
+    if stale:
+        key, given, value = stale[0]
+        more = f" (and {len(stale) - 1} more figures)" if len(stale) > 1 else ""
+        problems.append(f"{key} is {given!r} in the plan file but {value!r} estimated afresh{more}")
+    if not fresh["fits_memory"]:
+        problems.append(f"it no longer fits memory ({fresh['peak_memory_gib']:.2f} GiB x margin "
+                        f"{cluster.memory_margin} on GPUs of {fresh['memory_capacity_gib']:.2f} GiB)")
+    if not problems:
+        return {**figures, **plan}, None
+    message = "stale plan: " + "; ".join(problems)
+    if not force:
+        raise InputError(where, f"{message}; search again (with the same --profiles), or pass --force to emit "
+                                "it with the fresh figures")
+    return {**plan, **figures}, f"warning: {where}: {message}; emitted with the fresh figures (--force)"
 
 
 # -- the pipeline split ---------------------------------------------------------------------------------
@@ -530,7 +596,7 @@ def _gres_type(node_type: Any, opts: LaunchOptions) -> str:
     gres = _first(opts.gres_types.get(node_type.name), opts.gres_types.get(node_type.gpu),
                   getattr(node_type, "gres_type", None), opts.gres_type,
                   re.sub(r"[^a-z0-9_.+-]", "_", node_type.gpu.lower()))
-    if gres and not _SLURM_NAME.match(gres):
+    if gres and not _SLURM_NAME.fullmatch(gres):
         raise InputError(f"node_type.{node_type.name}: gres_type", f"expected a Slurm name, got {gres!r}")
     return gres
 
@@ -538,14 +604,20 @@ def _gres_type(node_type: Any, opts: LaunchOptions) -> str:
 def _partition(node_type: Any, opts: LaunchOptions) -> str | None:
     part = _first(opts.partitions.get(node_type.name), opts.partitions.get(node_type.gpu),
                   getattr(node_type, "slurm_partition", None), opts.partition)
-    if part is not None and not _SLURM_LIST.match(part):
+    if part is not None and not _SLURM_LIST.fullmatch(part):
         raise InputError(f"node_type.{node_type.name}: slurm_partition", f"expected a Slurm name, got {part!r}")
     return part
 
 
+def _comment(text: str) -> str:
+    """`text` made safe for a `# ...` line: a newline would end the comment and start a command (and end the
+    #SBATCH directives), so it and every other unprintable character are written as escapes."""
+    return "# " + "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def _describe(plan: Mapping[str, Any], model: Any, cluster: Any, p: _Plan) -> str:
-    return (f"fasop plan {p.rank}: {model.name} on {cluster.name}, tp={p.tp} dp={p.dp} pp={p.pp} "
-            f"mbs={p.mbs} gbs={p.gbs}, layers per stage {'-'.join(str(n) for n in p.layers)}")
+    return _comment(f"fasop plan {p.rank}: {model.name} on {cluster.name}, tp={p.tp} dp={p.dp} pp={p.pp} "
+                    f"mbs={p.mbs} gbs={p.gbs}, layers per stage {'-'.join(str(n) for n in p.layers)}.")
 
 
 def _sbatch(plan: Mapping[str, Any], model: Any, cluster: Any, p: _Plan, opts: LaunchOptions) -> str:
@@ -554,8 +626,8 @@ def _sbatch(plan: Mapping[str, Any], model: Any, cluster: Any, p: _Plan, opts: L
     job_name = opts.job_name or re.sub(r"[^A-Za-z0-9_.+-]", "_", f"fasop-{model.name}")
     lines = [
         "#!/usr/bin/env bash",
-        f"# {_describe(plan, model, cluster, p)}.",
-        f"# Node ranks 0-{len(p.placement) - 1} in placement order: {' '.join(p.placement)}.",
+        _describe(plan, model, cluster, p),
+        _comment(f"Node ranks 0-{len(p.placement) - 1} in placement order: {' '.join(p.placement)}."),
     ]
     if het:
         lines.append("# One heterogeneous-job component per run of nodes of one type, in that order.")
@@ -631,7 +703,7 @@ def _run_inter(plan: Mapping[str, Any], model: Any, cluster: Any, p: _Plan, opts
                    ("--master_port", '"$MASTER_PORT"')]
     lines = [
         "#!/usr/bin/env bash",
-        f"# {_describe(plan, model, cluster, p)}.",
+        _describe(plan, model, cluster, p),
         "# Per-node launcher, started once per node by sbatch.sh; by hand: NODE_RANK=r MASTER_ADDR=host bash run_inter.sh",
         "set -euo pipefail",
         "",

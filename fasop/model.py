@@ -13,6 +13,7 @@ from functools import lru_cache
 
 from fasop import bundled
 from fasop.errors import InputError
+from fasop.names import table_name
 from fasop.tomlfile import Table, read_toml
 
 ARCHITECTURES = ("decoder", "encoder", "encoder-decoder")
@@ -241,7 +242,7 @@ def load_model(name_or_path: str) -> Model:
     if heads % groups:
         raise InputError(table.where("num_query_groups"), f"must divide num_attention_heads {heads}")
     model = Model(
-        name=table.str("name"), architecture=arch,
+        name=table_name(table, "name"), architecture=arch,
         encoder_num_layers=enc_layers, decoder_num_layers=dec_layers,
         hidden_size=hidden, num_attention_heads=heads,
         kv_channels=table.int("kv_channels", hidden // heads), num_query_groups=groups,

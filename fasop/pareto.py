@@ -29,6 +29,7 @@ from fasop.cluster import Cluster
 from fasop.errors import InputError
 from fasop.files import write_atomically
 from fasop.model import Model
+from fasop.plans import CSV_LIST_SEPARATOR
 
 DEFAULT_TRAIN_STEPS = 10_000  # run length used when neither train_steps nor train_tokens is given
 NODES_PREFIX = "nodes_"
@@ -339,7 +340,7 @@ def _format(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
-        return "-".join(map(str, value))
+        return CSV_LIST_SEPARATOR.join(map(str, value))
     if isinstance(value, float):
         return repr(value)  # the shortest text that reads back as the same float
     if isinstance(value, (np.floating, np.integer)):
@@ -348,7 +349,7 @@ def _format(value) -> str:
 
 
 def front_as_csv(records: list[dict]) -> str:
-    """The records as CSV text: one row per composition, lists joined with '-', booleans true/false,
+    """The records as CSV text: one row per composition, lists joined with spaces, booleans true/false,
     floats in the shortest form that reads back exactly, empty cells for the plan of an infeasible row."""
     if not records:
         raise InputError("front", "no compositions to write")
@@ -380,7 +381,7 @@ def _parse(value: str, column: str, where: str):
                 raise ValueError
             return value.lower() == "true"
         if column in LIST_COLUMNS:
-            return [LIST_COLUMNS[column](v) for v in value.split("-")]
+            return [LIST_COLUMNS[column](v) for v in value.split(CSV_LIST_SEPARATOR)]
         number = float(value)
     except ValueError:
         raise InputError(where, f"column {column}: unexpected value {value!r}") from None

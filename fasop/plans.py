@@ -14,6 +14,9 @@ from fasop.files import write_atomically
 
 PLAN_KEYS = ("rank", "gbs", "mbs", "tp", "dp", "pp", "placement", "layers_per_stage")  # what readers rely on
 CSV_LISTS = ("placement", "layers_per_stage")
+# Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.names),
+# so every node-type name reads back whole ("-" is inside it).
+CSV_LIST_SEPARATOR = " "
 
 
 def plans_as_json(plans: list[dict]) -> str:
@@ -21,14 +24,14 @@ def plans_as_json(plans: list[dict]) -> str:
 
 
 def plans_as_csv(plans: list[dict]) -> str:
-    """The same columns as the JSON; lists joined with '-', the per-stage breakdown as compact JSON."""
+    """The same columns as the JSON; lists joined with spaces, the per-stage breakdown as compact JSON."""
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=list(plans[0]), lineterminator="\n")
     writer.writeheader()
     for plan in plans:
         flat = dict(plan)
         for key in CSV_LISTS:
-            flat[key] = "-".join(map(str, plan[key]))
+            flat[key] = CSV_LIST_SEPARATOR.join(map(str, plan[key]))
         flat["stages"] = json.dumps(plan["stages"], separators=(",", ":"))
         writer.writerow(flat)
     return out.getvalue()

@@ -198,8 +198,8 @@ def test_bundled_search_csv_has_the_json_columns(bert_search):
     assert set(REQUIRED_KEYS) <= set(reader.fieldnames)
     assert len(rows) == len(plans)
     for row, plan in zip(rows, plans):
-        assert row["placement"] == "-".join(plan["placement"])
-        assert row["layers_per_stage"] == "-".join(map(str, plan["layers_per_stage"]))
+        assert row["placement"].split(" ") == plan["placement"]
+        assert row["layers_per_stage"] == " ".join(map(str, plan["layers_per_stage"]))
         assert float(row["step_time_s"]) == plan["step_time_s"]
         assert int(row["tp"]) == plan["tp"] and int(row["mbs"]) == plan["mbs"]
 

@@ -13,13 +13,14 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from fasop.cli import emit
+from fasop.cli import emit, main
 from fasop.cluster import load_cluster
 from fasop.emit import (LaunchOptions, emit_plan, fasop_units_to_layers, first_last_split, launch_options,
                         pipeline_layout, render_plan)
 from fasop.errors import InputError
 from fasop.model import load_model
 from fasop.plans import load_plans
+from fasop.search import estimate
 
 CLUSTER_TOML = """\
 [cluster]
@@ -88,6 +89,16 @@ def make_plan(cluster_file: str = "mixed.toml", **changes) -> dict:
     }
     plan.update(changes)
     return plan
+
+
+def fresh_plan(directory: Path, **changes) -> dict:
+    """make_plan(**changes) with the figures `fasop estimate` gives it on the cluster file in `directory`."""
+    plan = make_plan(**changes)
+    row = estimate(load_model(plan["model_file"]), load_cluster(str(directory / plan["cluster_file"])),
+                   tp=plan["tp"], dp=plan["dp"], pp=plan["pp"], mbs=plan["mbs"], placement=plan["placement"],
+                   layers=plan["layers_per_stage"], gbs=plan["gbs"], distributed_optimizer=plan["distributed_optimizer"])
+    assert row.pop("fits_memory")
+    return {**plan, **row, "cluster_file": plan["cluster_file"]}  # the file as named beside the plan list
 
 
 @pytest.fixture
@@ -551,7 +562,7 @@ def one_line_error(result, *fragments):
 
 def test_cli_writes_the_files(tmp_path):
     write_cluster(tmp_path, 'partition = "gpu"\nmaster_port = 6123\n')
-    plans = write_plans(tmp_path, [make_plan(), make_plan(rank=2, layers_per_stage=[12, 12, 12, 12])])
+    plans = write_plans(tmp_path, [fresh_plan(tmp_path), fresh_plan(tmp_path, rank=2, layers_per_stage=[12, 12, 12, 12])])
     result = runner().invoke(emit, ["--plans", str(plans), "--rank", "2", "--out", str(tmp_path / "out"),
                                     "--partition", "small=cheap", "--extra-flags", "--log-interval 1"])
     assert result.exit_code == 0, result.stderr
@@ -592,7 +603,7 @@ def test_cli_rank_beyond_the_list(tmp_path):
 
 def test_cli_output_directory_with_files(tmp_path):
     write_cluster(tmp_path)
-    plans = write_plans(tmp_path, [make_plan()])
+    plans = write_plans(tmp_path, [fresh_plan(tmp_path)])
     out = tmp_path / "o"
     out.mkdir()
     (out / "old.txt").write_text("x")
@@ -605,7 +616,7 @@ def test_cli_output_directory_with_files(tmp_path):
 
 def test_cli_refused_plan_is_one_line(tmp_path):
     write_cluster(tmp_path)
-    plans = write_plans(tmp_path, [make_plan(layers_per_stage=[10, 13, 14, 11])])
+    plans = write_plans(tmp_path, [fresh_plan(tmp_path, layers_per_stage=[10, 13, 14, 11])])
     result = runner().invoke(emit, ["--plans", str(plans), "--out", str(tmp_path / "o"),
                                     "--pipeline-split", "first-last"])
     one_line_error(result, "first-last")
@@ -640,3 +651,98 @@ def test_the_documented_launch_table_is_valid():
     table = tomllib.loads(block)["launch"]
     options = launch_options(table, "docs: launch")
     assert options.partitions == {"A100": "hgx", "A10": "gpu2"} and options.extra_flags == ("--log-interval", "1")
+
+
+# -- the plan estimated afresh ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def searched(tmp_path):
+    """A plan list written by `fasop search --output` for gpt2-xl on the mixed cluster."""
+    write_cluster(tmp_path)
+    result = runner().invoke(main, ["search", "--model", "gpt2-xl", "--cluster", str(tmp_path / "mixed.toml"),
+                                    "--gbs", "64", "--train-steps", "1000", "--output", str(tmp_path / "plans.json")])
+    assert result.exit_code == 0, result.stderr
+    return tmp_path / "plans.json"
+
+
+def emit_rank(plans: Path, rank: int, out: Path, *options: str):
+    return runner().invoke(emit, ["--plans", str(plans), "--rank", str(rank), "--out", str(out), *options])
+
+
+def test_an_untouched_plan_from_search_is_emitted_as_it_is(searched):
+    plans = json.loads(searched.read_text())
+    for rank in (1, 2, len(plans)):
+        out = searched.parent / f"out{rank}"
+        result = emit_rank(searched, rank, out)
+        assert result.exit_code == 0, result.stderr
+        assert "warning" not in result.stderr
+        assert json.loads((out / "plan.json").read_text()) == plans[rank - 1]
+
+
+def edit(plans_file: Path, change) -> dict:
+    """Apply `change` to plan 1 of the list in place; returns the plan as it was."""
+    plans = json.loads(plans_file.read_text())
+    before = json.loads(json.dumps(plans[0]))
+    change(plans[0])
+    plans_file.write_text(json.dumps(plans))
+    return before
+
+
+def _move_a_layer(plan):
+    plan["layers_per_stage"][0] += 1  # the figures and the per-stage breakdown still say the old split
+    plan["layers_per_stage"][-1] -= 1
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda plan: plan.update(step_time_s=plan["step_time_s"] * 0.8), "step_time_s is"),
+    (lambda plan: plan.update(peak_memory_gib=plan["peak_memory_gib"] / 2), "peak_memory_gib is"),
+    (lambda plan: plan["stages"][-1].update(memory_gib=1.0), "stages[3].memory_gib is"),
+    (lambda plan: plan.update(train_hours=1.0), "train_hours is"),
+    (lambda plan: plan.update(num_microbatches=plan["num_microbatches"] + 1), "num_microbatches is"),
+    (lambda plan: plan.update(step_time_s=float("nan")), "step_time_s is nan"),
+    (_move_a_layer, "estimated afresh"),
+])
+def test_a_hand_edited_plan_is_refused(searched, change, fragment):
+    plans = json.loads(searched.read_text())
+    assert plans[0]["pp"] == 4 and plans[0]["layers_per_stage"][-1] > 1
+    edit(searched, change)
+    result = emit_rank(searched, 1, searched.parent / "out")
+    one_line_error(result, "plan 1", "stale plan", fragment, "--force")
+    assert not (searched.parent / "out").exists()
+
+
+def test_force_emits_a_stale_plan_with_the_fresh_figures_and_a_warning(searched):
+    before = edit(searched, lambda plan: plan.update(step_time_s=0.001, cost_per_step_usd=0.0))
+    out = searched.parent / "out"
+    result = emit_rank(searched, 1, out, "--force")
+    assert result.exit_code == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "step_time_s is 0.001" in warnings[0] and "--force" in warnings[0]
+    written = json.loads((out / "plan.json").read_text())
+    assert written["step_time_s"] == pytest.approx(before["step_time_s"], rel=1e-9)
+    assert written["cost_per_step_usd"] == pytest.approx(before["cost_per_step_usd"], rel=1e-9)
+
+
+def test_a_plan_that_no_longer_fits_memory_is_refused(searched):
+    plans = json.loads(searched.read_text())
+    need = plans[0]["peak_memory_gib"]
+    cluster = searched.parent / "mixed.toml"
+    cluster.write_text(cluster.read_text().replace("gpu_memory_gib = 79.0", f"gpu_memory_gib = {need * 0.9:.3f}")
+                                          .replace("gpu_memory_gib = 22.0", f"gpu_memory_gib = {need * 0.9:.3f}"))
+    result = emit_rank(searched, 1, searched.parent / "out")
+    one_line_error(result, "stale plan", "no longer fits memory")
+    result = emit_rank(searched, 1, searched.parent / "out", "--force")
+    assert result.exit_code == 0 and "no longer fits memory" in result.stderr
+
+
+def test_a_plan_with_figures_missing_gets_them_from_the_estimate(tmp_path):
+    write_cluster(tmp_path)
+    bare = {key: make_plan()[key] for key in ("rank", "model_file", "cluster_file", "gbs", "mbs", "tp", "dp", "pp",
+                                              "placement", "layers_per_stage", "distributed_optimizer")}
+    plans = write_plans(tmp_path, [bare])
+    result = emit_rank(plans, 1, tmp_path / "out")
+    assert result.exit_code == 0, result.stderr
+    written = json.loads((tmp_path / "out" / "plan.json").read_text())
+    figures = {k: v for k, v in fresh_plan(tmp_path).items() if k not in ("model", "cluster", "placement_search")}
+    assert written == {**figures, **bare}
