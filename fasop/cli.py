@@ -15,6 +15,7 @@ from fasop.cluster import load_cluster
 from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, emit_plan, launch_options, restate_plan,
                         split_flags)
 from fasop.errors import InputError
+from fasop.layers_command import register as register_profile_layers
 from fasop.model import load_model
 from fasop.plans import load_plans, select_plan, write_plans
 
@@ -424,6 +425,9 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
                f"backward {layer.backward_s * 1e3:.4g} ms")
     if out.name != f"{spec.name}.csv":
         click.echo(f"note: fasop search reads <gpu>.csv; name the file {spec.name}.csv to use it for GPU {spec.name}")
+
+
+register_profile_layers(profile, model_option, reports_input_errors)
 
 
 # -- fasop pareto / fasop plot ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from fasop.errors import InputError
 from fasop.model import Model
 
 COLUMNS = ("tp", "mbs", "kind", "forward_s", "backward_s")
+MEMORY_COLUMN = "peak_memory_bytes"  # optional last column of measured profiles; the search does not read it
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,9 @@ def read_profile(path: Path, model: Model, gpu: str) -> GpuProfile:
     except OSError as err:
         raise InputError(file, f"cannot be read ({err.strerror})") from None
     reader = csv.DictReader(lines)
-    if tuple(reader.fieldnames or ()) != COLUMNS:
-        raise InputError(file, f"expected the header {','.join(COLUMNS)}, got {','.join(reader.fieldnames or ())}")
+    if tuple(reader.fieldnames or ()) not in (COLUMNS, COLUMNS + (MEMORY_COLUMN,)):
+        raise InputError(file, f"expected the header {','.join(COLUMNS)}[,{MEMORY_COLUMN}], "
+                               f"got {','.join(reader.fieldnames or ())}")
     kinds = required_kinds(model)
     rows: dict[tuple[int, str], list[tuple[int, float, float]]] = {}
     for number, row in enumerate(reader, start=2):
