@@ -7,17 +7,28 @@ import json
 import math
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import click
 
+from fasop import bundled
 from fasop.cluster import load_cluster
-from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, emit_plan, launch_options, restate_plan,
-                        split_flags)
+from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, launch_options, render_plan, restate_plan,
+                        split_flags, write_files)
 from fasop.errors import InputError
+from fasop.files import check_finite, check_outputs, pending_write
 from fasop.layers_command import register as register_profile_layers
 from fasop.model import load_model
-from fasop.plans import load_plans, select_plan, write_plans
+from fasop.plans import load_plans, plans_text, select_plan
+from fasop.profiles import load_profiles, profile_paths
+
+
+def _input_paths(model_name: str, cluster_name: str, model, cluster, profiles_dir: str | None) -> list[Path]:
+    """The files a search or sweep reads, which its outputs must not replace."""
+    profiles = profile_paths(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
+    return [bundled.resolve("models", model_name, ".toml"), bundled.resolve("clusters", cluster_name, ".toml"),
+            *profiles.values()]
 
 
 def reports_input_errors(command):
@@ -99,6 +110,8 @@ cluster_option = click.option("--cluster", "cluster_name", required=True, metava
 gbs_option = click.option("--gbs", type=int, default=None, help="Global batch size (default: the model file's).")
 profiles_option = click.option("--profiles", "profiles_dir", default=None, metavar="DIR",
                                help="Folder of <gpu>.csv profiles (default: the bundled profiles/<model>).")
+mismatch_option = click.option("--allow-profile-mismatch", is_flag=True,
+                                help="Use profiles whose fasop-profile header line names another model or GPU.")
 optimizer_option = click.option("--distributed-optimizer/--no-distributed-optimizer", default=True, show_default=True,
                                 help="Shard optimizer state over data parallelism (Megatron's --use-distributed-optimizer).")
 
@@ -129,10 +142,11 @@ def main():
               help="Also write the best plan's Slurm and Megatron-LM launch scripts into this directory "
                    "(site options from the cluster file's [launch] table; `fasop emit` offers them all).")
 @profiles_option
+@mismatch_option
 @optimizer_option
 @reports_input_errors
 def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, prune, workers, emit_dir,
-           profiles_dir, distributed_optimizer):
+           profiles_dir, allow_profile_mismatch, distributed_optimizer):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
     from fasop.search import search_plans
 
@@ -143,11 +157,17 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     if output is not None and output.suffix not in (".json", ".csv"):
         raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
     model, cluster = load_model(model_name), load_cluster(cluster_name)
+    inputs = _input_paths(model_name, cluster_name, model, cluster, profiles_dir)
+    outputs = [(output, "--output")] if output is not None else []
+    if emit_dir is not None:
+        check_out_dir(emit_dir, force=False)
+    check_outputs(outputs, inputs)
+    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
     progress = Progress("searching")
     started = time.perf_counter()
     result = search_plans(model, cluster, gbs, profiles_dir, distributed_optimizer=distributed_optimizer,
                           train_steps=train_steps, train_tokens=train_tokens, sort=sort, progress=progress,
-                          keep=top if prune else None, workers=workers)
+                          keep=top if prune else None, workers=workers, profiles=profiles)
     progress.close()
     elapsed = time.perf_counter() - started
     plans = result.plans
@@ -158,10 +178,18 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
             hint = (f"; the closest plan (tp={closest.tp} dp={closest.dp} pp={closest.pp} mbs={closest.mbs}) "
                     f"needs {result.closest_memory_factor:.2f}x the GPU memory")
         raise InputError(f"--cluster {cluster_name}", f"no plan fits in memory ({result.out_of_memory} plans tried){hint}")
+    # everything that can fail is done before the first file is written: the plan list is moved into place
+    # only once the launch scripts are written
+    emitted = {}
     if emit_dir is not None:
-        check_out_dir(emit_dir, force=False)
-    if output is not None:
-        write_plans(plans, output)
+        options = launch_options(cluster.launch, f"{cluster.file or cluster.name}: launch")
+        check_finite(plans[0], "--emit plan 1")
+        emitted = render_plan(plans[0], model, cluster, options, where="plan 1")
+        check_outputs(outputs + [(emit_dir / name, "--emit") for name in emitted], inputs)
+    with pending_write(output, plans_text(plans, output), f"--output {output}") if output else nullcontext():
+        if emit_dir is not None:
+            # force: the directory was empty before the search; the plan list's temporary file may be there now
+            write_files(emit_dir, emitted, force=True)
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0]['gbs']}; "
                f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
                f"solved), {len(plans)} {'best kept' if prune else 'fit in memory'}, {result.out_of_memory} removed "
@@ -175,8 +203,6 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     if output is not None:
         click.echo(f"{len(plans)} plans written to {output}")
     if emit_dir is not None:
-        options = launch_options(cluster.launch, f"{cluster.file or cluster.name}: launch")
-        emit_plan(plans[0], model, cluster, emit_dir, options, where="plan 1")
         click.echo(f"launch scripts of plan 1 written to {emit_dir}; submit with: cd {emit_dir} && sbatch sbatch.sh")
 
 
@@ -202,19 +228,23 @@ def _int_list(option: str, text: str) -> list[int]:
               help="Transformer layers per stage (embedding on the first stage, head on the last).")
 @gbs_option
 @profiles_option
+@mismatch_option
 @optimizer_option
 @click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
 @reports_input_errors
-def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, profiles_dir, distributed_optimizer, as_json):
+def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, profiles_dir, allow_profile_mismatch,
+             distributed_optimizer, as_json):
     """Break down the step time, memory and price of one explicit plan."""
     from fasop.search import estimate as run_estimate
 
     model, cluster = load_model(model_name), load_cluster(cluster_name)
+    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
     row = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
                        layers=_int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
-                       distributed_optimizer=distributed_optimizer)
+                       distributed_optimizer=distributed_optimizer, profiles=profiles)
     if as_json:
-        click.echo(json.dumps(row, indent=1))
+        check_finite(row, "estimate")
+        click.echo(json.dumps(row, indent=1, allow_nan=False))
         return
     click.echo(f"{model.name} on {cluster.name}: tp={tp} dp={dp} pp={pp} mbs={mbs} "
                f"({row['num_microbatches']} micro-batches), placement {compress_placement(row['placement'])}")
@@ -347,8 +377,9 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
     for key, option in (("model_file", model_name), ("cluster_file", cluster_name)):
         if option is None and not isinstance(plan.get(key), str):
             raise InputError(where, f"names no {key}; give --{key.split('_')[0]}")
-    model = load_model(model_name or _resolve_input(plan["model_file"], plans_path))
-    cluster = load_cluster(cluster_name or _resolve_input(plan["cluster_file"], plans_path))
+    model_file = model_name or _resolve_input(plan["model_file"], plans_path)
+    cluster_file = cluster_name or _resolve_input(plan["cluster_file"], plans_path)
+    model, cluster = load_model(model_file), load_cluster(cluster_file)
     plan, warning = restate_plan(plan, model, cluster, profiles_dir, force, where)
     # A plain NAME on the command line applies to every node type, over what the cluster file says.
     partition, partition_map = _type_map(partitions, "--partition")
@@ -365,7 +396,10 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
         getattr(cluster, "launch", {}), f"{getattr(cluster, 'file', '') or cluster.name}: launch",
         partition=partition, partitions=partition_map, gres_type=gres_type, gres_types=gres_map,
         extra_flags=tuple(flags), **overrides)
-    written = emit_plan(plan, model, cluster, out, options, force=force, where=where)
+    files = render_plan(plan, model, cluster, options, where)
+    inputs = [plans_path, bundled.resolve("models", model_file, ".toml"), bundled.resolve("clusters", cluster_file, ".toml")]
+    check_outputs([(out / name, "--out") for name in files], inputs)
+    written = write_files(out, files, force)
     if warning:
         click.echo(warning, err=True)
     return written
@@ -415,6 +449,7 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
     tps, mbss = synthesis.check_degrees(model, tps, mbss)
     if out.exists() and not force:
         raise InputError(f"--out {out}", "already exists (pass --force to overwrite it)")
+    check_outputs([(out, "--out")], [bundled.resolve("models", model_name, ".toml"), synthesis.gpu_table_path()])
     rows = synthesis.synthesize(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
     lines = synthesis.header_lines(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
     synthesis.write_profile(out, rows, lines, force=force)
@@ -488,15 +523,16 @@ def _front_table(records: list[dict]) -> str:
 @click.option("--x", "x_axis", type=click.Choice(["throughput", "time"]), default="throughput", show_default=True,
               help="Horizontal axis of --chart.")
 @profiles_option
+@mismatch_option
 @optimizer_option
 @reports_input_errors
 def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, deadline, max_nodes, output, chart, x_axis,
-           profiles_dir, distributed_optimizer):
+           profiles_dir, allow_profile_mismatch, distributed_optimizer):
     """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
     the Pareto front; with --budget or --deadline, which mix to rent."""
     import math
 
-    from fasop.pareto import DEFAULT_TRAIN_STEPS, check_limits, choose, compositions, sweep, write_front_csv
+    from fasop.pareto import DEFAULT_TRAIN_STEPS, check_limits, choose, compositions, front_as_csv, sweep
 
     check_limits(budget, deadline)
     if train_steps is not None and train_tokens is not None:
@@ -515,6 +551,8 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
     if chart is not None and chart.suffix.lower() not in (".png", ".svg"):
         raise InputError(f"--chart {chart}", "expected a file name ending in .png or .svg")
     model, cluster = load_model(model_name), load_cluster(cluster_name)
+    outputs = [(path, option) for path, option in ((output, "--output"), (chart, "--chart")) if path is not None]
+    check_outputs(outputs, _input_paths(model_name, cluster_name, model, cluster, profiles_dir))
     todo = compositions(cluster, _max_nodes(max_nodes))
     batch = gbs or model.global_batch_size
     if train_tokens is not None:
@@ -531,7 +569,8 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
     progress = Progress("sweeping")
     started = time.perf_counter()
     records = sweep(model, cluster, todo, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
-                    profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer, progress=progress)
+                    profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer,
+                    allow_profile_mismatch=allow_profile_mismatch, progress=progress)
     progress.close()
     elapsed = time.perf_counter() - started
     feasible = [r for r in records if r["feasible"]]
@@ -542,13 +581,15 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
     chosen, message = choose(records, budget, deadline)
     if message:
         click.echo(message)
+    # the front file is moved into place only once the chart is written
+    with pending_write(output, front_as_csv(records), f"--output {output}") if output else nullcontext():
+        if chart is not None and feasible:
+            from fasop.plot import plot_front
+
+            plot_front(records, chart, x=x_axis, budget=budget, deadline=deadline, chosen=chosen)
     if output is not None:
-        write_front_csv(records, output)
         click.echo(f"{len(records)} compositions written to {output}")
     if chart is not None and feasible:
-        from fasop.plot import plot_front
-
-        plot_front(records, chart, x=x_axis, budget=budget, deadline=deadline, chosen=chosen)
         click.echo(f"chart written to {chart}")
     elif chart is not None:
         click.echo("no chart: no composition has a plan that fits", err=True)
@@ -581,6 +622,7 @@ def plot(front_file, out, x_axis, budget, deadline, plan_file, rank):
         raise InputError("fasop plot", "give either a front file (FRONT.csv from fasop pareto --output) or --plan plans.json")
     if out.suffix.lower() not in (".png", ".svg"):
         raise InputError(f"--out {out}", "expected a file name ending in .png or .svg")
+    check_outputs([(out, "--out")], [plan_file or front_file])
     if plan_file is not None:
         if budget is not None or deadline is not None or x_axis is not None:
             raise InputError("--plan", "--budget, --deadline and --x apply to a front chart, not to a plan's stages")

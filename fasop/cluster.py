@@ -17,6 +17,7 @@ _BANDWIDTH_UNITS = {
     "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8, "Tbit/s": 1e12 / 8,
     "B/s": 1.0, "kB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12, "GiB/s": 2.0**30,
 }
+MIN_BANDWIDTH_BYTES_PER_S, MAX_BANDWIDTH_BYTES_PER_S = 1e3, 1e15
 _BANDWIDTH = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
 
 
@@ -27,8 +28,8 @@ def parse_bandwidth(text: Any, where: str) -> float:
         units = ", ".join(_BANDWIDTH_UNITS)
         raise InputError(where, f"expected a bandwidth such as \"40 Gbit/s\" or \"230 GB/s\" (units: {units}), got {text!r}")
     value = float(match.group(1)) * _BANDWIDTH_UNITS[match.group(2)]
-    if value <= 0:
-        raise InputError(where, f"expected a positive bandwidth, got {text!r}")
+    if not MIN_BANDWIDTH_BYTES_PER_S <= value <= MAX_BANDWIDTH_BYTES_PER_S:  # also refuses inf ("1e999 GB/s")
+        raise InputError(where, f"expected a bandwidth from 1 kB/s to 1 PB/s, got {text!r}")
     return value
 
 
@@ -91,6 +92,14 @@ class Cluster:
         return replace(self, node_types=types)
 
 
+# Ranges of the numbers of a cluster file (docs/formats.md): generous, but finite products of them stay finite.
+MAX_GPUS_PER_NODE = 1024
+MAX_GPU_MEMORY_GIB = 65536.0
+MAX_PRICE_PER_HOUR_USD = 1e6
+MAX_NODES_PER_TYPE = 1_000_000
+MAX_DERATING = 1000.0
+MAX_MEMORY_MARGIN = 100.0
+
 _NODE_FIELDS = {
     "name", "gpu", "instance", "gpus_per_node", "gpu_memory_gib", "intra_node_bandwidth",
     "inter_node_bandwidth", "price_per_hour_usd", "price_source", "price_date", "count",
@@ -107,12 +116,12 @@ def _node_type(raw: Any, file: str, index: int) -> NodeType:
     return NodeType(
         name=name,
         gpu=table.str("gpu"),
-        gpus_per_node=table.int("gpus_per_node"),
-        gpu_memory_gib=table.float("gpu_memory_gib"),
+        gpus_per_node=table.int("gpus_per_node", maximum=MAX_GPUS_PER_NODE),
+        gpu_memory_gib=table.float("gpu_memory_gib", maximum=MAX_GPU_MEMORY_GIB),
         intra_node_bytes_per_s=parse_bandwidth(table.data.get("intra_node_bandwidth"), table.where("intra_node_bandwidth")),
         inter_node_bytes_per_s=parse_bandwidth(table.data.get("inter_node_bandwidth"), table.where("inter_node_bandwidth")),
-        price_per_hour_usd=table.float("price_per_hour_usd", minimum=0.0, strict=False),
-        count=table.int("count", minimum=0),
+        price_per_hour_usd=table.float("price_per_hour_usd", minimum=0.0, strict=False, maximum=MAX_PRICE_PER_HOUR_USD),
+        count=table.int("count", minimum=0, maximum=MAX_NODES_PER_TYPE),
         instance=table.str("instance", ""),
         price_source=table.str("price_source", ""),
         price_date=table.str("price_date", ""),
@@ -133,7 +142,7 @@ def load_cluster(name_or_path: str) -> Cluster:
     head.reject_unknown({"name", "description", "memory_margin", "derating"})
     derating_table = Table(head.data.get("derating", {}), file, "cluster.derating")
     derating_table.reject_unknown(set(Derating.__dataclass_fields__))
-    derating = Derating(**{k: derating_table.float(k, 1.0) for k in Derating.__dataclass_fields__})
+    derating = Derating(**{k: derating_table.float(k, 1.0, maximum=MAX_DERATING) for k in Derating.__dataclass_fields__})
     if not isinstance(raw.get("node_type"), list) or not raw["node_type"]:
         raise InputError(f"{file}: node_type", "expected at least one [[node_type]] table")
     types: dict[str, NodeType] = {}
@@ -155,7 +164,7 @@ def load_cluster(name_or_path: str) -> Cluster:
         name=table_name(head, "name"),
         node_types={n: t for n, t in types.items() if t.count > 0},
         derating=derating,
-        memory_margin=head.float("memory_margin", 1.0),
+        memory_margin=head.float("memory_margin", 1.0, maximum=MAX_MEMORY_MARGIN),
         description=head.str("description", ""),
         launch=launch,
         file=name_or_path if is_bundled else file,

@@ -1,23 +1,128 @@
-"""Output files are written whole or not at all."""
+"""Input files are read with a size cap; output files are written whole or not at all, never over an input."""
 
 from __future__ import annotations
 
+import math
 import os
+import stat
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from fasop.errors import InputError
+
+MIB = 2**20
+# Largest input fasop reads, by kind (docs/formats.md): far above any real file, far below a memory problem.
+TOML_LIMIT_BYTES = 1 * MIB
+CSV_LIMIT_BYTES = 16 * MIB
+PLANS_LIMIT_BYTES = 256 * MIB  # a search of a large cluster writes every feasible plan
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write the whole file or nothing: a temporary file beside it is renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+def read_text(path: str | os.PathLike, limit_bytes: int, missing: str = "file not found") -> str:
+    """The UTF-8 text of a regular file of at most `limit_bytes`; anything else is an InputError naming it.
+
+    Devices, FIFOs and directories are refused before they are opened (reading /dev/zero never ends, opening a
+    FIFO waits for a writer)."""
+    where = str(path)
     try:
-        with os.fdopen(handle, "w", newline="") as out:
-            out.write(text)
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise InputError(where, "not a regular file")
+        with open(path, "rb") as handle:
+            data = handle.read(limit_bytes + 1)
+    except FileNotFoundError:
+        raise InputError(where, missing) from None
+    except OSError as err:
+        raise InputError(where, f"cannot be read ({err.strerror or err})") from None
+    if len(data) > limit_bytes:
+        raise InputError(where, f"larger than {limit_bytes // MIB} MiB, the most fasop reads from such a file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(where, f"not UTF-8 text (byte {err.start})") from None
+
+
+def check_finite(value: Any, where: str) -> None:
+    """Refuse NaN and infinities anywhere in nested lists and dicts, naming the key (iterative: no depth limit)."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        key, item = todo.pop()
+        if isinstance(item, dict):
+            todo.extend((f"{key}.{k}" if key else str(k), v) for k, v in item.items())
+        elif isinstance(item, (list, tuple)):
+            todo.extend((f"{key}[{i}]", v) for i, v in enumerate(item))
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise InputError(where, f"{key or 'value'} is {item}, not a finite number (an input value is out of range)")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        first, second = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)  # hard links
+
+
+def check_outputs(outputs: Iterable[tuple[str | os.PathLike, str]], inputs: Iterable[str | os.PathLike]) -> None:
+    """Refuse outputs, given as (path, option), that would replace an input of the same run or one another, that
+    are directories, or whose folder cannot hold them; a missing folder is fine (it is created)."""
+    inputs = [Path(p) for p in inputs]
+    seen: list[tuple[Path, str]] = []
+    for path, option in outputs:
+        path = Path(path)
+        where = f"{option} {path}"
+        for given in inputs:
+            if _same_file(path, given):
+                raise InputError(where, f"is an input of this run ({given}); choose another output file")
+        for other, other_option in seen:
+            if _same_file(path, other):
+                raise InputError(where, f"is also the output of {other_option}")
+        seen.append((path, option))
+        if path.is_dir():
+            raise InputError(where, "is a directory; expected a file name")
+        folder = path.absolute().parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        if not folder.is_dir():
+            raise InputError(where, f"cannot be created: {folder} is not a directory")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise InputError(where, f"cannot be written: no permission to write in {folder}")
+
+
+@contextmanager
+def pending_write(path: Path, content: str | bytes, where: str | None = None) -> Iterator[None]:
+    """Write `content` beside `path` now and move it into place when the block ends without an error, so that a
+    later step failing inside the block leaves no output behind. Write failures are InputErrors naming `where`."""
+    path = Path(path)
+    where = where or str(path)
+    temp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(handle, "wb") as out:
+            out.write(content.encode("utf-8") if isinstance(content, str) else content)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(temp, 0o666 & ~umask)  # the mode a plain open() would give, not mkstemp's private 0600
-        os.replace(temp, path)
+    except OSError as err:
+        if temp is not None:
+            os.unlink(temp)
+        raise InputError(where, f"cannot be written ({err.strerror or err})") from None
+    try:
+        yield
     except BaseException:
         os.unlink(temp)
         raise
+    try:
+        os.replace(temp, path)
+    except OSError as err:
+        os.unlink(temp)
+        raise InputError(where, f"cannot be written ({err.strerror or err})") from None
+
+
+def write_atomically(path: Path, content: str | bytes, where: str | None = None) -> None:
+    """Write the whole file or nothing: a temporary file beside it is renamed into place."""
+    with pending_write(path, content, where):
+        pass

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 from fasop.files import write_atomically
 from fasop.model import Model
-from fasop.profiles import COLUMNS, MEMORY_COLUMN, required_kinds
+from fasop.profiles import COLUMNS, MEMORY_COLUMN, identity_line, required_kinds
 from fasop.torchlayers import Group, build_unit, output_gradient
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -296,6 +296,7 @@ def header_lines(model: Model, gpu: str, tps, mbss, settings: Settings, out_of_m
     for tp, mbs in out_of_memory:
         lines.append(f"tp={tp}: micro-batch size {mbs} ran out of GPU memory; larger sizes were not measured.")
     lines.append(f"Regenerate: {command}")
+    lines.append(identity_line(model.name, gpu).removeprefix("# "))  # format_measured adds the comment mark
     return lines
 
 

@@ -19,6 +19,13 @@ from fasop.tomlfile import Table, read_toml
 ARCHITECTURES = ("decoder", "encoder", "encoder-decoder")
 PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 DROPOUT_MASK_BYTES = 1
+# Ranges of the shape fields of a model file (docs/formats.md): beyond any trained Transformer, small enough
+# that parameter, activation and FLOP counts stay finite.
+MAX_LAYERS = 10_000
+MAX_WIDTH = 2**20  # hidden_size, kv_channels (ffn_hidden_size: 4x)
+MAX_HEADS = 2**16
+MAX_SEQ_LENGTH = 2**24
+MAX_VOCAB = 2**24
 
 
 @dataclass(frozen=True)
@@ -228,27 +235,29 @@ def load_model(name_or_path: str) -> Model:
         for key in ("num_layers", "seq_length"):
             if key in table.data:
                 raise InputError(table.where(key), "encoder-decoder models give encoder_* and decoder_* instead")
-        enc_layers, dec_layers = table.int("encoder_num_layers"), table.int("decoder_num_layers")
-        enc_seq, dec_seq = table.int("encoder_seq_length"), table.int("decoder_seq_length")
+        enc_layers = table.int("encoder_num_layers", maximum=MAX_LAYERS)
+        dec_layers = table.int("decoder_num_layers", maximum=MAX_LAYERS)
+        enc_seq = table.int("encoder_seq_length", maximum=MAX_SEQ_LENGTH)
+        dec_seq = table.int("decoder_seq_length", maximum=MAX_SEQ_LENGTH)
     else:
-        layers, seq = table.int("num_layers"), table.int("seq_length")
+        layers, seq = table.int("num_layers", maximum=MAX_LAYERS), table.int("seq_length", maximum=MAX_SEQ_LENGTH)
         enc_layers, dec_layers = (layers, 0) if arch == "encoder" else (0, layers)
         enc_seq, dec_seq = (seq, 0) if arch == "encoder" else (0, seq)
-    hidden = table.int("hidden_size")
-    heads = table.int("num_attention_heads")
+    hidden = table.int("hidden_size", maximum=MAX_WIDTH)
+    heads = table.int("num_attention_heads", maximum=MAX_HEADS)
     if "kv_channels" not in table.data and hidden % heads:
         raise InputError(table.where("num_attention_heads"), f"must divide hidden_size {hidden} (or give kv_channels)")
-    groups = table.int("num_query_groups", heads)
+    groups = table.int("num_query_groups", heads, maximum=MAX_HEADS)
     if heads % groups:
         raise InputError(table.where("num_query_groups"), f"must divide num_attention_heads {heads}")
     model = Model(
         name=table_name(table, "name"), architecture=arch,
         encoder_num_layers=enc_layers, decoder_num_layers=dec_layers,
         hidden_size=hidden, num_attention_heads=heads,
-        kv_channels=table.int("kv_channels", hidden // heads), num_query_groups=groups,
-        ffn_hidden_size=table.int("ffn_hidden_size", 4 * hidden),
+        kv_channels=table.int("kv_channels", hidden // heads, maximum=MAX_WIDTH), num_query_groups=groups,
+        ffn_hidden_size=table.int("ffn_hidden_size", 4 * hidden, maximum=4 * MAX_WIDTH),
         encoder_seq_length=enc_seq, decoder_seq_length=dec_seq,
-        vocab_size=table.int("vocab_size"),
+        vocab_size=table.int("vocab_size", maximum=MAX_VOCAB),
         tie_embeddings=table.bool("tie_embeddings", True),
         position_embedding=table.str("position_embedding", "learned", ("learned", "rope", "relative")),
         normalization=table.str("normalization", "layernorm", ("layernorm", "rmsnorm")),
@@ -258,7 +267,7 @@ def load_model(name_or_path: str) -> Model:
         linear_bias=table.bool("linear_bias", True),
         precision=table.str("precision", "bf16", tuple(PRECISION_BYTES)),
         global_batch_size=table.int("global_batch_size"),
-        make_vocab_size_divisible_by=table.int("make_vocab_size_divisible_by", 128),
+        make_vocab_size_divisible_by=table.int("make_vocab_size_divisible_by", 128, maximum=MAX_WIDTH),
         source=table.str("source", ""),
         file=name_or_path if is_bundled else str(path),
     )

@@ -27,7 +27,7 @@ import numpy as np
 
 from fasop.cluster import Cluster
 from fasop.errors import InputError
-from fasop.files import write_atomically
+from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_text, write_atomically
 from fasop.model import Model
 from fasop.plans import CSV_LIST_SEPARATOR
 
@@ -162,7 +162,7 @@ class _Composition:
 
 def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | None = None, *,
           gbs: int | None = None, train_steps: int | None = None, train_tokens: float | None = None,
-          profiles_dir: str | None = None, distributed_optimizer: bool = True,
+          profiles_dir: str | None = None, distributed_optimizer: bool = True, allow_profile_mismatch: bool = False,
           progress: Callable[[int, int], None] | None = None) -> list[dict]:
     """One record per composition (in the order given; default: every composition of `cluster`) with its
     fastest plan, the time and cost of the whole run, and `on_front`, the Pareto flag over
@@ -195,7 +195,7 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
             raise InputError(f"composition {composition}", "expected node counts >= 0, at least one of them positive")
     # problems common to every composition (a missing or malformed profile) are errors, raised once here;
     # the profiles, and the per-size times they memoise, then serve every composition
-    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
+    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
     task = _Composition(model, cluster, gbs, train_steps, train_tokens, distributed_optimizer, profiles)
     workers = min(os.cpu_count() or 1, len(compositions) // PARALLEL_COMPOSITIONS)
     if workers <= 1:
@@ -353,6 +353,7 @@ def front_as_csv(records: list[dict]) -> str:
     floats in the shortest form that reads back exactly, empty cells for the plan of an infeasible row."""
     if not records:
         raise InputError("front", "no compositions to write")
+    check_finite(records, "front")
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     columns = columns_of(records)
@@ -364,7 +365,7 @@ def front_as_csv(records: list[dict]) -> str:
 
 def write_front_csv(records: list[dict], path) -> None:
     """Write the front file whole or not at all."""
-    write_atomically(Path(path), front_as_csv(records))
+    write_atomically(Path(path), front_as_csv(records), f"--output {path}")
 
 
 def _parse(value: str, column: str, where: str):
@@ -385,19 +386,15 @@ def _parse(value: str, column: str, where: str):
         number = float(value)
     except ValueError:
         raise InputError(where, f"column {column}: unexpected value {value!r}") from None
+    if not math.isfinite(number):
+        raise InputError(where, f"column {column}: expected a finite number, got {value!r}")
     return number
 
 
 def read_front_csv(path) -> list[dict]:
     """The records of a front file written by `write_front_csv` (`fasop pareto --output`)."""
     file = str(path)
-    try:
-        with open(path, newline="") as handle:
-            text = handle.read()
-    except FileNotFoundError:
-        raise InputError(file, "no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise InputError(file, f"cannot be read as a CSV front file ({err.__class__.__name__})") from None
+    text = read_text(path, PLANS_LIMIT_BYTES, missing="no such file")
     reader = csv.DictReader(io.StringIO(text))
     header = reader.fieldnames or []
     missing = [c for c in REQUIRED_COLUMNS if c not in header]

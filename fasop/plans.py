@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Sequence
 
 from fasop.errors import InputError
-from fasop.files import write_atomically
+from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_text, write_atomically
 
+MAX_PLAN_INT = 2**53  # ranks, degrees, batch sizes and layer counts of a plan file: exact in any JSON reader
 PLAN_KEYS = ("rank", "gbs", "mbs", "tp", "dp", "pp", "placement", "layers_per_stage")  # what readers rely on
 CSV_LISTS = ("placement", "layers_per_stage")
 # Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.names),
@@ -20,7 +21,7 @@ CSV_LIST_SEPARATOR = " "
 
 
 def plans_as_json(plans: list[dict]) -> str:
-    return json.dumps(plans, indent=1) + "\n"
+    return json.dumps(plans, indent=1, allow_nan=False) + "\n"
 
 
 def plans_as_csv(plans: list[dict]) -> str:
@@ -37,13 +38,35 @@ def plans_as_csv(plans: list[dict]) -> str:
     return out.getvalue()
 
 
-def write_plans(plans: list[dict], output: Path) -> None:
-    if output.suffix == ".json":
-        write_atomically(output, plans_as_json(plans))
-    elif output.suffix == ".csv":
-        write_atomically(output, plans_as_csv(plans))
-    else:
+def plans_text(plans: list[dict], output: Path) -> str:
+    """What write_plans writes to `output` (.json or .csv); refuses non-finite numbers before anything is written."""
+    if output.suffix not in (".json", ".csv"):
         raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
+    check_finite(plans, f"--output {output}")
+    return plans_as_json(plans) if output.suffix == ".json" else plans_as_csv(plans)
+
+
+def write_plans(plans: list[dict], output: Path) -> None:
+    write_atomically(output, plans_text(plans, output), f"--output {output}")
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _check_plan_fields(plan: dict, where: str) -> None:
+    """The keys readers rely on hold what fasop search writes; every number in the plan is finite."""
+    for key in ("rank", "gbs", "mbs", "tp", "dp", "pp"):
+        value = plan[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PLAN_INT:
+            raise InputError(f"{where}: {key}", f"expected an integer from 1 to {MAX_PLAN_INT:,}, got {value!r}")
+    placement, layers = plan["placement"], plan["layers_per_stage"]
+    if not isinstance(placement, list) or not placement or not all(isinstance(n, str) and n for n in placement):
+        raise InputError(f"{where}: placement", "expected a non-empty list of node-type names")
+    if (not isinstance(layers, list) or not layers
+            or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_PLAN_INT for n in layers)):
+        raise InputError(f"{where}: layers_per_stage", "expected a non-empty list of layer counts (integers >= 0)")
+    check_finite(plan, where)
 
 
 def load_plans(path: str | os.PathLike) -> list[dict]:
@@ -51,18 +74,15 @@ def load_plans(path: str | os.PathLike) -> list[dict]:
     where = str(path)
     if str(path).endswith(".csv"):
         raise InputError(where, "expected the JSON plan list written by fasop search --output plans.json, not CSV")
+    text = read_text(path, PLANS_LIMIT_BYTES, missing="no such plan file")
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(where, "no such plan file") from None
-    except IsADirectoryError:
-        raise InputError(where, "is a directory, expected a plan file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise InputError(where, f"cannot read ({err})") from None
-    try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as err:
         raise InputError(where, f"not a fasop plan list: not JSON ({err.msg} at line {err.lineno})") from None
+    except ValueError as err:  # NaN or Infinity
+        raise InputError(where, f"not a fasop plan list: {err}") from None
+    except RecursionError:
+        raise InputError(where, "not a fasop plan list: JSON nested too deeply") from None
     if not isinstance(data, list) or not data:
         raise InputError(where, "not a fasop plan list: expected a non-empty JSON list of plan objects")
     for index, plan in enumerate(data):
@@ -71,6 +91,7 @@ def load_plans(path: str | os.PathLike) -> list[dict]:
         missing = [key for key in PLAN_KEYS if key not in plan]
         if missing:
             raise InputError(where, f"not a fasop plan list: entry {index} lacks {', '.join(missing)}")
+        _check_plan_fields(plan, f"{where}: entry {index}")
     return data
 
 

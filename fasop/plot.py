@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from fasop.errors import InputError
+from fasop.files import write_atomically
 
 SUFFIXES = (".png", ".svg")
 SINGLE_MARKERS = ("o", "s", "D", "p", "h", "*", "P", "X")  # single-type compositions, cheapest node type first
@@ -41,20 +42,17 @@ def _check_out(out_path) -> Path:
 
 def _save(fig, path: Path) -> None:
     """Write the chart whole or not at all, without a date (the same inputs give the same file)."""
+    import io
+
     import matplotlib
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp{path.suffix}")
-    try:
-        if path.suffix.lower() == ".svg":
-            with matplotlib.rc_context({"svg.hashsalt": "fasop"}):
-                fig.savefig(temp, format="svg", metadata={"Date": None})
-        else:
-            fig.savefig(temp, format="png", dpi=100, metadata={"Software": None})
-        temp.replace(path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+    image = io.BytesIO()
+    if path.suffix.lower() == ".svg":
+        with matplotlib.rc_context({"svg.hashsalt": "fasop"}):
+            fig.savefig(image, format="svg", metadata={"Date": None})
+    else:
+        fig.savefig(image, format="png", dpi=100, metadata={"Software": None})
+    write_atomically(path, image.getvalue(), f"--out {path}")
 
 
 def series_label(kind: str | None) -> str:
@@ -185,6 +183,7 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
 
 
 STAGE_KEYS = ("compute_s", "p2p_s", "dp_allreduce_s", "gpu")
+MAX_SECONDS = 1e9  # a stage time or step time of a plan to chart (NaN and infinity are refused)
 PLAN_KEYS = ("stages", "step_time_s", "num_microbatches", "tp", "dp", "pp", "mbs")
 
 
@@ -203,11 +202,16 @@ def check_plan(plan, where: str) -> None:
         if lacking:
             raise InputError(where, f"not a fasop plan: stage {index} has no {', '.join(lacking)}")
         for key in STAGE_KEYS[:3]:
-            if not isinstance(stage[key], (int, float)) or isinstance(stage[key], bool):
-                raise InputError(where, f"not a fasop plan: stage {index} {key} is not a number")
+            if not _number(stage[key]) or not 0 <= stage[key] <= MAX_SECONDS:
+                raise InputError(f"{where}: stages[{index}].{key}",
+                                 f"expected seconds from 0 to {MAX_SECONDS:g}, got {stage[key]!r}")
     for key in ("step_time_s", "num_microbatches"):
-        if not isinstance(plan[key], (int, float)) or isinstance(plan[key], bool) or plan[key] <= 0:
-            raise InputError(where, f"not a fasop plan: {key} is not a positive number")
+        if not _number(plan[key]) or not 0 < plan[key] <= MAX_SECONDS:
+            raise InputError(f"{where}: {key}", f"expected a positive number up to {MAX_SECONDS:g}, got {plan[key]!r}")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def stage_times(plan: dict) -> dict[str, list[float]]:

@@ -16,10 +16,16 @@ import numpy as np
 
 from fasop import bundled
 from fasop.errors import InputError
+from fasop.files import CSV_LIMIT_BYTES, read_text
 from fasop.model import Model
 
 COLUMNS = ("tp", "mbs", "kind", "forward_s", "backward_s")
 MEMORY_COLUMN = "peak_memory_bytes"  # optional last column of measured profiles; the search does not read it
+IDENTITY_PREFIX = "# fasop-profile:"
+# Ranges of a profile row (docs/formats.md).
+MAX_DEGREE = 2**16  # tp and mbs
+MAX_UNIT_TIME_S = 3600.0  # one unit, one micro-batch
+MAX_MEMORY_BYTES = 2**50  # one unit's peak memory
 
 
 @dataclass(frozen=True)
@@ -71,34 +77,65 @@ def required_kinds(model: Model) -> tuple[str, ...]:
     return ("embedding", "layer", "head")
 
 
-def read_profile(path: Path, model: Model, gpu: str) -> GpuProfile:
+def identity_line(model_name: str, gpu: str) -> str:
+    """The comment line that says which model and GPU a profile was made for (read back by read_profile)."""
+    return f"{IDENTITY_PREFIX} model={model_name} gpu={gpu}"
+
+
+def _identity(line: str, where: str) -> dict[str, str]:
+    fields = dict(item.partition("=")[::2] for item in line[len(IDENTITY_PREFIX):].split())
+    if set(fields) != {"model", "gpu"} or not all(fields.values()):
+        raise InputError(where, f"expected '{identity_line('MODEL', 'GPU')}', got {line.strip()!r}")
+    return fields
+
+
+def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = False) -> GpuProfile:
+    """The profile of `model` on `gpu`; a header line naming another model or GPU is refused unless
+    `allow_mismatch`."""
     file = str(path)
-    try:
-        with open(path, newline="") as handle:
-            lines = [line for line in handle if line.strip() and not line.lstrip().startswith("#")]
-    except FileNotFoundError:
-        raise InputError(file, f"no profile for GPU type {gpu} of model {model.name}") from None
-    except UnicodeDecodeError:
-        raise InputError(file, "not a text (UTF-8) CSV file") from None
-    except OSError as err:
-        raise InputError(file, f"cannot be read ({err.strerror})") from None
-    reader = csv.DictReader(lines)
-    if tuple(reader.fieldnames or ()) not in (COLUMNS, COLUMNS + (MEMORY_COLUMN,)):
-        raise InputError(file, f"expected the header {','.join(COLUMNS)}[,{MEMORY_COLUMN}], "
-                               f"got {','.join(reader.fieldnames or ())}")
+    text = read_text(path, CSV_LIMIT_BYTES, missing=f"no profile for GPU type {gpu} of model {model.name}")
+    numbered = []  # (line number, text) of the data lines
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.startswith(IDENTITY_PREFIX):
+            made_for = _identity(line, f"{file}: line {number}")
+            wanted = {"model": model.name, "gpu": gpu}
+            for key in ("model", "gpu"):
+                if made_for[key] != wanted[key] and not allow_mismatch:
+                    raise InputError(f"{file}: line {number}: {key}",
+                                     f"the profile was made for {key} {made_for[key]}, not {wanted[key]} "
+                                     "(pass --allow-profile-mismatch to use it anyway)")
+        elif line.strip() and not line.lstrip().startswith("#"):
+            numbered.append((number, line))
+    reader = csv.reader(line for _, line in numbered)
+    header = next(reader, [])
+    if tuple(header) not in (COLUMNS, COLUMNS + (MEMORY_COLUMN,)):
+        raise InputError(file, f"expected the header {','.join(COLUMNS)}[,{MEMORY_COLUMN}], got {','.join(header)}")
     kinds = required_kinds(model)
     rows: dict[tuple[int, str], list[tuple[int, float, float]]] = {}
-    for number, row in enumerate(reader, start=2):
+    for (number, _), cells in zip(numbered[1:], reader):
         where = f"{file}: line {number}"
-        try:
-            tp, mbs = int(row["tp"]), int(row["mbs"])
-            forward, backward = float(row["forward_s"]), float(row["backward_s"])
-        except (TypeError, ValueError):
-            raise InputError(where, "expected integers tp, mbs and numbers forward_s, backward_s") from None
-        if tp < 1 or mbs < 1 or not 0 < forward < math.inf or not 0 < backward < math.inf:
-            raise InputError(where, "expected tp >= 1, mbs >= 1 and positive, finite times")
+        if len(cells) != len(header):
+            raise InputError(where, f"expected {len(header)} cells ({','.join(header)}), got {len(cells)}")
+        row = dict(zip(header, cells))
+        for key in ("tp", "mbs"):
+            try:
+                degree = int(row[key])
+            except ValueError:
+                degree = 0
+            if not 1 <= degree <= MAX_DEGREE:
+                raise InputError(f"{where}: {key}", f"expected an integer from 1 to {MAX_DEGREE}, got {row[key]!r}")
+        for key in ("forward_s", "backward_s"):
+            try:
+                seconds = float(row[key])
+            except ValueError:
+                seconds = math.nan
+            if not 0 < seconds <= MAX_UNIT_TIME_S:  # also refuses NaN
+                raise InputError(f"{where}: {key}", f"expected seconds > 0 and <= {MAX_UNIT_TIME_S:g}, got {row[key]!r}")
+        if MEMORY_COLUMN in row and not (row[MEMORY_COLUMN].isascii() and row[MEMORY_COLUMN].isdigit() and int(row[MEMORY_COLUMN]) <= MAX_MEMORY_BYTES):
+            raise InputError(f"{where}: {MEMORY_COLUMN}", f"expected bytes from 0 to 2**50, got {row[MEMORY_COLUMN]!r}")
+        tp, mbs, forward, backward = int(row["tp"]), int(row["mbs"]), float(row["forward_s"]), float(row["backward_s"])
         if row["kind"] not in kinds:
-            raise InputError(where, f"kind {row['kind']!r} is not one of {', '.join(kinds)} ({model.architecture} model)")
+            raise InputError(f"{where}: kind", f"{row['kind']!r} is not one of {', '.join(kinds)} ({model.architecture} model)")
         rows.setdefault((tp, row["kind"]), []).append((mbs, forward, backward))
     curves = {}
     for key, entries in rows.items():
@@ -117,10 +154,17 @@ def read_profile(path: Path, model: Model, gpu: str) -> GpuProfile:
     return GpuProfile(gpu, file, curves)
 
 
-def load_profiles(model: Model, gpus: list[str], directory: str | None = None) -> dict[str, GpuProfile]:
-    """Profiles of `model` for each GPU type, from `directory` (default: the bundled profiles/<model>)."""
+def profile_paths(model: Model, gpus, directory: str | None = None) -> dict[str, Path]:
+    """Where the profile of `model` on each GPU type is read from (default: the bundled profiles/<model>)."""
     folder = Path(directory) if directory else bundled.data_dir("profiles") / model.name
     if not folder.is_dir():
         where = f"--profiles {directory}" if directory else f"model {model.name}"
         raise InputError(where, f"no profile directory {folder} (expected one <gpu>.csv per GPU type)")
-    return {gpu: read_profile(folder / f"{gpu}.csv", model, gpu) for gpu in sorted(set(gpus))}
+    return {gpu: folder / f"{gpu}.csv" for gpu in sorted(set(gpus))}
+
+
+def load_profiles(model: Model, gpus: list[str], directory: str | None = None,
+                  allow_mismatch: bool = False) -> dict[str, GpuProfile]:
+    """Profiles of `model` for each GPU type, from `directory` (default: the bundled profiles/<model>)."""
+    return {gpu: read_profile(path, model, gpu, allow_mismatch)
+            for gpu, path in profile_paths(model, gpus, directory).items()}

@@ -61,7 +61,7 @@ from fasop.cluster import parse_bandwidth
 from fasop.errors import InputError
 from fasop.files import write_atomically
 from fasop.model import DROPOUT_MASK_BYTES, Model
-from fasop.profiles import COLUMNS, required_kinds
+from fasop.profiles import COLUMNS, identity_line, required_kinds
 from fasop.tomlfile import Table, read_toml
 
 GPU_TABLE = "gpus.toml"
@@ -359,7 +359,7 @@ def header_lines(model: Model, spec: GpuSpec, tps, mbss, efficiency: float | Non
     ]
     if date:
         lines.append(f"Written {date}.")
-    return lines
+    return [*lines, identity_line(model.name, spec.name)]
 
 
 def format_profile(rows, header_comment_lines) -> str:

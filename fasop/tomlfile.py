@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fasop.errors import InputError
+from fasop.files import TOML_LIMIT_BYTES, read_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -16,15 +17,13 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    text = read_text(path, TOML_LIMIT_BYTES)
     try:
-        with open(path, "rb") as handle:
-            return tomllib.load(handle)
-    except FileNotFoundError:
-        raise InputError(str(path), "file not found") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
         raise InputError(str(path), f"not valid TOML ({err})") from None
-    except OSError as err:
-        raise InputError(str(path), f"cannot be read ({err.strerror})") from None
+    except RecursionError:
+        raise InputError(str(path), "not valid TOML (nested too deeply)") from None
 
 
 class Table:
@@ -56,22 +55,25 @@ class Table:
             raise InputError(self.where(key), f"expected one of {', '.join(choices)}, got {value!r}")
         return value
 
-    def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+    def int(self, key: str, default: int | None = None, minimum: int = 1, maximum: int = 2**31 - 1) -> int:
         value = self._get(key, default, default is None)
+        expected = f"expected an integer from {minimum} to {maximum:,}"
         if isinstance(value, bool) or not isinstance(value, int):
-            raise InputError(self.where(key), f"expected an integer >= {minimum}, got {value!r}")
-        if value < minimum:
-            raise InputError(self.where(key), f"expected an integer >= {minimum}, got {value}")
+            raise InputError(self.where(key), f"{expected}, got {value!r}")
+        if not minimum <= value <= maximum:
+            raise InputError(self.where(key), f"{expected}, got {value}")
         return value
 
     def float(self, key: str, default: float | None = None, minimum: float = 0.0,
-              strict: bool = True) -> float:
+              strict: bool = True, maximum: float = 1e6) -> float:
+        """A finite number above `minimum` (at `minimum` too unless `strict`) and at most `maximum`."""
         value = self._get(key, default, default is None)
+        bound = ">" if strict else ">="
+        expected = f"expected a number {bound} {minimum:g} and <= {maximum:g}"
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise InputError(self.where(key), f"expected a finite number, got {value!r}")
-        if value < minimum or (strict and value == minimum):
-            bound = ">" if strict else ">="
-            raise InputError(self.where(key), f"expected a number {bound} {minimum}, got {value}")
+            raise InputError(self.where(key), f"{expected}, got {value!r}")
+        if value < minimum or (strict and value == minimum) or value > maximum:
+            raise InputError(self.where(key), f"{expected}, got {value:g}")
         return float(value)
 
     def bool(self, key: str, default: bool | None = None) -> bool:

@@ -124,7 +124,9 @@ def convert(source, prefix, gpu):
     if model == "t5":
         lines += ["# head = the decoder and encoder post-processes, which FASOP folded into the last decoder and",
                   "# the last encoder entry: (entry 49 - entry 26) + (entry 24 - entry 1); scaled like decoder."]
-    lines += ["# Written by scripts/convert_fasop_profiles.py.", "tp,mbs,kind,forward_s,backward_s"]
+    lines += ["# Written by scripts/convert_fasop_profiles.py.",
+              f"# fasop-profile: model={model} gpu={gpu}",  # what fasop checks (docs/formats.md)
+              "tp,mbs,kind,forward_s,backward_s"]
     rows = []
     for tp, name in zip(TPS, files):
         times = unit_times(model, np.load(source / name), name)
