@@ -350,8 +350,9 @@ def search(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir:
 
 def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: int, placement: list[str],
              layers: list[int], gbs: int | None = None, profiles_dir: str | None = None,
-             distributed_optimizer: bool = True) -> dict:
-    """The full breakdown of one explicit plan; `layers` lists transformer layers per stage."""
+             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None) -> dict:
+    """The full breakdown of one explicit plan; `layers` lists transformer layers per stage; `profiles`
+    (already loaded, by GPU type) instead of reading profiles_dir."""
     used = {name: placement.count(name) for name in placement}
     for name, count in used.items():
         if name not in cluster.node_types:
@@ -359,7 +360,7 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
         if count > cluster.node_types[name].count:
             raise InputError("--placement", f"{count} nodes of type {name} but the cluster has {cluster.node_types[name].count}")
     sub = cluster.with_counts(used)
-    inputs = prepare(model, sub, gbs, profiles_dir, distributed_optimizer)
+    inputs = prepare(model, sub, gbs, profiles_dir, distributed_optimizer, profiles)
     gpn = cluster.gpus_per_node
     if gpn % tp or tp not in tensor_degrees(inputs):
         raise InputError("--tp", f"expected a divisor of {gpn} GPUs per node that divides the attention heads and "
