@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from fasop import bundled
+from fasop.calibrate_command import register as register_calibration
 from fasop.cluster import load_cluster
 from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, launch_options, render_plan, restate_plan,
                         split_flags, write_files)
@@ -463,6 +464,7 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
 
 
 register_profile_layers(profile, model_option, reports_input_errors)
+register_calibration(main, reports_input_errors)
 
 
 # -- fasop pareto / fasop plot ------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -17,6 +18,7 @@ MIB = 2**20
 TOML_LIMIT_BYTES = 1 * MIB
 CSV_LIMIT_BYTES = 16 * MIB
 PLANS_LIMIT_BYTES = 256 * MIB  # a search of a large cluster writes every feasible plan
+LOG_LIMIT_BYTES = 256 * MIB  # a training log of a long run
 
 
 def read_text(path: str | os.PathLike, limit_bytes: int, missing: str = "file not found") -> str:
@@ -40,6 +42,25 @@ def read_text(path: str | os.PathLike, limit_bytes: int, missing: str = "file no
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise InputError(where, f"not UTF-8 text (byte {err.start})") from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a finite number")
+
+
+def read_json(path: str | os.PathLike, limit_bytes: int, what: str, missing: str = "file not found") -> Any:
+    """The JSON value of a file read as read_text reads it; NaN, Infinity and deep nesting are refused, naming
+    the file and `what` it should have been."""
+    where = str(path)
+    text = read_text(path, limit_bytes, missing)
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as err:
+        raise InputError(where, f"not {what}: not JSON ({err.msg} at line {err.lineno})") from None
+    except ValueError as err:  # NaN or Infinity
+        raise InputError(where, f"not {what}: {err}") from None
+    except RecursionError:
+        raise InputError(where, f"not {what}: JSON nested too deeply") from None
 
 
 def check_finite(value: Any, where: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from fasop.errors import InputError
-from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_text, write_atomically
+from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_json, write_atomically
 
 MAX_PLAN_INT = 2**53  # ranks, degrees, batch sizes and layer counts of a plan file: exact in any JSON reader
 PLAN_KEYS = ("rank", "gbs", "mbs", "tp", "dp", "pp", "placement", "layers_per_stage")  # what readers rely on
@@ -50,10 +50,6 @@ def write_plans(plans: list[dict], output: Path) -> None:
     write_atomically(output, plans_text(plans, output), f"--output {output}")
 
 
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a finite number")
-
-
 def _check_plan_fields(plan: dict, where: str) -> None:
     """The keys readers rely on hold what fasop search writes; every number in the plan is finite."""
     for key in ("rank", "gbs", "mbs", "tp", "dp", "pp"):
@@ -74,15 +70,7 @@ def load_plans(path: str | os.PathLike) -> list[dict]:
     where = str(path)
     if str(path).endswith(".csv"):
         raise InputError(where, "expected the JSON plan list written by fasop search --output plans.json, not CSV")
-    text = read_text(path, PLANS_LIMIT_BYTES, missing="no such plan file")
-    try:
-        data = json.loads(text, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as err:
-        raise InputError(where, f"not a fasop plan list: not JSON ({err.msg} at line {err.lineno})") from None
-    except ValueError as err:  # NaN or Infinity
-        raise InputError(where, f"not a fasop plan list: {err}") from None
-    except RecursionError:
-        raise InputError(where, "not a fasop plan list: JSON nested too deeply") from None
+    data = read_json(path, PLANS_LIMIT_BYTES, "a fasop plan list", missing="no such plan file")
     if not isinstance(data, list) or not data:
         raise InputError(where, "not a fasop plan list: expected a non-empty JSON list of plan objects")
     for index, plan in enumerate(data):

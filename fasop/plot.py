@@ -1,5 +1,6 @@
-"""Charts: the cost of a run against its speed for every composition of a sweep (`plot_front`), and where
-the time of one step goes on each pipeline stage of one plan (`plot_stages`).
+"""Charts: the cost of a run against its speed for every composition of a sweep (`plot_front`), where
+the time of one step goes on each pipeline stage of one plan (`plot_stages`), and estimated against measured
+step times (`plot_validation`).
 
 matplotlib is imported only inside these functions, so that the rest of fasop starts without it. The
 figures are drawn headless (Agg) and written as PNG or SVG, chosen by the file suffix.
@@ -33,10 +34,10 @@ def _figure(width_in: float, height_in: float):
     return Figure(figsize=(width_in, height_in), layout="constrained")
 
 
-def _check_out(out_path) -> Path:
+def _check_out(out_path, option: str = "--out") -> Path:
     path = Path(out_path)
     if path.suffix.lower() not in SUFFIXES:
-        raise InputError(f"--out {out_path}", "expected a file name ending in .png or .svg")
+        raise InputError(f"{option} {out_path}", "expected a file name ending in .png or .svg")
     return path
 
 
@@ -286,3 +287,23 @@ def compress(names) -> str:
         else:
             runs.append([name, 1])
     return ",".join(str(n) if c == 1 else f"{n}*{c}" for n, c in runs)
+
+
+def plot_validation(labels: list[str], predicted_s, measured_s, out_path, *, title: str | None = None,
+                    option: str = "--chart") -> None:
+    """Estimated against measured step time, one labelled point per run, with the line where they agree."""
+    path = _check_out(out_path, option)
+    fig = _figure(6.0, 5.4)
+    ax = fig.add_subplot()
+    low, high = min(*predicted_s, *measured_s), max(*predicted_s, *measured_s)
+    pad = 0.05 * (high - low) if high > low else 0.05 * high
+    ax.plot([low - pad, high + pad], [low - pad, high + pad], color="#7f7f7f", linestyle="--", linewidth=1,
+            label="estimate = measurement")
+    ax.scatter(measured_s, predicted_s, color=COLORS[0], s=36, zorder=3)
+    for label, m, p in zip(labels, measured_s, predicted_s):
+        ax.annotate(label, (m, p), xytext=(4, 4), textcoords="offset points", fontsize=7)
+    ax.set_xlabel("measured step time (s)")
+    ax.set_ylabel("estimated step time (s)")
+    ax.set_title(title or "fasop estimates against measured runs")
+    ax.legend(loc="upper left", fontsize=8)
+    _save(fig, path)

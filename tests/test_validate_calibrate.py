@@ -1,0 +1,354 @@
+"""fasop validate and fasop calibrate: measured runs read from CSV and Megatron-LM logs, estimates scored
+against them, and factors fitted to runs generated from a known ground truth."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import GPU_SPEED, profile_csv
+from fasop.calibrate import Calibration, Factor, calibrate, calibrated_cluster_text
+from fasop.cli import main
+from fasop.cluster import load_cluster
+from fasop.measured import median_iteration_s, read_measured
+from fasop.model import load_model
+from fasop.profiles import load_profiles
+from fasop.search import estimate
+from fasop.tomlfile import tomllib
+from fasop.validate import load_settings
+
+# Slow links, so that transfers take a real share of the tiny model's step time and the fit can see them.
+NODES = {
+    "fast": {"intra_node_bandwidth": "50 Mbit/s", "inter_node_bandwidth": "20 Mbit/s"},
+    "slow": {"intra_node_bandwidth": "25 Mbit/s", "inter_node_bandwidth": "20 Mbit/s"},
+}
+# The hidden truth: "fast" GPUs take 1.3x their profiled times, links between nodes achieve 0.7x the file's.
+HIDDEN = {"fast": 1.3, "slow": 1.0, "intra_node": 1.0, "inter_node": 0.7}
+# (tp, dp, pp, mbs, placement, layers per stage): single-node and two-node plans of every shape
+PLANS = [
+    (1, 2, 1, 1, ["fast"], [4]), (1, 1, 2, 1, ["fast"], [2, 2]), (2, 1, 1, 2, ["fast"], [4]),
+    (1, 2, 1, 1, ["slow"], [4]), (1, 1, 2, 2, ["slow"], [2, 2]),
+    (1, 1, 4, 1, ["fast", "slow"], [1, 1, 1, 1]), (1, 2, 2, 1, ["fast", "slow"], [2, 2]),
+    (2, 1, 2, 1, ["slow", "fast"], [2, 2]), (1, 4, 1, 1, ["fast", "slow"], [4]),
+    (2, 2, 1, 2, ["slow", "fast"], [4]), (1, 1, 4, 2, ["slow", "fast"], [1, 2, 1, 0]),
+]
+NOISE = [0.006, -0.004, 0.002, -0.007, 0.005, -0.001, 0.004, -0.006, 0.003, -0.002, 0.001]  # measurement scatter
+COLUMNS = "run,model_file,cluster_file,gbs,mbs,tp,dp,pp,placement,layers_per_stage,measured_step_s"
+
+
+def scaled_csv(gpu: str, scale: float) -> str:
+    """The tiny profile of `gpu` with every time multiplied by `scale`."""
+    lines = profile_csv(gpu).splitlines()
+    out = lines[:2]
+    for line in lines[2:]:
+        tp, mbs, kind, forward, backward = line.split(",")
+        out.append(f"{tp},{mbs},{kind},{float(forward) * scale!r},{float(backward) * scale!r}")
+    return "\n".join(out) + "\n"
+
+
+def truth_step_s(tiny) -> list[float]:
+    """Step times of PLANS on the hidden truth: profiles and derating as they really are, through the plain
+    estimate (not the calibration code)."""
+    derating = (f"\n[cluster.derating]\np2p_inter_node = {1 / HIDDEN['inter_node']!r}\n"
+                f"collective_inter_node = {1 / HIDDEN['inter_node']!r}\n")
+    truth = tiny("truth", nodes=NODES, cluster_extra=derating,
+                 profiles={g: scaled_csv(g, HIDDEN[g]) for g in GPU_SPEED})
+    model, cluster = load_model(str(truth.model)), load_cluster(str(truth.cluster))
+    return [estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=placement, layers=layers,
+                     profiles_dir=str(truth.profiles))["step_time_s"]
+            for tp, dp, pp, mbs, placement, layers in PLANS]
+
+
+@pytest.fixture
+def measured(tiny):
+    """(the user's tiny inputs, the CSV of runs measured on the hidden truth)."""
+    user = tiny("user", nodes=NODES)
+    rows = [COLUMNS]
+    for i, ((tp, dp, pp, mbs, placement, layers), step_s) in enumerate(zip(PLANS, truth_step_s(tiny))):
+        rows.append(f"r{i},model.toml,cluster.toml,8,{mbs},{tp},{dp},{pp},{' '.join(placement)},"
+                    f"{' '.join(map(str, layers))},{step_s * (1 + NOISE[i])!r}")
+    path = user.root / "runs.csv"
+    path.write_text("\n".join(rows) + "\n")
+    return user, path
+
+
+def calibration_of(user, path) -> Calibration:
+    runs = read_measured(path)
+    return Calibration(runs, load_settings(runs, str(user.profiles))[0])
+
+
+def one_line_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+# -- calibration on a known ground truth ---------------------------------------------------------------
+
+def test_calibrate_recovers_the_hidden_factors(measured):
+    outcome = calibrate(calibration_of(*measured))
+    fitted = {f.key: v for f, v in outcome.values.items()}
+    for key, truth in HIDDEN.items():
+        assert fitted[key] == pytest.approx(truth, rel=0.05), (key, fitted)
+    assert outcome.mape_before_pct > 10
+    assert outcome.mape_after_pct < 1.0
+    assert outcome.mape_loo_pct < 1.5
+
+
+def test_calibrate_command_writes_files_that_make_validate_agree(measured, runner):
+    user, path = measured
+    out, profiles_out = user.root / "calibrated.toml", user.root / "calibrated-profiles"
+    before = runner.invoke(main, ["validate", "--measured", str(path), "--profiles", str(user.profiles)])
+    assert before.exit_code == 0, before.output
+    result = runner.invoke(main, ["calibrate", "--measured", str(path), "--profiles", str(user.profiles),
+                                  "--out", str(out), "--profiles-out", str(profiles_out)])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"compute_time_scale\.fast\s+1\.[23]\d*", result.stdout)
+    cluster = load_cluster(str(out))
+    assert cluster.derating.p2p_inter_node == pytest.approx(1 / HIDDEN["inter_node"], rel=0.05)
+    assert cluster.derating.collective_inter_node == cluster.derating.p2p_inter_node
+    assert cluster.node_types == load_cluster(str(user.cluster)).node_types
+    text = out.read_text()
+    assert text.startswith("# Calibrated by fasop calibrate on ") and str(path) in text
+    assert "bandwidth_scale.inter_node" in text
+    model = load_model(str(user.model))
+    profiles = load_profiles(model, ["fast", "slow"], str(profiles_out))
+    original = load_profiles(model, ["fast", "slow"], str(user.profiles))
+    ratio = profiles["fast"].time(1, "layer", 1)[0] / original["fast"].time(1, "layer", 1)[0]
+    assert ratio == pytest.approx(HIDDEN["fast"], rel=0.05)
+    assert "compute_time_scale.fast" in (profiles_out / "fast.csv").read_text()
+    after = runner.invoke(main, ["validate", "--measured", str(path), "--cluster", str(out),
+                                 "--profiles", str(profiles_out)])
+    assert after.exit_code == 0, after.output
+    mape = [float(re.search(r"MAPE ([\d.]+)%", r.stdout).group(1)) for r in (before, after)]
+    assert mape[0] > 10 and mape[1] < 1.0, mape
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(scale=st.floats(0.3, 3.0))
+def test_scaling_every_factor_scales_every_estimate(calibration, scale):
+    """Step time is homogeneous in the factors: profile times x c and bandwidths / c give times x c (the
+    fixture is only read)."""
+    unit = calibration.predict(calibration.unit())
+    scaled = calibration.predict({f: scale if f.kind == "compute" else 1 / scale for f in calibration.factors})
+    np.testing.assert_allclose(scaled, unit * scale, rtol=1e-9)
+
+
+@pytest.fixture
+def calibration(measured):
+    return calibration_of(*measured)
+
+
+def test_a_factor_no_run_depends_on_is_not_fitted(measured, runner):
+    user, path = measured
+    lines = path.read_text().splitlines()
+    single_node = [lines[0]] + [line for line in lines[1:] if line.split(",")[8] in ("fast", "slow")]
+    path.write_text("\n".join(single_node) + "\n")
+    outcome = calibrate(calibration_of(user, path))
+    inter = Factor("bandwidth", "inter_node")
+    assert inter not in outcome.free and outcome.values[inter] == 1.0
+    assert outcome.values[Factor("compute", "fast")] == pytest.approx(HIDDEN["fast"], rel=0.05)
+
+
+# -- validate -----------------------------------------------------------------------------------------
+
+def test_validate_scores_match_a_hand_computation(measured, runner):
+    user, path = measured
+    chart = user.root / "chart.png"
+    result = runner.invoke(main, ["validate", "--measured", str(path), "--profiles", str(user.profiles),
+                                  "--chart", str(chart)])
+    assert result.exit_code == 0, result.output
+    model, cluster = load_model(str(user.model)), load_cluster(str(user.cluster))
+    predicted = np.array([estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=pl, layers=la,
+                                   profiles_dir=str(user.profiles))["step_time_s"]
+                          for tp, dp, pp, mbs, pl, la in PLANS])
+    measured_s = np.array([float(line.split(",")[-1]) for line in path.read_text().splitlines()[1:]])
+    mape = 100 * np.mean(np.abs(predicted - measured_s) / measured_s)
+    assert f"MAPE {mape:.1f}% over {len(PLANS)} runs" in result.stdout
+    # Spearman without ties: 1 - 6 sum(d^2) / (n (n^2 - 1)) over the rank differences
+    d = np.argsort(np.argsort(predicted)) - np.argsort(np.argsort(measured_s))
+    n = len(PLANS)
+    assert f"Spearman rank correlation {1 - 6 * np.sum(d ** 2) / (n * (n * n - 1)):.3f}" in result.stdout
+    first, fastest = int(np.argmin(predicted)), int(np.argmin(measured_s))
+    verdict = "yes" if first == fastest else f"no: r{fastest} was"
+    assert f"fasop's first plan, r{first}, was the fastest measured: {verdict}" in result.stdout
+    for i in range(n):
+        assert re.search(rf"^r{i}\s+{predicted[i]:.4f}\s+{measured_s[i]:.4f}\s", result.stdout, re.M)
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- Megatron-LM logs ---------------------------------------------------------------------------------
+
+def megatron_line(iteration: int, elapsed_ms: str, total: int = 50, stamp: bool = True) -> str:
+    """One report as Megatron-LM's training_log prints it (megatron/training/training.py)."""
+    head = f" [2024-05-01 12:00:{iteration:02d}]" if stamp else ""
+    return (f"{head} iteration {iteration:8d}/{total:8d} | consumed samples: {iteration * 8:12d} | elapsed time per "
+            f"iteration (ms): {elapsed_ms} | learning rate: 1.500000E-04 | global batch size:     8 | lm loss: "
+            f"1.046713E+01 | loss scale: 4294967296.0 | grad norm: 12.345 | number of skipped iterations:   0 | "
+            f"number of nan iterations:   0 |")
+
+
+LOG = "\n".join([
+    "using world size: 4, data-parallel size: 2, context-parallel size: 1, tensor-model-parallel size: 1",
+    "[after training is done] datetime: 2024-05-01 12:00:00",  # not a report
+    megatron_line(1, "9876.5"),  # warm-up: allocation, kernel tuning
+    megatron_line(2, "1400.0"),
+    megatron_line(3, "1300.0"),
+    megatron_line(4, "1234.5"),
+    " [Rank 3] (after 4 iterations) memory (MB) | allocated: 1234.5 | max allocated: 2345.6",
+    megatron_line(5, "1250.0"),
+    megatron_line(6, "1240.0"),
+    megatron_line(7, "5000.0"),  # a slow outlier: the median ignores it
+]) + "\n"
+
+
+def test_megatron_log_median_after_warmup(tmp_path):
+    log = tmp_path / "fasop-1234.out"
+    log.write_text(LOG)
+    assert median_iteration_s(log) == pytest.approx(1.245)  # median of 1234.5, 1250, 1240, 5000 ms
+    assert median_iteration_s(log, warmup_iters=0) == pytest.approx(1.3)  # the warm-up report counts too
+    assert median_iteration_s(log, warmup_iters=5) == pytest.approx(3.12)  # 1240 and 5000
+
+
+def test_megatron_log_intervals_of_ten_without_dates(tmp_path):
+    # fasop emit asks for --log-interval 10: each report averages ten iterations, the first holds the warm-up
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(megatron_line(i, ms, stamp=False)
+                             for i, ms in ((10, "2500.0"), (20, "1200.0"), (30, "1100.0"), (40, "1000.0"))) + "\n")
+    assert median_iteration_s(log) == pytest.approx(1.1)
+    assert median_iteration_s(log, warmup_iters=10) == pytest.approx(1.1)
+    assert median_iteration_s(log, warmup_iters=11) == pytest.approx(1.05)
+
+
+def write_run(folder: Path, tiny_user, log_text: str, **plan_overrides) -> None:
+    folder.mkdir(parents=True)
+    plan = {"rank": 1, "model_file": str(tiny_user.model), "cluster_file": str(tiny_user.cluster), "gbs": 8,
+            "mbs": 1, "tp": 1, "dp": 2, "pp": 1, "placement": ["fast"], "layers_per_stage": [4],
+            "distributed_optimizer": True, **plan_overrides}
+    (folder / "plan.json").write_text(json.dumps(plan, indent=2))
+    (folder / "fasop-77.out").write_text(log_text)
+    (folder / "fasop-77.err").write_text("W0501 12:00:00 torch warnings\n")
+
+
+def test_validate_reads_run_folders(tiny, runner):
+    user = tiny("user", nodes=NODES)
+    logs = user.root / "logs"
+    write_run(logs / "a", user, LOG)
+    write_run(logs / "b", user, LOG.replace("1234.5", "900.0").replace("1250.0", "910.0").replace("1240.0", "905.0"),
+              pp=2, dp=1, layers_per_stage=[2, 2])
+    result = runner.invoke(main, ["validate", "--measured", str(logs), "--profiles", str(user.profiles)])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^a/fasop-77\.out\s+\d+\.\d{4}\s+1\.2450\s", result.stdout, re.M)
+    assert re.search(r"^b/fasop-77\.out\s+\d+\.\d{4}\s+0\.9075\s", result.stdout, re.M)
+    assert "MAPE" in result.stdout and "Spearman rank correlation n/a" in result.stdout
+
+
+# -- bad input: one line, exit code 2 -----------------------------------------------------------------
+
+@pytest.mark.parametrize("edit, fragments", [
+    (lambda rows: [rows[0].replace(",measured_step_s", "")] + [r.rsplit(",", 1)[0] for r in rows[1:]],
+     ["missing column(s) measured_step_s"]),
+    (lambda rows: rows[:2] + [rows[2].rsplit(",", 1)[0] + ",fast"], ["line 3: measured_step_s", "positive, finite"]),
+    (lambda rows: rows[:2] + [rows[2].rsplit(",", 1)[0] + ",nan"], ["line 3: measured_step_s"]),
+    (lambda rows: rows[:2] + [rows[2].rsplit(",", 1)[0] + ",-1.5"], ["line 3: measured_step_s"]),
+    (lambda rows: rows[:2] + [rows[2].replace(",8,", ",8.5,", 1)], ["line 3: gbs", "positive integer"]),
+    (lambda rows: rows[:2] + [rows[2] + ",extra"], ["line 3", "fields like the header"]),
+    (lambda rows: rows[:1], ["no rows under the header"]),
+    (lambda rows: [], ["no header and no rows"]),
+    (lambda rows: [rows[0], rows[1].replace(",fast,4,", ",fast,3,")], ["line 2", "cannot be estimated", "--layers"]),
+    (lambda rows: rows[:2] + [rows[2].replace("cluster.toml", "nowhere/cluster.toml")], ["line 3", "nowhere"]),
+])
+def test_malformed_csv_is_one_line(measured, runner, edit, fragments):
+    user, path = measured
+    path.write_text("\n".join(edit(path.read_text().splitlines())) + "\n")
+    result = runner.invoke(main, ["validate", "--measured", str(path), "--profiles", str(user.profiles)])
+    one_line_error(result, *fragments)
+
+
+@pytest.mark.parametrize("log, plan, fragments", [
+    (LOG.replace("(ms): 1300.0", "(ms): fast"), None, ["line 5", "elapsed time per iteration (ms)"]),
+    (LOG.replace("(ms): 1300.0", "(ms): inf"), None, ["line 5", "positive, finite"]),
+    (megatron_line(1, "900.0") + "\n" + megatron_line(2, "800.0") + "\n", None, ["warm-up iterations"]),
+    (LOG + megatron_line(3, "1000.0") + "\n", None, ["iteration 3 follows iteration 7"]),
+    ("no reports here\n", None, ["no training log", "beside plan.json"]),
+    (LOG, "{not json", ["plan.json", "not JSON"]),
+    (LOG, json.dumps({"tp": 1}), ["names no model_file"]),
+])
+def test_malformed_logs_are_one_line(tiny, runner, log, plan, fragments):
+    user = tiny("user", nodes=NODES)
+    write_run(user.root / "logs" / "a", user, log)
+    if plan is not None:
+        (user.root / "logs" / "a" / "plan.json").write_text(plan)
+    result = runner.invoke(main, ["validate", "--measured", str(user.root / "logs"), "--profiles", str(user.profiles)])
+    one_line_error(result, *fragments)
+
+
+def test_bad_options_are_one_line(measured, runner):
+    user, path = measured
+    one_line_error(runner.invoke(main, ["validate", "--measured", str(user.root / "absent.csv")]), "no such file")
+    one_line_error(runner.invoke(main, ["validate", "--measured", str(user.root)]), "no plan.json")
+    one_line_error(runner.invoke(main, ["validate", "--measured", str(path), "--chart", str(user.root / "c.pdf")]),
+                   "--chart", ".png or .svg")
+    one_line_error(runner.invoke(main, ["calibrate", "--measured", str(path), "--out", str(user.root / "c.json")]),
+                   "--out", ".toml")
+
+
+# -- calibrate never writes over its inputs ---------------------------------------------------------------
+
+def test_calibrate_never_overwrites_an_input(measured, runner):
+    user, path = measured
+    inputs = [user.cluster, path, user.model, *user.profiles.iterdir()]
+    before = {p: p.read_bytes() for p in inputs}
+    alias = user.root / "profiles" / ".." / "cluster.toml"  # the same file by another name
+    for out, more in ((user.cluster, []), (alias, []), (user.root / "new.toml", ["--profiles-out", str(user.profiles)])):
+        result = runner.invoke(main, ["calibrate", "--measured", str(path), "--profiles", str(user.profiles),
+                                      "--out", str(out), "--force", *more])
+        one_line_error(result, "is an input of this run")
+    assert {p: p.read_bytes() for p in inputs} == before
+    assert not (user.root / "new.toml").exists()
+    existing = user.root / "existing.toml"
+    existing.write_text("# mine\n")
+    result = runner.invoke(main, ["calibrate", "--measured", str(path), "--profiles", str(user.profiles),
+                                  "--out", str(existing)])
+    one_line_error(result, "already exists")
+    assert existing.read_text() == "# mine\n"
+
+
+def test_calibrate_fits_one_cluster(measured, tiny, runner):
+    user, path = measured
+    other = tiny("other", nodes=NODES)
+    rows = path.read_text().splitlines()
+    rows[2] = rows[2].replace("cluster.toml", str(other.cluster))
+    path.write_text("\n".join(rows) + "\n")
+    result = runner.invoke(main, ["calibrate", "--measured", str(path), "--profiles", str(user.profiles),
+                                  "--out", str(user.root / "c.toml")])
+    one_line_error(result, "one model on one cluster")
+
+
+def test_calibrated_cluster_keeps_every_other_field(measured):
+    """The written cluster is the input with only derating and description changed, launch table included."""
+    user, path = measured
+    user.cluster.write_text(user.cluster.read_text() + '\n[launch]\npartition = { fast = "hgx", slow = "gpu 2" }\n'
+                            'extra_flags = ["--log-interval", "1"]\njob_name = "tab\\there \\u00e9"\n'
+                            "[cluster.derating]\np2p_intra_node = 3.5\n")
+    calibration = calibration_of(user, path)
+    outcome = calibrate(calibration)
+    text = calibrated_cluster_text(user.cluster, calibration.setting.cluster, outcome, ["first", "second"])
+    written, original = tomllib.loads(text), tomllib.loads(user.cluster.read_text())
+    intra = outcome.values[Factor("bandwidth", "intra_node")]
+    inter = outcome.values[Factor("bandwidth", "inter_node")]
+    assert written["cluster"]["derating"] == {"p2p_intra_node": 3.5 / intra, "p2p_inter_node": 1 / inter,
+                                              "collective_intra_node": 1 / intra, "collective_inter_node": 1 / inter}
+    for table in (written, original):
+        del table["cluster"]["derating"], table["cluster"]["description"]
+    assert written == original
+    assert text.startswith("# first\n# second\n")
