@@ -16,6 +16,7 @@ from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, em
                         split_flags)
 from fasop.errors import InputError
 from fasop.layers_command import register as register_profile_layers
+from fasop.links_command import register as register_profile_links
 from fasop.model import load_model
 from fasop.plans import load_plans, select_plan, write_plans
 
@@ -428,6 +429,7 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
 
 
 register_profile_layers(profile, model_option, reports_input_errors)
+register_profile_links(profile, reports_input_errors)
 
 
 # -- fasop pareto / fasop plot ------------------------------------------------------------------------
