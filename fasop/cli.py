@@ -19,6 +19,7 @@ from fasop.layers_command import register as register_profile_layers
 from fasop.links_command import register as register_profile_links
 from fasop.model import load_model
 from fasop.plans import load_plans, select_plan, write_plans
+from fasop.robust import check_noise, noise_options, noise_report
 
 
 def reports_input_errors(command):
@@ -131,11 +132,15 @@ def main():
                    "(site options from the cluster file's [launch] table; `fasop emit` offers them all).")
 @profiles_option
 @optimizer_option
+@noise_options
 @reports_input_errors
 def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, prune, workers, emit_dir,
-           profiles_dir, distributed_optimizer):
+           profiles_dir, distributed_optimizer, noise, trials, seed):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
-    from fasop.search import search_plans
+    from fasop.search import prepare, search_plans
+
+    if noise is not None:
+        check_noise(noise, trials)
 
     if train_steps is not None and train_tokens is not None:
         raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
@@ -173,6 +178,9 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     if any(plan["placement_search"] != "exhaustive" for plan in plans[:top]):
         click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
                    "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
+    if noise is not None:
+        inputs = prepare(model, cluster, plans[0]["gbs"], profiles_dir, distributed_optimizer)
+        click.echo(noise_report(inputs, plans, noise, trials, seed, sort, top))
     if output is not None:
         click.echo(f"{len(plans)} plans written to {output}")
     if emit_dir is not None:
