@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from fasop.catalogue import catalogue_options
 from fasop.cluster import load_cluster
 from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, emit_plan, launch_options, restate_plan,
                         split_flags)
@@ -405,8 +406,9 @@ def profile():
               help="CSV to write. As profiles/<model>/<gpu>.csv, or <gpu>.csv in a folder passed to "
                    "`fasop search --profiles DIR`, the search uses it.")
 @click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
+@catalogue_options
 @reports_input_errors
-def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, force):
+def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, force, catalogue, gpus_cluster):
     """Estimate a profile of MODEL on GPU from FLOPs, bytes and the GPU spec table, for GPU types not yet
     measured.
 
@@ -418,7 +420,7 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
     from fasop import synth as synthesis
 
     model = load_model(model_name)
-    spec = synthesis.load_gpu_spec(gpu)
+    spec = synthesis.load_gpu_spec(gpu, catalogue, load_cluster(gpus_cluster).gpus if gpus_cluster else None)
     tps = synthesis.parse_sizes("--tp", tp_text)
     mbss = synthesis.parse_sizes("--mbs", mbs_text)
     tps, mbss = synthesis.check_degrees(model, tps, mbss)

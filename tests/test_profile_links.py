@@ -17,7 +17,6 @@ from fasop.cluster import load_cluster
 from fasop.errors import InputError
 from fasop.links import fit_alpha_beta, group_nodes, launch_from_env, link_bytes, parse_message_sizes
 
-
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 SIZES = "16K,1M,16M"
 FIELD = re.compile(r'^(intra|inter)_node_bandwidth = "([^"]+)"$', re.M)
