@@ -14,12 +14,14 @@ import click
 
 from fasop import bundled
 from fasop.calibrate_command import register as register_calibration
+from fasop.catalogue import catalogue_options, gpu_table_path
 from fasop.cluster import load_cluster
 from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, launch_options, render_plan, restate_plan,
                         split_flags, write_files)
 from fasop.errors import InputError
 from fasop.files import check_finite, check_outputs, pending_write
 from fasop.layers_command import register as register_profile_layers
+from fasop.links_command import register as register_profile_links
 from fasop.model import load_model
 from fasop.plans import load_plans, plans_text, select_plan
 from fasop.profiles import load_profiles, profile_paths
@@ -30,6 +32,7 @@ def _input_paths(model_name: str, cluster_name: str, model, cluster, profiles_di
     profiles = profile_paths(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
     return [bundled.resolve("models", model_name, ".toml"), bundled.resolve("clusters", cluster_name, ".toml"),
             *profiles.values()]
+from fasop.robust import check_noise, noise_options, noise_report
 
 
 def reports_input_errors(command):
@@ -145,12 +148,15 @@ def main():
 @profiles_option
 @mismatch_option
 @optimizer_option
+@noise_options
 @reports_input_errors
 def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, prune, workers, emit_dir,
-           profiles_dir, allow_profile_mismatch, distributed_optimizer):
+           profiles_dir, allow_profile_mismatch, distributed_optimizer, noise, trials, seed):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
-    from fasop.search import search_plans
+    from fasop.search import prepare, search_plans
 
+    if noise is not None:
+        check_noise(noise, trials)
     if train_steps is not None and train_tokens is not None:
         raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
     if train_tokens is not None and not math.isfinite(train_tokens):
@@ -201,6 +207,9 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     if any(plan["placement_search"] != "exhaustive" for plan in plans[:top]):
         click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
                    "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
+    if noise is not None:
+        prepared = prepare(model, cluster, plans[0]["gbs"], profiles_dir, distributed_optimizer, profiles)
+        click.echo(noise_report(prepared, plans, noise, trials, seed, sort, top))
     if output is not None:
         click.echo(f"{len(plans)} plans written to {output}")
     if emit_dir is not None:
@@ -431,8 +440,9 @@ def profile():
               help="CSV to write. As profiles/<model>/<gpu>.csv, or <gpu>.csv in a folder passed to "
                    "`fasop search --profiles DIR`, the search uses it.")
 @click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
+@catalogue_options
 @reports_input_errors
-def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, force):
+def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, force, catalogue, gpus_cluster):
     """Estimate a profile of MODEL on GPU from FLOPs, bytes and the GPU spec table, for GPU types not yet
     measured.
 
@@ -444,13 +454,16 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
     from fasop import synth as synthesis
 
     model = load_model(model_name)
-    spec = synthesis.load_gpu_spec(gpu)
+    spec = synthesis.load_gpu_spec(gpu, catalogue, load_cluster(gpus_cluster).gpus if gpus_cluster else None)
     tps = synthesis.parse_sizes("--tp", tp_text)
     mbss = synthesis.parse_sizes("--mbs", mbs_text)
     tps, mbss = synthesis.check_degrees(model, tps, mbss)
     if out.exists() and not force:
         raise InputError(f"--out {out}", "already exists (pass --force to overwrite it)")
-    check_outputs([(out, "--out")], [bundled.resolve("models", model_name, ".toml"), synthesis.gpu_table_path()])
+    read = [bundled.resolve("models", model_name, ".toml"), gpu_table_path()]
+    read += [Path(catalogue)] if catalogue else []
+    read += [bundled.resolve("clusters", gpus_cluster, ".toml")] if gpus_cluster else []
+    check_outputs([(out, "--out")], read)
     rows = synthesis.synthesize(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
     lines = synthesis.header_lines(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
     synthesis.write_profile(out, rows, lines, force=force)
@@ -465,6 +478,7 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
 
 register_profile_layers(profile, model_option, reports_input_errors)
 register_calibration(main, reports_input_errors)
+register_profile_links(profile, reports_input_errors)
 
 
 # -- fasop pareto / fasop plot ------------------------------------------------------------------------

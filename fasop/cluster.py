@@ -69,6 +69,7 @@ class Cluster:
     description: str = ""
     launch: dict[str, Any] = field(default_factory=dict)
     file: str = ""
+    gpus: dict[str, Any] = field(default_factory=dict)  # the file's own [[gpu]] specs (fasop.catalogue)
 
     @property
     def gpus_per_node(self) -> int:
@@ -136,8 +137,8 @@ def load_cluster(name_or_path: str) -> Cluster:
     raw = read_toml(path)
     file = str(path)
     for key in raw:
-        if key not in ("cluster", "node_type", "launch"):
-            raise InputError(f"{file}: {key}", "unknown table (known: cluster, node_type, launch)")
+        if key not in ("cluster", "node_type", "launch", "gpu"):
+            raise InputError(f"{file}: {key}", "unknown table (known: cluster, node_type, launch, gpu)")
     head = Table(raw.get("cluster"), file, "cluster")
     head.reject_unknown({"name", "description", "memory_margin", "derating"})
     derating_table = Table(head.data.get("derating", {}), file, "cluster.derating")
@@ -157,6 +158,9 @@ def load_cluster(name_or_path: str) -> Cluster:
                          f"all node types need the same GPUs per node (Megatron-LM gives every node the same number of ranks), got {sorted(sizes)}")
     if all(t.count == 0 for t in types.values()):
         raise InputError(f"{file}: node_type.count", "expected at least one available node")
+    from fasop.catalogue import gpu_tables  # it reads bandwidths with parse_bandwidth, from here
+
+    gpus = gpu_tables(raw["gpu"], file) if "gpu" in raw else {}
     launch = raw.get("launch", {})
     if not isinstance(launch, dict):
         raise InputError(f"{file}: launch", "expected a table")
@@ -168,4 +172,5 @@ def load_cluster(name_or_path: str) -> Cluster:
         description=head.str("description", ""),
         launch=launch,
         file=name_or_path if is_bundled else file,
+        gpus=gpus,
     )

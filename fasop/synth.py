@@ -56,15 +56,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from fasop import bundled
+from fasop.catalogue import GpuSpec, load_gpu_spec
 from fasop.cluster import parse_bandwidth
 from fasop.errors import InputError
 from fasop.files import write_atomically
 from fasop.model import DROPOUT_MASK_BYTES, Model
 from fasop.profiles import COLUMNS, identity_line, required_kinds
-from fasop.tomlfile import Table, read_toml
 
-GPU_TABLE = "gpus.toml"
 FP32_BYTES = 4
 MAIN_GRAD_BYTES_PER_WEIGHT = 2 * FP32_BYTES  # fp32 main gradient read and written once per micro-batch
 DEFAULT_DEGREES = (1, 2, 4, 8)
@@ -72,89 +70,6 @@ FORMULA = ("forward_s = max(F / (peak x efficiency), B / memory_bandwidth) + (tp
            "backward_s: 2F, B + 8 bytes per weight, same C; F: matmul FLOPs per GPU (2 x weights x tokens "
            "+ 4 b s^2 x heads x kv_channels, no causal saving, / tp); B: weights + input + kept activations "
            "+ output; C: b s h x bytes per all-gather or reduce-scatter (4 per layer)")
-
-
-# -- GPU spec table ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GpuSpec:
-    """One [[gpu]] table of catalogue/gpus.toml."""
-
-    name: str
-    dense_fp16_tflops: float
-    dense_bf16_tflops: float
-    memory_gib: float
-    memory_bandwidth_gb_per_s: float
-    intra_node_link: str
-    link_bytes_per_s: float
-    matmul_efficiency: float
-    source: str
-    date: str
-    file: str = ""
-
-    def peak_flops(self, precision: str, model_name: str = "") -> float:
-        """Dense tensor-core FLOP/s for a model trained in `precision`."""
-        if precision == "fp32":
-            raise InputError(f"model {model_name}".strip(),
-                             "precision fp32: the GPU table gives only fp16 and bf16 tensor-core peaks")
-        tflops = self.dense_bf16_tflops if precision == "bf16" else self.dense_fp16_tflops
-        if tflops <= 0:
-            raise InputError(f"--gpu {self.name}",
-                             f"has no {precision} peak in {self.file} (dense_{precision}_tflops = 0); "
-                             f"model {model_name} trains in {precision}")
-        return tflops * 1e12
-
-    @property
-    def memory_bytes_per_s(self) -> float:
-        return self.memory_bandwidth_gb_per_s * 1e9
-
-
-def gpu_table_path() -> Path:
-    return bundled.data_dir("catalogue") / GPU_TABLE
-
-
-def load_gpu_specs(path: Path | None = None) -> dict[str, GpuSpec]:
-    """Every GPU of the spec table (default: the bundled catalogue/gpus.toml), by name."""
-    path = Path(path) if path is not None else gpu_table_path()
-    shown = f"catalogue/{GPU_TABLE}" if path == gpu_table_path() else str(path)
-    raw = read_toml(path)
-    entries = raw.get("gpu")
-    if not isinstance(entries, list) or not entries:
-        raise InputError(shown, "expected [[gpu]] tables")
-    specs: dict[str, GpuSpec] = {}
-    for index, entry in enumerate(entries):
-        table = Table(entry, shown, f"gpu[{index}]")
-        name = table.str("name")
-        if name in specs:
-            raise InputError(table.where("name"), f"GPU {name!r} is listed twice")
-        efficiency = table.float("matmul_efficiency")
-        if efficiency > 1:
-            raise InputError(table.where("matmul_efficiency"), f"expected a fraction in (0, 1], got {efficiency}")
-        link = table.str("intra_node_link")
-        specs[name] = GpuSpec(
-            name=name,
-            dense_fp16_tflops=table.float("dense_fp16_tflops", strict=False),
-            dense_bf16_tflops=table.float("dense_bf16_tflops", strict=False),
-            memory_gib=table.float("memory_gib"),
-            memory_bandwidth_gb_per_s=table.float("memory_bandwidth_gb_per_s"),
-            intra_node_link=link,
-            link_bytes_per_s=parse_bandwidth(link, table.where("intra_node_link")),
-            matmul_efficiency=efficiency,
-            source=table.str("source", ""),
-            date=table.str("date", ""),
-            file=shown,
-        )
-    return specs
-
-
-def load_gpu_spec(name: str, path: Path | None = None) -> GpuSpec:
-    """The spec of GPU `name`; an unknown name is refused with the list of known ones."""
-    specs = load_gpu_specs(path)
-    if name not in specs:
-        hint = [known for known in specs if known.lower() == name.lower()]
-        did_you_mean = f"; did you mean {hint[0]}?" if hint else ""
-        raise InputError(f"--gpu {name}", f"not in {next(iter(specs.values())).file} "
-                                          f"(known: {', '.join(specs)}){did_you_mean}")
-    return specs[name]
 
 
 # -- FLOPs, bytes and collectives of one unit -------------------------------------------------------------

@@ -1,0 +1,132 @@
+"""The user's own GPUs: [[gpu]] tables in a --catalogue file or in the cluster file, merged over the bundled
+catalogue, used by `fasop profile synth`, and refused with one line when a value is wrong."""
+
+import csv
+import math
+
+import pytest
+
+from fasop import synth
+from fasop.catalogue import load_gpu_specs
+from fasop.cli import main
+from fasop.cluster import load_cluster
+from fasop.model import load_model
+
+from conftest import toml_table
+
+MY_GPU = {"name": "MyGPU-24G", "dense_fp16_tflops": 100.0, "dense_bf16_tflops": 100.0, "memory_gib": 24.0,
+          "memory_bandwidth_gb_per_s": 1000.0, "intra_node_link": "25 GB/s", "matmul_efficiency": 0.5,
+          "source": "my own datasheet", "date": "2026-01-01"}
+
+
+def _gpu_toml(**changes) -> str:
+    fields = {**MY_GPU, **changes}
+    return toml_table("[[gpu]]", {k: v for k, v in fields.items() if v is not None})
+
+
+def _layer_times(path) -> dict:
+    rows = csv.DictReader(line for line in open(path) if not line.startswith("#"))
+    return {(r["tp"], r["mbs"], r["kind"]): (float(r["forward_s"]), float(r["backward_s"])) for r in rows}
+
+
+def _synth(runner, tiny_files, out, *options):
+    return runner.invoke(main, ["profile", "synth", "--model", str(tiny_files.model), "--tp", "1,2", "--mbs", "1",
+                                "--out", str(out), *options])
+
+
+def test_a_gpu_of_a_catalogue_file_is_used_by_synth(runner, tiny, tmp_path):
+    files = tiny()
+    catalogue = tmp_path / "my-gpus.toml"
+    catalogue.write_text(_gpu_toml())
+    out = tmp_path / "MyGPU-24G.csv"
+    result = _synth(runner, files, out, "--gpu", "MyGPU-24G", "--catalogue", str(catalogue))
+    assert result.exit_code == 0, result.output
+    assert str(catalogue) in out.read_text()  # the header names the table the figures came from
+    # the roofline by hand: 100 TFLOP/s x 0.5, 1000 GB/s, 25 GB/s for the tensor-parallel collectives
+    model = load_model(str(files.model))
+    costs = synth.unit_costs(model, tp=2, mbs=1)["layer"]
+    forward = max(costs.forward_flops / 50e12, costs.forward_bytes / 1e12) + 0.5 * costs.collective_bytes / 25e9
+    assert _layer_times(out)[("2", "1", "layer")][0] == pytest.approx(forward, rel=1e-9)
+
+
+def test_a_catalogue_entry_replaces_the_bundled_gpu_of_its_name(runner, tiny, tmp_path):
+    files = tiny()
+    bundled, mine = tmp_path / "bundled.csv", tmp_path / "mine.csv"
+    assert _synth(runner, files, bundled, "--gpu", "A100").exit_code == 0
+    catalogue = tmp_path / "gpus.toml"
+    catalogue.write_text(_gpu_toml(name="A100", dense_fp16_tflops=31.2, memory_bandwidth_gb_per_s=155.5))
+    assert _synth(runner, files, mine, "--gpu", "A100", "--catalogue", str(catalogue)).exit_code == 0
+    slow, fast = _layer_times(mine), _layer_times(bundled)
+    assert all(slow[key][0] > fast[key][0] for key in fast)
+
+
+def test_a_gpu_table_in_the_cluster_file_is_used_by_synth_and_the_cluster_still_searches(runner, tiny, tmp_path):
+    files = tiny(cluster_extra="\n" + _gpu_toml(name="fast"))
+    cluster = load_cluster(str(files.cluster))
+    assert cluster.gpus["fast"].memory_gib == 24.0
+    out = tmp_path / "fast.csv"
+    result = _synth(runner, files, out, "--gpu", "fast", "--cluster", str(files.cluster))
+    assert result.exit_code == 0, result.output
+    assert str(files.cluster) in out.read_text()
+    # the cluster file wins over a --catalogue file
+    catalogue = tmp_path / "gpus.toml"
+    catalogue.write_text(_gpu_toml(name="fast", dense_fp16_tflops=1.0))
+    again = tmp_path / "again.csv"
+    assert _synth(runner, files, again, "--gpu", "fast", "--cluster", str(files.cluster),
+                  "--catalogue", str(catalogue)).exit_code == 0
+    assert _layer_times(again) == _layer_times(out)
+    assert runner.invoke(main, ["search", *files.args()]).exit_code == 0
+    # without either, the GPU is unknown
+    result = _synth(runner, files, tmp_path / "x.csv", "--gpu", "fast")
+    assert result.exit_code == 2 and "--gpu fast" in result.stderr
+
+
+BAD = [
+    ({"dense_fp16_tflops": 3.12e14}, "dense_fp16_tflops", "<= 10000"),  # FLOP/s, not TFLOP/s
+    ({"dense_fp16_tflops": 0.0}, "dense_fp16_tflops", "> 0"),
+    ({"dense_bf16_tflops": -1.0}, "dense_bf16_tflops", ">= 0"),
+    ({"memory_gib": math.nan}, "memory_gib", "got nan"),
+    ({"memory_bandwidth_gb_per_s": math.inf}, "memory_bandwidth_gb_per_s", "got inf"),
+    ({"memory_gib": 25769803776}, "memory_gib", "<= 1024"),  # bytes, not GiB
+    ({"matmul_efficiency": 1.5}, "matmul_efficiency", "<= 1"),
+    ({"matmul_efficiency": "high"}, "matmul_efficiency", "expected a number"),
+    ({"intra_node_link": "25 Gbps"}, "intra_node_link", "bandwidth"),
+    ({"name": "my gpu"}, "name", "letters, digits"),
+    ({"name": "$(reboot)"}, "name", "letters, digits"),
+    ({"memory_gib": None}, "memory_gib", "missing"),
+    ({"tdp_w": 300}, "tdp_w", "unknown field"),
+]
+
+
+@pytest.mark.parametrize("changes, field, expected", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+@pytest.mark.parametrize("where", ["catalogue", "cluster"])
+def test_bad_gpu_figures_are_refused_with_one_line(runner, tiny, tmp_path, changes, field, expected, where):
+    text = _gpu_toml(**changes)
+    if where == "catalogue":
+        files = tiny()
+        bad = tmp_path / "gpus.toml"
+        bad.write_text(text)
+        options = ["--catalogue", str(bad)]
+    else:
+        files = tiny(cluster_extra="\n" + text)
+        bad = files.cluster
+        options = ["--cluster", str(bad)]
+    out = tmp_path / "out.csv"
+    result = _synth(runner, files, out, "--gpu", "A100", *options)
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert "\n" not in line and str(bad) in line and field in line and expected in line
+    assert not out.exists()
+
+
+def test_a_gpu_listed_twice_in_one_file_is_refused(tmp_path):
+    path = tmp_path / "gpus.toml"
+    path.write_text(_gpu_toml() + "\n" + _gpu_toml())
+    with pytest.raises(Exception, match="listed twice"):
+        load_gpu_specs(path)
+
+
+def test_the_bundled_catalogue_passes_the_same_rules_and_has_the_added_gpus():
+    specs = load_gpu_specs()
+    assert {"RTX3090", "RTX4090", "L40S"} <= set(specs)
+    assert all(spec.source and spec.date for spec in specs.values())
