@@ -34,6 +34,7 @@ from fasop.plans import CSV_LIST_SEPARATOR
 DEFAULT_TRAIN_STEPS = 10_000  # run length used when neither train_steps nor train_tokens is given
 NODES_PREFIX = "nodes_"
 PARALLEL_COMPOSITIONS = 8  # compositions per process: smaller sweeps stay in one process
+MAX_COMPOSITIONS = 4096  # a sweep searches each composition: more would run for hours (or forever)
 
 # Columns of a front file, in order; the per-type node counts (nodes_<type>) come first, after the inputs.
 HEAD_COLUMNS = ("model", "cluster", "gbs")
@@ -61,7 +62,7 @@ TEXT_COLUMNS = {"model", "cluster", "note"}
 
 def compositions(cluster: Cluster, max_nodes: dict[str, int] | None = None) -> list[dict[str, int]]:
     """Every composition of 0 up to the available count of each node type (capped by `max_nodes`), without
-    the empty one. Order: the cluster file's node types as digits, the first type most significant,
+    the empty one; more than MAX_COMPOSITIONS are refused. Order: the cluster file's node types as digits, the first type most significant,
     counting up (for A100 and A10: {A100 0, A10 1}, {A100 0, A10 2}, ..., {A100 1, A10 0}, ...)."""
     caps = {name: t.count for name, t in cluster.node_types.items()}
     for name, cap in (max_nodes or {}).items():
@@ -72,6 +73,10 @@ def compositions(cluster: Cluster, max_nodes: dict[str, int] | None = None) -> l
             raise InputError(f"--max-nodes {name}={cap}", "expected a node count >= 0")
         caps[name] = min(caps[name], cap)
     names = list(caps)
+    count = math.prod(caps[n] + 1 for n in names) - 1
+    if count > MAX_COMPOSITIONS:
+        raise InputError("--max-nodes", f"{count:,} compositions to sweep, more than the limit of {MAX_COMPOSITIONS:,} "
+                                        f"(each is a whole search); cap node counts with --max-nodes TYPE=N")
     result = [dict(zip(names, counts)) for counts in itertools.product(*(range(caps[n] + 1) for n in names))
               if any(counts)]
     if not result:
@@ -173,6 +178,7 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
     and cost of every composition scale with it alike); budgets and deadlines do.
     """
     from fasop.profiles import load_profiles
+    from fasop.search import check_global_batch
 
     if train_steps is not None and train_tokens is not None:
         raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
@@ -182,9 +188,7 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
         raise InputError("--train-tokens", f"expected a positive number of tokens, got {train_tokens}")
     if train_steps is None and train_tokens is None:
         train_steps = DEFAULT_TRAIN_STEPS
-    gbs = model.global_batch_size if gbs is None else gbs
-    if gbs < 1:
-        raise InputError("--gbs", f"expected a positive global batch size, got {gbs}")
+    gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
     if compositions is None:
         compositions = all_compositions(cluster)
     for composition in compositions:

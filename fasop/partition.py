@@ -112,24 +112,33 @@ class _Filler:
 
 
 def _caps(threshold: np.ndarray, fixed: np.ndarray, per_layer: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Most layers per stage with fixed + per_layer * n <= threshold; threshold (B, K) -> caps (B, K, P)."""
-    slack = threshold[:, :, None] - fixed[:, None, :]
-    rate = per_layer[:, None, :]
+    """Most layers per stage (at most hi, -1 for none) whose value fixed + per_layer * n is <= threshold;
+    threshold (B, K) -> caps (B, K, P).
+
+    Values are compared exactly as `_values` and `PartitionBatch.objective` compute them, so a threshold
+    taken from `_values` admits every count whose value it is: a tolerance here would either admit a count
+    whose value exceeds the threshold or refuse the count that defines it."""
+    x, f, r, top = threshold[:, :, None], fixed[:, None, :], per_layer[:, None, :], hi[:, None, :]
     with np.errstate(divide="ignore", invalid="ignore"):
-        caps = np.floor(slack / rate + _EPS)
-    tolerance = -_EPS * (1 + np.abs(fixed[:, None, :]))
-    caps = np.where(rate > 0, caps, np.where(slack >= tolerance, np.inf, -1))
-    return np.minimum(caps, hi[:, None, :])
+        guess = np.floor((x - f) / r)
+    caps = np.clip(np.where(r > 0, guess, np.where(f <= x, top, -1)), -1, top)
+    for _ in range(2):  # the rounded quotient can be one off either way: settle it on the values themselves
+        caps = caps + ((r > 0) & (caps + 1 <= top) & (f + r * (caps + 1) <= x))
+        caps = caps - ((r > 0) & (caps >= 0) & (f + r * caps > x))
+    return caps
 
 
 def _values(fixed: np.ndarray, per_layer: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """(B, V): the distinct values fixed_i + per_layer_i n takes for lo_i <= n <= hi_i, ascending, +inf padded."""
+    """(B, V): the distinct values fixed_i + per_layer_i n takes for lo_i <= n <= hi_i, ascending, +inf padded.
+
+    Only exact repeats are merged: the optimum's own maxima must stay candidates, however close another
+    value comes."""
     span = max(int((hi - lo).max()) + 1, 1)
     n = lo[:, :, None] + np.arange(span)
     values = np.where(n <= hi[:, :, None], fixed[:, :, None] + per_layer[:, :, None] * n, np.inf)
     values = np.sort(values.reshape(len(lo), -1), axis=-1)
     repeat = np.zeros(values.shape, dtype=bool)
-    repeat[:, 1:] = values[:, 1:] <= values[:, :-1] * (1 + _EPS) + _EPS * 1e-3
+    repeat[:, 1:] = values[:, 1:] == values[:, :-1]
     return _compact(values, ~repeat)
 
 
@@ -201,6 +210,7 @@ class _Search:
     def __init__(self, p: PartitionBatch, hi: np.ndarray, widest: np.ndarray):
         self.p, self.hi, self.filler = p, hi, _Filler(p)
         self.m1 = p.num_microbatches - 1
+        self.widest = widest
         self.sum_lb = (p.layer_s * widest).sum(-1)  # the cheapest layer sum any partition can have
 
     def caps_x(self, x: np.ndarray, rows=slice(None)) -> np.ndarray:
@@ -217,12 +227,13 @@ class _Search:
         index = np.arange(len(p))
         x_min = xs[index, _first_feasible(xs, self.caps_x, self.filler)]
         y_min = ys[index, _first_feasible(ys, self.caps_y, self.filler)]
-        # a first solution from each smallest threshold alone
-        starts = [self.filler.fill(self.caps_x(x_min[:, None]))[0][:, 0], self.filler.fill(self.caps_y(y_min[:, None]))[0][:, 0]]
-        scores = [p.objective(c) for c in starts]
-        use_y = scores[1] < scores[0]
-        best = np.where(use_y, scores[1], scores[0])
-        best_counts = np.where(use_y[:, None], starts[1], starts[0])
+        # a first solution: the widest fill (feasible), or one from either smallest threshold alone when it fits
+        best, best_counts = p.objective(self.widest), self.widest.copy()
+        for caps in (self.caps_x(x_min[:, None]), self.caps_y(y_min[:, None])):
+            counts, ok = self.filler.fill(caps)
+            value = np.where(ok[:, 0], p.objective(counts[:, 0]), np.inf)
+            better = value < best
+            best, best_counts = np.where(better, value, best), np.where(better[:, None], counts[:, 0], best_counts)
         # how far above their smallest values the thresholds can rise and still beat it
         slack = _EPS * (1 + np.abs(best))
         budget = best - p.base_s - self.sum_lb + slack
@@ -242,14 +253,16 @@ class _Search:
             grid = np.minimum(self.caps_x(x_vals, chunk)[:, :, None, :], self.caps_y(y_vals, chunk)[:, None, :, :])
             grid_counts, grid_ok = self.filler.fill(grid, chunk)
             x_term = np.where(m1[chunk, None] > 0, m1[chunk, None] * np.where(np.isfinite(x_vals), x_vals, 0.0), 0.0)
-            score = p.base_s[chunk, None, None] + np.einsum("bxyp,bp->bxy", grid_counts, p.layer_s[chunk])
+            # a plain product and sum along the stages: a row's scores do not depend on the chunk's shape
+            score = p.base_s[chunk, None, None] + (grid_counts * p.layer_s[chunk, None, None, :]).sum(-1)
             score = score + x_term[:, :, None] + y_vals[:, None, :]
             x_real = np.isfinite(x_vals) | (m1[chunk, None] == 0)
             score = np.where(grid_ok & x_real[:, :, None] & np.isfinite(y_vals)[:, None, :], score, np.inf)
             flat = score.reshape(len(chunk), -1).argmin(-1)
+            found = np.isfinite(score.reshape(len(chunk), -1)[np.arange(len(chunk)), flat])
             pick = grid_counts.reshape(len(chunk), -1, p.lo.shape[1])[np.arange(len(chunk)), flat]
             pick_value = p.take(chunk).objective(pick)
-            better = pick_value < best[chunk]
+            better = found & (pick_value < best[chunk])
             best[chunk] = np.where(better, pick_value, best[chunk])
             best_counts[chunk] = np.where(better[:, None], pick, best_counts[chunk])
         return best_counts, best

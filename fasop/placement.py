@@ -9,12 +9,14 @@ types host each stage and which links every pipeline boundary and every all-redu
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from fasop.cluster import Cluster
+
+SUBSET_ALL_ORDERS = 4  # node types up to which the subset tries every order of the types
+SUBSET_NODES = 131_072  # node entries (placements x nodes) the subset may hold: bounds memory for huge clusters
 
 
 def placement_unit(gpus_per_node: int, ranks_per_stage: int) -> int:
@@ -26,15 +28,23 @@ def placement_unit(gpus_per_node: int, ranks_per_stage: int) -> int:
     return ranks_per_stage // gpus_per_node if ranks_per_stage % gpus_per_node == 0 else 1
 
 
-@lru_cache(maxsize=None)
-def _unit_choices(counts: tuple[int, ...], size: int) -> tuple[tuple[int, ...], ...]:
-    """Ways to take `size` nodes from `counts` (one count per node type), as per-type counts."""
-    if len(counts) == 1:
-        return ((size,),) if counts[0] >= size else ()
-    rest_max = sum(counts[1:])
-    return tuple((first,) + tail
-                 for first in range(max(0, size - rest_max), min(counts[0], size) + 1)
-                 for tail in _unit_choices(counts[1:], size - first))
+def _unit_choices(counts: tuple[int, ...], size: int):
+    """Ways to take `size` nodes from `counts` (one count per node type), as per-type counts, lazily (there
+    can be very many) and without recursion (there can be many node types)."""
+    suffix = [0] * (len(counts) + 1)  # nodes available from type i on
+    for i in range(len(counts) - 1, -1, -1):
+        suffix[i] = suffix[i + 1] + counts[i]
+    if suffix[0] < size:
+        return
+    stack = [((), size)]
+    while stack:
+        prefix, left = stack.pop()
+        i = len(prefix)
+        if i == len(counts) - 1:
+            yield prefix + (left,)
+            continue
+        low, high = max(0, left - suffix[i + 1]), min(counts[i], left)
+        stack.extend((prefix + (first,), left - first) for first in range(high, low - 1, -1))
 
 
 def more_sequences_than(counts: tuple[int, ...], size: int, limit: int) -> bool:
@@ -42,7 +52,7 @@ def more_sequences_than(counts: tuple[int, ...], size: int, limit: int) -> bool:
 
     Builds the sequences unit by unit, keeping only how many nodes of each type remain and in how many ways;
     every partial sequence completes to at least one whole one, so the count can stop as soon as it passes
-    the limit."""
+    the limit (the work is bounded by the limit times the number of units)."""
     ways = {counts: 1}
     for _ in range(sum(counts) // size):
         step: dict[tuple[int, ...], int] = {}
@@ -58,14 +68,14 @@ def more_sequences_than(counts: tuple[int, ...], size: int, limit: int) -> bool:
     return False
 
 
-def _sequences(counts: tuple[int, ...], size: int):
-    if sum(counts) == 0:
-        yield ()
-        return
-    for pick in _unit_choices(counts, size):
-        rest = tuple(c - p for c, p in zip(counts, pick))
-        for tail in _sequences(rest, size):
-            yield (pick,) + tail
+def _sequences(counts: tuple[int, ...], size: int) -> list[tuple[tuple[int, ...], ...]]:
+    """Every unit sequence using exactly `counts` nodes, built unit by unit (a recursion would go one level
+    per unit: too deep for thousands of nodes); callers make sure there are few."""
+    partial: list[tuple[tuple, tuple[int, ...]]] = [((), counts)]
+    for _ in range(sum(counts) // size):
+        partial = [(seq + (pick,), tuple(c - p for c, p in zip(left, pick)))
+                   for seq, left in partial for pick in _unit_choices(left, size)]
+    return [seq for seq, _ in partial]
 
 
 def type_order(cluster: Cluster) -> list[str]:
@@ -78,22 +88,32 @@ def placements(cluster: Cluster, ranks_per_stage: int, limit: int) -> tuple[list
     """Every placement that can change the plan, or (when there are more than `limit`) a documented subset.
 
     Returns (placements, exhaustive). The subset keeps each node type in one contiguous block, in every order
-    of the types, and every rotation of those node sequences (so one type can hold both the first and the
-    last stage, or share a stage with the type before it); tests measure how far it lands from exhaustive.
+    of the types (up to SUBSET_ALL_ORDERS types; beyond, the rotations of the fastest-first order and of its
+    reverse), and every rotation of those node sequences (so one type can hold both the first and the last
+    stage, or share a stage with the type before it), evenly spaced ones when there are too many to hold;
+    tests measure how far it lands from exhaustive.
     """
     names = type_order(cluster)
     counts = tuple(cluster.node_types[n].count for n in names)
     size = placement_unit(cluster.gpus_per_node, ranks_per_stage)
     if not more_sequences_than(counts, size, limit):
-        result = []
-        for seq in _sequences(counts, size):
-            result.append(tuple(names[t] for pick in seq for t, c in enumerate(pick) for _ in range(c)))
-        return result, True
+        return [tuple(names[t] for pick in seq for t, c in enumerate(pick) for _ in range(c))
+                for seq in _sequences(counts, size)], True
     rank = {name: i for i, name in enumerate(names)}
+    # the type orders: all of them for a few types, else every rotation of the fastest-first order and of
+    # its reverse (n! orders would not fit anywhere)
+    if len(names) <= SUBSET_ALL_ORDERS:
+        orders = list(itertools.permutations(names))
+    else:
+        orders = [tuple(o[i:] + o[:i]) for o in (names, names[::-1]) for i in range(len(names))]
+    # rotations of each order: every one while the subset stays within SUBSET_NODES node entries, else
+    # evenly spaced ones
+    total = sum(counts)
+    shifts = min(total, max(1, SUBSET_NODES // (total * len(orders))))
     subset = set()
-    for perm in itertools.permutations(names):
+    for perm in orders:
         blocks = [name for name in perm for _ in range(cluster.node_types[name].count)]
-        for shift in range(len(blocks)):
+        for shift in sorted({j * total // shifts for j in range(shifts)}):
             nodes = blocks[shift:] + blocks[:shift]
             units = [sorted(nodes[u:u + size], key=rank.__getitem__) for u in range(0, len(nodes), size)]
             subset.add(tuple(name for unit in units for name in unit))
@@ -179,15 +199,22 @@ class _Links:
         """
         der = self.derating
         sets, rows, _ = groups.shape
-        flat = groups.reshape(sets * rows, -1)
-        members = self._per_node(np.arange(sets * rows)[:, None], flat, 1.0).reshape(sets, rows, -1)
-        present = members > 0
-        k = present.sum(axis=2)
-        g = members.max(axis=2)
-        slowest_intra = np.where(present, self.intra, np.inf).min(axis=2)
+        nodes = len(self.inter)
+        # the distinct (group, node) pairs and how many members each holds: sparse, since a group spans few
+        # of the nodes and there can be thousands of both
+        pairs, members = np.unique((np.arange(sets * rows)[:, None] * nodes + groups.reshape(sets * rows, -1)).ravel(),
+                                   return_counts=True)
+        group, node = pairs // nodes, pairs % nodes
+        k = np.bincount(group, minlength=sets * rows)
+        g = np.zeros(sets * rows, dtype=members.dtype)
+        np.maximum.at(g, group, members)
+        slowest_intra = np.full(sets * rows, np.inf)
+        np.minimum.at(slowest_intra, group, self.intra[node])
         intra_part = np.where(g > 1, 2 * (g - 1) / g * der.collective_intra_node / slowest_intra, 0.0)
         spanning = k > 1
-        nic_load = (present & spanning[:, :, None]).sum(axis=1, keepdims=True)
-        busiest = np.where(present, nic_load / self.inter, 0.0).max(axis=2)
+        set_node = group // rows * nodes + node
+        nic_load = np.bincount(set_node, weights=spanning[group], minlength=sets * nodes)
+        busiest = np.zeros(sets * rows)
+        np.maximum.at(busiest, group, nic_load[set_node] / self.inter[node])
         inter_part = np.where(spanning, 2 * (k - 1) / np.maximum(k, 1) * der.collective_inter_node * busiest, 0.0)
-        return (intra_part + inter_part).max(axis=1)
+        return (intra_part + inter_part).reshape(sets, rows).max(axis=1)

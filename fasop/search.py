@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import lru_cache
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -13,7 +14,7 @@ import numpy as np
 
 from fasop.cluster import Cluster
 from fasop.errors import InputError
-from fasop.costmodel import Config, StageCosts, breakdown, embedding_stages, stage_costs
+from fasop.costmodel import GIB, Config, StageCosts, breakdown, embedding_stages, stage_costs
 from fasop.model import Model
 from fasop.partition import PartitionBatch, admits, lower_bounds, optimal_partitions
 from fasop.placement import Geometry, geometry, placements, with_embedding_group
@@ -22,10 +23,48 @@ from fasop.profiles import GpuProfile, load_profiles
 PLACEMENT_LIMIT = 100  # more distinct placements per (tp, dp, pp) than this: the type-block subset
 PARALLEL_NODES = 32  # clusters this large are searched with one process per core
 PRUNE_CHUNK = 256  # partition problems solved between two updates of the pruning threshold
+PRUNE_SLACK = 1e-9  # relative: pruning never skips a plan within rounding of the threshold
+
+
+MAX_GLOBAL_BATCH = 2**53  # samples and token counts stay exact in double precision up to here
+_TRIAL_CHUNK = 1 << 20  # candidate factors tested at once
+
+
+@lru_cache(maxsize=256)
+def _prime_factors(n: int) -> tuple[int, ...]:
+    """The prime factors of n (with repeats, ascending) by trial division, vectorised: O(sqrt n) work for
+    the largest n fasop accepts (MAX_GLOBAL_BATCH), well under a second."""
+    factors: list[int] = []
+    candidate = 2
+    while candidate * candidate <= n:
+        stop = min(math.isqrt(n) + 1, candidate + _TRIAL_CHUNK)
+        trial = np.arange(candidate, stop, dtype=np.int64)
+        hits = trial[n % trial == 0]
+        if not len(hits):
+            candidate = stop
+            continue
+        prime = int(hits[0])  # the smallest divisor above the factors taken out is prime
+        while n % prime == 0:
+            factors.append(prime)
+            n //= prime
+        candidate = prime + 1
+    return tuple(factors) + ((n,) if n > 1 else ())
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of n, ascending, from its prime factorisation."""
+    result = [1]
+    for prime in sorted(set(_prime_factors(n))):
+        power = _prime_factors(n).count(prime)
+        result = [d * prime**e for d in result for e in range(power + 1)]
+    return sorted(result)
+
+
+def check_global_batch(gbs: int) -> int:
+    if not 1 <= gbs <= MAX_GLOBAL_BATCH:
+        raise InputError("--gbs", f"expected a global batch size from 1 to {MAX_GLOBAL_BATCH:,} samples (2^53: "
+                                  f"sample and token counts stay exact in double precision), got {gbs}")
+    return gbs
 
 
 @dataclass(frozen=True)
@@ -40,9 +79,7 @@ class Inputs:
 def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None,
             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None) -> Inputs:
     """Checked inputs of one search; `profiles` (already loaded, e.g. for many compositions) skips the files."""
-    gbs = model.global_batch_size if gbs is None else gbs
-    if gbs < 1:
-        raise InputError("--gbs", f"expected a positive global batch size, got {gbs}")
+    gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
     gpus = sorted({t.gpu for t in cluster.node_types.values()})
     if profiles is None:
         profiles = load_profiles(model, gpus, profiles_dir)
@@ -82,6 +119,7 @@ class Group:
     geos: list[Geometry]
     mbs_values: list[int]
     exhaustive: bool
+    oversized: int = 0  # micro-batch sizes left out: their output layer alone overflows every GPU
 
 
 def combinations(inputs: Inputs) -> list[tuple[int, int]]:
@@ -91,21 +129,35 @@ def combinations(inputs: Inputs) -> list[tuple[int, int]]:
             if gbs % dp == 0 and world // (tp * dp) <= max_stages(model)]
 
 
+def micro_batch_sizes(inputs: Inputs, tp: int, dp: int) -> tuple[list[int], int]:
+    """(sizes worth partitioning, how many sizes were left out). Every size divides the batch of one
+    data-parallel replica; a size whose output-layer activations alone exceed the largest GPU's usable memory
+    fits no stage (the last stage holds them, and memory only grows with the size), so it is counted out of
+    memory without being built: their number grows with the divisors of the batch, not with the answer."""
+    model, cluster = inputs.model, inputs.cluster
+    usable_gib = max(t.gpu_memory_gib for t in cluster.node_types.values()) / cluster.memory_margin
+    head_gib = model.head_activation_bytes(1, tp) / GIB
+    sizes = divisors(inputs.gbs // dp)
+    kept = [b for b in sizes if b == 1 or b * head_gib <= usable_gib * (1 + 1e-9)]
+    return kept, len(sizes) - len(kept)
+
+
 def groups(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int = PLACEMENT_LIMIT) -> list[Group]:
-    model, cluster, gbs = inputs.model, inputs.cluster, inputs.gbs
+    model, cluster = inputs.model, inputs.cluster
     result = []
     for tp, dp in combos:
         pp = cluster.num_gpus // (tp * dp)
+        mbs_values, oversized = micro_batch_sizes(inputs, tp, dp)
         nodes, exhaustive = placements(cluster, tp * dp, placement_limit)
         geos = [geometry(cluster, placement, tp, dp, pp) for placement in nodes]
         for split in encoder_splits(model, pp):
-            config = Config(tp, dp, pp, 1, gbs, split, inputs.distributed_optimizer)
+            config = Config(tp, dp, pp, 1, inputs.gbs, split, inputs.distributed_optimizer)
             emb = embedding_stages(model, config)
             unique: dict[tuple, Geometry] = {}
             for geo in geos:
                 geo = with_embedding_group(cluster, geo, emb)
                 unique.setdefault(_signature(geo), geo)
-            result.append(Group(config, list(unique.values()), divisors(gbs // dp), exhaustive))
+            result.append(Group(config, list(unique.values()), mbs_values, exhaustive, oversized))
     return result
 
 
@@ -210,30 +262,51 @@ class SearchResult:
             self.closest_memory_factor, self.closest_plan = other.closest_memory_factor, other.closest_plan
 
 
-def _solve(batch: PartitionBatch, bound: np.ndarray, keep: int | None, found: list[float]):
-    """(counts, step times, solved mask) of a batch, most promising problems first. With `keep`, a problem is
-    skipped when its lower bound exceeds the keep-th best step time in `found`, which grows as problems are
-    solved (chunk by chunk, so the threshold tightens as the search goes)."""
+def _solve(batch: PartitionBatch, bound: np.ndarray, keep: int | None, keys: list[tuple], weight: np.ndarray,
+           found: dict[tuple, float]):
+    """(counts, step times, solved mask) of a batch, most promising problems first.
+
+    With `keep`, a problem is skipped when its lower bound, times its ranking weight (1 to rank by time, the
+    price per second to rank by cost), exceeds the keep-th best ranking value among the plans in `found`
+    (plan key -> its best value so far; several problems, the encoder splits of one encoder-decoder plan, can
+    share a key and count once). The threshold tightens chunk by chunk as problems are solved."""
     counts = np.zeros(batch.lo.shape, dtype=int)
     value = np.full(len(batch), np.inf)
     solved = np.zeros(len(batch), dtype=bool)
-    order = np.argsort(bound, kind="stable")
+    ranking_bound = bound * weight
+    order = np.argsort(ranking_bound, kind="stable")
     step = PRUNE_CHUNK if keep else len(order)
     for start in range(0, len(order), step):
-        threshold = np.partition(found, keep - 1)[keep - 1] if keep and len(found) >= keep else np.inf
+        best = sorted(found.values())
+        # the slack keeps plans whose bound ties the threshold up to rounding (bound, step time and the
+        # ranking figures are computed along different paths)
+        threshold = best[keep - 1] * (1 + PRUNE_SLACK) if keep and len(best) >= keep else np.inf
         chunk = order[start:start + step]
-        chunk = chunk[bound[chunk] <= threshold]
+        chunk = chunk[ranking_bound[chunk] <= threshold]
         if len(chunk):
             counts[chunk], value[chunk], _ = optimal_partitions(batch.take(chunk))
             solved[chunk] = True
-            found += list(value[chunk][np.isfinite(value[chunk])])
+            for i in chunk[np.isfinite(value[chunk])]:
+                found[keys[i]] = min(found.get(keys[i], np.inf), float(value[i] * weight[i]))
     return counts, value, solved
 
 
+def _oversized_plans(todo: list[Group]) -> int:
+    """Plans (tp, dp, pp, placement, micro-batch size) whose micro-batch size `groups` left out."""
+    placements_of: dict[tuple, set] = {}
+    oversized: dict[tuple, int] = {}
+    for group in todo:
+        combo = (group.config.tp, group.config.dp)
+        placements_of.setdefault(combo, set()).update(geo.placement for geo in group.geos)
+        oversized[combo] = group.oversized
+    return sum(len(placements_of[combo]) * n for combo, n in oversized.items())
+
+
 def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int = PLACEMENT_LIMIT,
-             keep: int | None = None, progress: Callable[[int, int], None] | None = None) -> SearchResult:
+             keep: int | None = None, progress: Callable[[int, int], None] | None = None,
+             sort: str = "time") -> SearchResult:
     """Plans of the given (tp, dp) combinations, unranked. With `keep`, partition problems whose lower bound
-    exceeds the keep-th best step time found so far are skipped (they cannot be among the best `keep`)."""
+    cannot reach the keep-th best plan by `sort` found so far are skipped (they cannot be among the best)."""
     model, cluster = inputs.model, inputs.cluster
     todo = groups(inputs, combos, placement_limit)
     items = [(group, geo) for group in todo for geo in group.geos]
@@ -245,18 +318,24 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
     bounds = {pp: lower_bounds(batch) if keep else np.zeros(len(batch)) for pp, batch in problems.items()}
     # encoder-decoder plans differing only in their encoder/decoder split compete: the best split is the plan's
     best: dict[tuple, tuple] = {}
-    found: list[float] = []  # step times found so far (for the pruning threshold)
+    found: dict[tuple, float] = {}  # best ranking value found so far of each plan (for the pruning threshold)
     solved = pruned = done = 0
     skipped: set[tuple] = set()  # plans with a split that was pruned rather than found not to fit
     for pp in sorted(buckets, key=lambda pp: bounds[pp].min()):  # most promising first
         bucket, batch = buckets[pp], problems[pp]
-        counts, value, solved_here = _solve(batch, bounds[pp], keep, found)
+        keys, weight = [], []
+        for group, geo, costs in bucket:
+            price_per_s = sum(cluster.node_types[n].price_per_hour_usd for n in geo.placement) / 3600.0
+            for mbs in costs.mbs:
+                keys.append((group.config.tp, group.config.dp, group.config.pp, geo.placement, int(mbs)))
+                weight.append(price_per_s if sort == "cost" else 1.0)
+        counts, value, solved_here = _solve(batch, bounds[pp], keep, keys, np.array(weight), found)
         solved += int(solved_here.sum())
         pruned += len(batch) - int(solved_here.sum())
         at = 0
         for group, geo, costs in bucket:
             for row in range(len(costs.mbs)):
-                key = (group.config.tp, group.config.dp, group.config.pp, geo.placement, int(costs.mbs[row]))
+                key = keys[at + row]
                 entry = (value[at + row], group.config.encoder_stages, group, geo, costs, row, counts[at + row])
                 if not solved_here[at + row]:
                     skipped.add(key)
@@ -274,7 +353,8 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
             rows += plan_rows(inputs, group.config, geo, costs, np.broadcast_to(counts, costs.problem.lo.shape), chosen,
                               group.exhaustive)
     oom = sum(1 for key, entry in best.items() if np.isinf(entry[0]) and key not in skipped)
-    result = SearchResult(rows, len(best), solved, oom, pruned)
+    oversized = _oversized_plans(todo)
+    result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned)
     if not rows:
         for value, _, group, geo, costs, row, counts in best.values():
             factor = memory_overshoot(costs, row, cluster.memory_margin)
@@ -308,12 +388,12 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
         workers = (os.cpu_count() or 1) if cluster.num_nodes >= PARALLEL_NODES else 1
     workers = max(1, min(workers, len(combos)))
     if workers == 1:
-        result = evaluate(inputs, combos, placement_limit, keep, progress)
+        result = evaluate(inputs, combos, placement_limit, keep, progress, sort)
     else:
         result = SearchResult([], 0, 0, 0)
         shares = [combos[i::workers] for i in range(workers)]  # interleaved, so each gets all pipeline depths
         with ProcessPoolExecutor(workers) as pool:
-            futures = [pool.submit(evaluate, inputs, share, placement_limit, keep) for share in shares]
+            futures = [pool.submit(evaluate, inputs, share, placement_limit, keep, None, sort) for share in shares]
             for done, future in enumerate(as_completed(futures), start=1):
                 result.merge(future.result())
                 if progress:

@@ -126,3 +126,64 @@ def test_never_worse_than_greedy(batch):
         if greedy.sum() != total or not one.feasible(greedy[None, :])[0]:
             continue
         assert value[row] <= float(one.objective(greedy[None, :])[0]) + 1e-12
+
+
+def every_partition(batch: PartitionBatch) -> np.ndarray:
+    """(C, P): every vector of non-negative counts with the right layer sum in each segment."""
+    per_segment = []
+    for s, layers in enumerate(batch.segment_layers):
+        stages = int((batch.segment_of_stage == s).sum())
+        per_segment.append(list(compositions(int(layers), stages, [0] * stages)))
+    return np.array([np.concatenate(combo) for combo in itertools.product(*per_segment)])
+
+
+def near_ties(draw, palette, shape):
+    """Values from a small palette, some moved by 1e-10 relative: ties and near-ties between stages."""
+    size = int(np.prod(shape))
+    base = np.array([draw(st.sampled_from(palette)) for _ in range(size)])
+    nudge = np.array([draw(st.sampled_from([-1, 0, 0, 1])) for _ in range(size)])
+    return (base * (1 + nudge * 1e-10)).reshape(shape)
+
+
+@st.composite
+def tied_problems(draw):
+    """Up to 8 stages, decoder or encoder-decoder segments, per-layer costs small against fixed ones (so that
+    near-equal stage periods differ by less than a layer's share of a relative tolerance)."""
+    stages = draw(st.integers(1, 8))
+    if stages >= 2 and draw(st.booleans()):
+        split = draw(st.integers(1, stages - 1))
+        segment = np.array([0] * split + [1] * (stages - split))
+        layers = np.array([draw(st.integers(split, split + 3)), draw(st.integers(stages - split, stages - split + 3))])
+        lo = np.ones(stages, dtype=int)
+    else:
+        segment = np.zeros(stages, dtype=int)
+        layers = np.array([draw(st.integers(max(stages - 2, 1), stages + 4))])
+        lo = np.ones(stages, dtype=int)
+        lo[0] = lo[-1] = 0
+    batch = draw(st.integers(1, 3))
+    shape = (batch, stages)
+    hi = np.array([[draw(st.integers(0, 12)) for _ in range(stages)] for _ in range(batch)])
+    return PartitionBatch(
+        segment_of_stage=segment, segment_layers=layers, lo=np.broadcast_to(lo, shape), hi=hi,
+        layer_s=near_ties(draw, [0.01, 1 / 3], shape),
+        period_fixed_s=near_ties(draw, [0.0, 7.0, 1e3], shape),
+        ar_fixed_s=near_ties(draw, [0.0, 20.0], shape), ar_layer_s=near_ties(draw, [0.0, 0.001, 1.0], shape),
+        num_microbatches=np.array([draw(st.sampled_from([1, 2, 3, 8, 1000])) for _ in range(batch)]),
+        base_s=np.array([draw(st.sampled_from([0.0, 1.0])) for _ in range(batch)]),
+    )
+
+
+@settings(max_examples=500, deadline=None)
+@given(tied_problems())
+def test_ties_and_near_ties_keep_every_layer_and_the_optimum(batch):
+    counts, value, feasible = optimal_partitions(batch)
+    candidates = every_partition(batch)
+    for row in range(len(batch)):
+        one = row_problem(batch, row)
+        fits = one.feasible(candidates)
+        assert feasible[row] == fits.any()
+        if not fits.any():
+            continue
+        assert one.feasible(counts[row:row + 1])[0]  # every layer held, each stage within its bounds
+        assert value[row] == one.objective(counts[row:row + 1])[0]
+        assert value[row] <= one.objective(candidates[fits]).min() * (1 + 1e-12)
