@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from fasop import files
+from fasop.catalogue import merged_specs
 from fasop.cluster import Cluster
 from fasop.errors import InputError
 from fasop.measured import MeasuredRun
@@ -221,9 +222,44 @@ def _toml_tables(path: str, table: dict, lines: list[str]) -> None:
                 _toml_tables(sub, entry, lines)
 
 
-def calibrated_cluster_text(cluster_path: Path, cluster: Cluster, outcome: Outcome, comments: list[str]) -> str:
-    """The input cluster file with its derating divided by the fitted bandwidth scales, and `comments` on top."""
+def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, date: str) -> tuple[list[dict], list[str]]:
+    """A [[gpu]] table for each GPU type with a fitted compute_time_scale and a spec in the catalogue (bundled,
+    then the cluster file's own), its matmul_efficiency divided by the scale so that `fasop profile synth` reads
+    the calibrated figure; and a comment line for each GPU whose efficiency would leave (0, 1]."""
+    specs = merged_specs(own=cluster.gpus)
+    tables, notes = [], []
+    for factor in outcome.free:
+        scale = outcome.values[factor]
+        if factor.kind != "compute" or factor.key not in specs or scale == 1.0:
+            continue
+        spec = specs[factor.key]
+        efficiency = spec.matmul_efficiency / scale
+        if efficiency > 1.0:
+            notes.append(f"No [[gpu]] table for {spec.name}: matmul_efficiency {spec.matmul_efficiency:g} "
+                         f"({spec.file}) / {factor.name} {scale:.4f} = {efficiency:.4f} is above 1, so the runs are "
+                         "faster than its other figures (peak, memory bandwidth, link) allow; check them.")
+            continue
+        origin = spec.file + (f" ({spec.source})" if spec.source else "")
+        tables.append({
+            "name": spec.name, "dense_fp16_tflops": spec.dense_fp16_tflops, "dense_bf16_tflops": spec.dense_bf16_tflops,
+            "memory_gib": spec.memory_gib, "memory_bandwidth_gb_per_s": spec.memory_bandwidth_gb_per_s,
+            "intra_node_link": spec.intra_node_link, "matmul_efficiency": efficiency,
+            "source": f"fasop calibrate on {measured}: matmul_efficiency {spec.matmul_efficiency:g} / {factor.name} "
+                      f"{scale:.6g}; the other figures from {origin}",
+            "date": date,
+        })
+    return tables, notes
+
+
+def calibrated_cluster_text(cluster_path: Path, cluster: Cluster, outcome: Outcome, comments: list[str],
+                            measured: str, date: str) -> str:
+    """The input cluster file with its derating divided by the fitted bandwidth scales, calibrated [[gpu]] tables
+    (calibrated_gpu_tables) replacing or added to its own, and `comments` on top."""
     raw = read_toml(cluster_path)
+    gpus, notes = calibrated_gpu_tables(cluster, outcome, measured, date)
+    if gpus:
+        replaced = {g["name"] for g in gpus}
+        raw["gpu"] = [g for g in raw.get("gpu", []) if g.get("name") not in replaced] + gpus
     calibrated = derated(cluster, outcome.values[Factor("bandwidth", "intra_node")],
                          outcome.values[Factor("bandwidth", "inter_node")]).derating
     head = raw.setdefault("cluster", {})
@@ -231,7 +267,7 @@ def calibrated_cluster_text(cluster_path: Path, cluster: Cluster, outcome: Outco
     mark = "(calibrated by fasop calibrate)"
     if mark not in head.get("description", ""):
         head["description"] = f"{head.get('description', '')} {mark}".strip()
-    lines = [f"# {line}" for line in comments]
+    lines = [f"# {line}" for line in comments + notes]
     _toml_tables("", raw, lines)
     return "\n".join(lines) + "\n"
 

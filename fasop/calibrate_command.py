@@ -102,8 +102,10 @@ def register(main: click.Group, reports_input_errors) -> None:
         loo = "n/a (one run)" if outcome.mape_loo_pct is None else f"{outcome.mape_loo_pct:.1f}%"
         click.echo(f"MAPE over {len(runs)} runs: {outcome.mape_before_pct:.1f}% before, {outcome.mape_after_pct:.1f}% "
                    f"after (fitted on all runs), {loo} leave-one-out (each run estimated by a fit on the others)")
-        comments = cal.provenance(outcome, str(measured), datetime.date.today().isoformat(), len(runs), setting)
-        write_atomically(out, cal.calibrated_cluster_text(setting.cluster_path, setting.cluster, outcome, comments))
+        today = datetime.date.today().isoformat()
+        comments = cal.provenance(outcome, str(measured), today, len(runs), setting)
+        write_atomically(out, cal.calibrated_cluster_text(setting.cluster_path, setting.cluster, outcome, comments,
+                                                          str(measured), today))
         click.echo(f"calibrated cluster written to {out}")
         if profiles_out is not None:
             for gpu, profile in sorted(setting.profiles.items()):
@@ -111,5 +113,6 @@ def register(main: click.Group, reports_input_errors) -> None:
                 write_atomically(profiles_out / f"{gpu}.csv", cal.scaled_profile_text(profile, scale, comments))
             click.echo(f"calibrated profiles written to {profiles_out}")
         elif any(outcome.values[f] != 1.0 for f in outcome.free if f.kind == "compute"):
-            click.echo("note: the compute factors are in the cluster file's comments only; pass --profiles-out DIR "
-                       "to write profiles with them applied")
+            click.echo("note: the compute factors are not applied to any profile (the cluster file has them in its "
+                       "comments, and as matmul_efficiency of [[gpu]] tables for profile synth); pass "
+                       "--profiles-out DIR to write profiles with them applied")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from fasop import bundled
 from fasop.errors import InputError
@@ -108,17 +109,28 @@ _NODE_FIELDS = {
 }
 
 
-def _node_type(raw: Any, file: str, index: int) -> NodeType:
+def _gpu_memory_gib(table: Table, gpu: str, catalogue: Callable[[], dict[str, Any]]) -> float:
+    """The node type's gpu_memory_gib, or else the memory_gib of its GPU in the catalogue."""
+    if "gpu_memory_gib" in table.data:
+        return table.float("gpu_memory_gib", maximum=MAX_GPU_MEMORY_GIB)
+    spec = catalogue().get(gpu)
+    if spec is None:
+        raise InputError(table.where("gpu_memory_gib"), f"missing, and GPU {gpu!r} is in neither the bundled "
+                                                        "catalogue/gpus.toml nor this file's [[gpu]] tables")
+    return spec.memory_gib
+
+
+def _node_type(raw: Any, file: str, index: int, catalogue: Callable[[], dict[str, Any]]) -> NodeType:
     table = Table(raw, file, f"node_type[{index}]")
     table.reject_unknown(_NODE_FIELDS)
     name = table_name(table, "name")
     table.prefix = f"node_type.{name}"
-    table_name(table, "gpu")  # checked before use: it also names the GPU's profile files
+    gpu = table_name(table, "gpu")  # checked before use: it also names the GPU's profile files
     return NodeType(
         name=name,
-        gpu=table.str("gpu"),
+        gpu=gpu,
         gpus_per_node=table.int("gpus_per_node", maximum=MAX_GPUS_PER_NODE),
-        gpu_memory_gib=table.float("gpu_memory_gib", maximum=MAX_GPU_MEMORY_GIB),
+        gpu_memory_gib=_gpu_memory_gib(table, gpu, catalogue),
         intra_node_bytes_per_s=parse_bandwidth(table.data.get("intra_node_bandwidth"), table.where("intra_node_bandwidth")),
         inter_node_bytes_per_s=parse_bandwidth(table.data.get("inter_node_bandwidth"), table.where("inter_node_bandwidth")),
         price_per_hour_usd=table.float("price_per_hour_usd", minimum=0.0, strict=False, maximum=MAX_PRICE_PER_HOUR_USD),
@@ -146,9 +158,14 @@ def load_cluster(name_or_path: str) -> Cluster:
     derating = Derating(**{k: derating_table.float(k, 1.0, maximum=MAX_DERATING) for k in Derating.__dataclass_fields__})
     if not isinstance(raw.get("node_type"), list) or not raw["node_type"]:
         raise InputError(f"{file}: node_type", "expected at least one [[node_type]] table")
+    from fasop.catalogue import gpu_tables, merged_specs  # they read bandwidths with parse_bandwidth, from here
+
+    gpus = gpu_tables(raw["gpu"], file) if "gpu" in raw else {}
+    # the bundled catalogue with the file's own GPUs over it, read only if a node type leaves out its memory
+    catalogue = functools.cache(lambda: merged_specs(own=gpus))
     types: dict[str, NodeType] = {}
     for index, entry in enumerate(raw["node_type"]):
-        node_type = _node_type(entry, file, index)
+        node_type = _node_type(entry, file, index, catalogue)
         if node_type.name in types:
             raise InputError(f"{file}: node_type.{node_type.name}", "defined twice")
         types[node_type.name] = node_type
@@ -158,9 +175,6 @@ def load_cluster(name_or_path: str) -> Cluster:
                          f"all node types need the same GPUs per node (Megatron-LM gives every node the same number of ranks), got {sorted(sizes)}")
     if all(t.count == 0 for t in types.values()):
         raise InputError(f"{file}: node_type.count", "expected at least one available node")
-    from fasop.catalogue import gpu_tables  # it reads bandwidths with parse_bandwidth, from here
-
-    gpus = gpu_tables(raw["gpu"], file) if "gpu" in raw else {}
     launch = raw.get("launch", {})
     if not isinstance(launch, dict):
         raise InputError(f"{file}: launch", "expected a table")

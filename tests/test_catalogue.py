@@ -2,6 +2,7 @@
 catalogue, used by `fasop profile synth`, and refused with one line when a value is wrong."""
 
 import csv
+import json
 import math
 
 import pytest
@@ -130,3 +131,42 @@ def test_the_bundled_catalogue_passes_the_same_rules_and_has_the_added_gpus():
     specs = load_gpu_specs()
     assert {"RTX3090", "RTX4090", "L40S"} <= set(specs)
     assert all(spec.source and spec.date for spec in specs.values())
+
+
+
+# -- a node type's memory from the catalogue --------------------------------------------------------------
+
+def test_a_node_type_without_gpu_memory_takes_its_gpus_memory_from_the_catalogue(runner, tiny, tmp_path):
+    files = tiny(nodes={"fast": {"gpu_memory_gib": None}}, cluster_extra="\n" + _gpu_toml(name="fast"))
+    cluster = load_cluster(str(files.cluster))
+    assert cluster.node_types["fast"].gpu_memory_gib == 24.0  # the file's own [[gpu]] table
+    assert cluster.node_types["slow"].gpu_memory_gib == 16.0  # given, so the table is not needed
+    output = tmp_path / "plans.json"
+    result = runner.invoke(main, ["search", *files.args("--output", str(output))])
+    assert result.exit_code == 0, result.output
+    plans = json.loads(output.read_text())
+    capacities = {(stage["gpu"], stage["memory_capacity_gib"]) for plan in plans for stage in plan["stages"]}
+    assert {c for gpu, c in capacities if gpu == "fast"} == {24.0}
+    assert {c for gpu, c in capacities if gpu != "fast"} == {16.0}  # slow, and a stage of both takes the least
+
+
+def test_the_bundled_catalogue_gives_the_memory_and_a_cluster_gpu_table_or_gpu_memory_gib_wins(tiny):
+    bundled_a100 = load_gpu_specs()["A100"].memory_gib
+    assert bundled_a100 == 39.59  # nvidia-smi memory.total of an A100-SXM4-40GB, 40536 MiB
+    a100 = {"gpu": "A100", "gpu_memory_gib": None}
+    assert load_cluster(str(tiny("bundled", nodes={"fast": a100}).cluster)).node_types["fast"].gpu_memory_gib \
+        == bundled_a100
+    own = tiny("own", nodes={"fast": a100}, cluster_extra="\n" + _gpu_toml(name="A100", memory_gib=30.0))
+    assert load_cluster(str(own.cluster)).node_types["fast"].gpu_memory_gib == 30.0
+    given = tiny("given", nodes={"fast": {"gpu": "A100", "gpu_memory_gib": 12.5}},
+                 cluster_extra="\n" + _gpu_toml(name="A100", memory_gib=30.0))
+    assert load_cluster(str(given.cluster)).node_types["fast"].gpu_memory_gib == 12.5
+
+
+def test_a_missing_gpu_memory_of_a_gpu_in_no_catalogue_is_one_line(runner, tiny):
+    files = tiny(nodes={"slow": {"gpu_memory_gib": None}})
+    result = runner.invoke(main, ["search", *files.args()])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert "\n" not in line and "Traceback" not in result.output
+    assert f"{files.cluster}: node_type.slow.gpu_memory_gib" in line and "'slow'" in line

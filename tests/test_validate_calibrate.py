@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -342,7 +343,8 @@ def test_calibrated_cluster_keeps_every_other_field(measured):
                             "[cluster.derating]\np2p_intra_node = 3.5\n")
     calibration = calibration_of(user, path)
     outcome = calibrate(calibration)
-    text = calibrated_cluster_text(user.cluster, calibration.setting.cluster, outcome, ["first", "second"])
+    text = calibrated_cluster_text(user.cluster, calibration.setting.cluster, outcome, ["first", "second"],
+                                   str(path), "2026-02-03")
     written, original = tomllib.loads(text), tomllib.loads(user.cluster.read_text())
     intra = outcome.values[Factor("bandwidth", "intra_node")]
     inter = outcome.values[Factor("bandwidth", "inter_node")]
@@ -352,3 +354,61 @@ def test_calibrated_cluster_keeps_every_other_field(measured):
         del table["cluster"]["derating"], table["cluster"]["description"]
     assert written == original
     assert text.startswith("# first\n# second\n")
+
+
+# -- the calibrated efficiency in the written cluster's [[gpu]] tables -----------------------------------
+
+# slow matmuls, fast memory: profile synth's roofline puts the tiny model's matmuls on the compute side
+FAST_GPU = ('\n[[gpu]]\nname = "fast"\ndense_fp16_tflops = 1.0\ndense_bf16_tflops = 0.0\nmemory_gib = 24.0\n'
+            'memory_bandwidth_gb_per_s = 90000.0\nintra_node_link = "25 GB/s"\nmatmul_efficiency = 0.9\n'
+            'source = "my datasheet"\ndate = "2026-01-01"\n')
+
+
+def test_calibrated_cluster_carries_the_fitted_efficiency_for_profile_synth(measured, runner):
+    user, path = measured
+    user.cluster.write_text(user.cluster.read_text() + FAST_GPU)
+    out = user.root / "calibrated.toml"
+    result = runner.invoke(main, ["calibrate", "--measured", str(path), "--profiles", str(user.profiles),
+                                  "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    scale = float(re.search(r"compute_time_scale\.fast\s+([\d.]+)", result.stdout).group(1))
+    written = load_cluster(str(out)).gpus  # through the cluster loader and the catalogue's checks
+    assert set(written) == {"fast"}  # "slow" is in no catalogue
+    fast = written["fast"]
+    assert fast.matmul_efficiency == pytest.approx(0.9 / HIDDEN["fast"], rel=0.05)
+    assert fast.matmul_efficiency == pytest.approx(0.9 / scale, rel=1e-4)
+    assert (fast.dense_fp16_tflops, fast.memory_gib, fast.intra_node_link) == (1.0, 24.0, "25 GB/s")
+    assert "fasop calibrate" in fast.source and str(path) in fast.source and "my datasheet" in fast.source
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", fast.date)
+    # profile synth with the calibrated cluster uses the calibrated efficiency
+    synthesised = []
+    for name, options in (("calibrated", ["--cluster", str(out)]),
+                          ("by-hand", ["--cluster", str(user.cluster), "--efficiency", repr(0.9 / scale)]),
+                          ("uncalibrated", ["--cluster", str(user.cluster)])):
+        target = user.root / f"{name}.csv"
+        result = runner.invoke(main, ["profile", "synth", "--model", str(user.model), "--gpu", "fast", "--tp", "1",
+                                      "--mbs", "1", "--out", str(target), *options])
+        assert result.exit_code == 0, result.output
+        synthesised.append({tuple(row[:3]): [float(t) for t in row[3:]] for row in
+                            (line.split(",") for line in target.read_text().splitlines() if line[:1].isdigit())})
+    calibrated, by_hand, uncalibrated = synthesised
+    assert calibrated.keys() == by_hand.keys()
+    for unit, times in calibrated.items():
+        assert times == pytest.approx(by_hand[unit], rel=1e-4)
+    layer = ("1", "1", "layer")  # compute-bound: its times scale with 1 / efficiency
+    assert np.array(calibrated[layer]) == pytest.approx(np.array(uncalibrated[layer]) * scale, rel=1e-3)
+
+
+def test_an_efficiency_above_one_is_a_comment_not_a_gpu_table(measured):
+    user, path = measured
+    user.cluster.write_text(user.cluster.read_text() + FAST_GPU)
+    calibration = calibration_of(user, path)
+    outcome = calibrate(calibration)
+    faster = replace(outcome, values={**outcome.values, Factor("compute", "fast"): 0.8})  # 0.9 / 0.8 > 1
+    text = calibrated_cluster_text(user.cluster, calibration.setting.cluster, faster, ["head"], "runs.csv",
+                                   "2026-02-03")
+    assert re.search(r"^# No \[\[gpu\]\] table for fast: .* 1\.1250 is above 1", text, re.M)
+    assert tomllib.loads(text)["gpu"] == tomllib.loads(user.cluster.read_text())["gpu"]  # the input's, unchanged
+    written = user.root / "written.toml"
+    written.write_text(text)
+    assert load_cluster(str(written)).gpus["fast"].matmul_efficiency == 0.9
