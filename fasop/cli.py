@@ -16,6 +16,8 @@ from fasop import bundled
 from fasop.calibrate_command import register as register_calibration
 from fasop.catalogue import catalogue_options, gpu_table_path
 from fasop.cluster import load_cluster
+from fasop.compare_command import register as register_compare
+from fasop.dp_launch import is_data_parallel, render_dp_plan, restate_dp_plan
 from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, launch_options, render_plan, restate_plan,
                         split_flags, write_files)
 from fasop.errors import InputError
@@ -390,7 +392,8 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
     model_file = model_name or _resolve_input(plan["model_file"], plans_path)
     cluster_file = cluster_name or _resolve_input(plan["cluster_file"], plans_path)
     model, cluster = load_model(model_file), load_cluster(cluster_file)
-    plan, warning = restate_plan(plan, model, cluster, profiles_dir, force, where)
+    data_parallel = is_data_parallel(plan)  # kinds ddp and zero1-3 have their own estimate and launcher
+    plan, warning = (restate_dp_plan if data_parallel else restate_plan)(plan, model, cluster, profiles_dir, force, where)
     # A plain NAME on the command line applies to every node type, over what the cluster file says.
     partition, partition_map = _type_map(partitions, "--partition")
     gres_type, gres_map = _type_map(gres_types, "--gres-type")
@@ -406,7 +409,7 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
         getattr(cluster, "launch", {}), f"{getattr(cluster, 'file', '') or cluster.name}: launch",
         partition=partition, partitions=partition_map, gres_type=gres_type, gres_types=gres_map,
         extra_flags=tuple(flags), **overrides)
-    files = render_plan(plan, model, cluster, options, where)
+    files = (render_dp_plan if data_parallel else render_plan)(plan, model, cluster, options, where)
     inputs = [plans_path, bundled.resolve("models", model_file, ".toml"), bundled.resolve("clusters", cluster_file, ".toml")]
     check_outputs([(out / name, "--out") for name in files], inputs)
     written = write_files(out, files, force)
@@ -479,6 +482,8 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
 register_profile_layers(profile, model_option, reports_input_errors)
 register_calibration(main, reports_input_errors)
 register_profile_links(profile, reports_input_errors)
+register_compare(main, reports_input_errors, [model_option, cluster_option, gbs_option, profiles_option, mismatch_option,
+                                              optimizer_option], _input_paths)
 
 
 # -- fasop pareto / fasop plot ------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_json, write_atomic
 
 MAX_PLAN_INT = 2**53  # ranks, degrees, batch sizes and layer counts of a plan file: exact in any JSON reader
 PLAN_KEYS = ("rank", "gbs", "mbs", "tp", "dp", "pp", "placement", "layers_per_stage")  # what readers rely on
+PLAN_KINDS = ("3d", "ddp", "zero1", "zero2", "zero3")  # `kind` of a plan; plans without one are 3d
 CSV_LISTS = ("placement", "layers_per_stage")
 # Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.names),
 # so every node-type name reads back whole ("-" is inside it).
@@ -62,6 +63,8 @@ def _check_plan_fields(plan: dict, where: str) -> None:
     if (not isinstance(layers, list) or not layers
             or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_PLAN_INT for n in layers)):
         raise InputError(f"{where}: layers_per_stage", "expected a non-empty list of layer counts (integers >= 0)")
+    if plan.get("kind", "3d") not in PLAN_KINDS:
+        raise InputError(f"{where}: kind", f"expected one of {', '.join(PLAN_KINDS)}, got {plan['kind']!r}")
     check_finite(plan, where)
 
 

@@ -184,6 +184,7 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
         ]
         rows.append({
             "model": model.name, "model_file": model.file, "cluster": cluster.name, "cluster_file": cluster.file,
+            "kind": "3d",
             "gbs": config.gbs, "mbs": mbs, "tp": config.tp, "dp": config.dp, "pp": config.pp,
             "num_microbatches": config.gbs // (config.dp * mbs),
             "placement": list(geo.placement), "layers_per_stage": layers[k].tolist(),

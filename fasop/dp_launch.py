@@ -1,0 +1,111 @@
+"""`fasop emit` for data-parallel plans (kinds ddp, zero1, zero2, zero3): the same Slurm job as for 3D plans
+(fasop/emit.py's sbatch.sh: one heterogeneous-job component per run of node types, one task per node), whose
+per-node run_inter.sh starts torchrun with the user's training script and `--plan plan.json`; the script reads
+its batch split with fasop.runtime (docs/uneven-ddp.md)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any, Mapping
+
+from fasop.dataparallel import KINDS, NoPlan, plan_row
+from fasop.emit import LaunchOptions, _check_options, _comment, _disagreements, _group_flags, _array, _Plan, _q, _sbatch
+from fasop.errors import InputError
+from fasop.profiles import load_profiles
+from fasop.runtime import check_plan
+
+DEFAULT_ENTRY_SCRIPT = "train.py"  # beside sbatch.sh unless --entry-script names another
+_NOT_FIGURES = ("model", "model_file", "cluster", "cluster_file")
+
+
+def is_data_parallel(plan: Mapping[str, Any]) -> bool:
+    return plan.get("kind") in KINDS
+
+
+def _checked(plan: Mapping[str, Any], cluster: Any, where: str) -> None:
+    check_plan(dict(plan), where)
+    have = Counter({name: t.count for name, t in cluster.node_types.items()})
+    if Counter(plan["placement"]) != have or plan["gpus_per_node"] != cluster.gpus_per_node:
+        raise InputError(f"{where}: placement", f"a {plan['kind']} plan uses every node of its cluster; cluster "
+                                                f"{cluster.name} has {dict(have)} nodes of {cluster.gpus_per_node} GPUs")
+
+
+def restate_dp_plan(plan: Mapping[str, Any], model: Any, cluster: Any, profiles_dir: str | None = None,
+                    force: bool = False, where: str | None = None) -> tuple[dict, str | None]:
+    """As emit.restate_plan for data-parallel plans: the plan's split estimated afresh; a plan whose figures
+    disagree is refused, or with `force` returned with the fresh figures and a warning."""
+    where = where or f"plan {plan.get('rank', '?')}"
+    _checked(plan, cluster, where)
+    samples = {item["node_type"]: item["samples_per_gpu"] for item in plan["per_type"]}
+    try:
+        profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
+        fresh = plan_row(model, cluster, profiles, plan["kind"], plan["gbs"], plan.get("batch_split") == "even",
+                         samples)
+    except (InputError, NoPlan) as err:
+        raise InputError(where, f"cannot be estimated afresh from model {model.name} and cluster {cluster.name} "
+                                f"({err})") from None
+    figures = {key: value for key, value in fresh.items() if key not in _NOT_FIGURES}
+    stale = _disagreements(plan, figures, "")
+    if not stale:
+        return {**figures, **plan}, None
+    key, given, value = stale[0]
+    message = f"stale plan: {key} is {given!r} in the plan file but {value!r} estimated afresh"
+    if not force:
+        raise InputError(where, f"{message}; compare again (with the same --profiles), or pass --force to emit it "
+                                "with the fresh figures")
+    return {**plan, **figures}, f"warning: {where}: {message}; emitted with the fresh figures (--force)"
+
+
+def _run_inter(plan: Mapping[str, Any], model: Any, cluster: Any, p: _Plan, opts: LaunchOptions) -> str:
+    entry = f'"$RUN_DIR"/{_q(DEFAULT_ENTRY_SCRIPT)}' if opts.entry_script is None else _q(opts.entry_script)
+    split = ", ".join(f"{t['node_type']} {t['samples_per_gpu']} samples per GPU" for t in plan["per_type"])
+    lines = [
+        "#!/usr/bin/env bash",
+        _comment(f"fasop plan {p.rank}: {model.name} on {cluster.name}, {plan['kind']} over {p.dp} GPUs, "
+                 f"global batch {p.gbs}: {split}."),
+        "# Per-node launcher, started once per node by sbatch.sh; by hand: NODE_RANK=r MASTER_ADDR=host bash run_inter.sh",
+        "set -euo pipefail",
+        "",
+        'RUN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+        f"NNODES={len(p.placement)}",
+        f"GPUS_PER_NODE={p.gpus_per_node}",
+        'NODE_RANK="${SLURM_PROCID:-${NODE_RANK:-}}"',
+        'if [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then',
+        '    echo "run_inter.sh: node rank \'$NODE_RANK\' is not 0 to $((NNODES - 1)); start under srun or set NODE_RANK" >&2',
+        "    exit 1",
+        "fi",
+        'MASTER_ADDR="${MASTER_ADDR:?run_inter.sh: set MASTER_ADDR to the address of node rank 0}"',
+        f'MASTER_PORT="${{MASTER_PORT:-{opts.master_port}}}"',
+        f"ENTRY_SCRIPT={entry}",
+        "",
+        "DISTRIBUTED_ARGS=(",
+        '    --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --node_rank "$NODE_RANK"',
+        '    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"',
+        ")",
+        _array("EXTRA_ARGS", _group_flags(opts.extra_flags)),
+        "",
+        "# Every rank reads its samples per step, micro-batches and loss weight from the plan (fasop.runtime).",
+        'exec torchrun "${DISTRIBUTED_ARGS[@]}" "$ENTRY_SCRIPT" --plan "$RUN_DIR/plan.json" "${EXTRA_ARGS[@]}"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def render_dp_plan(plan: Mapping[str, Any], model: Any, cluster: Any, options: LaunchOptions | None = None,
+                   where: str | None = None) -> dict[str, str]:
+    """sbatch.sh, run_inter.sh and plan.json of a data-parallel plan, without writing anything."""
+    opts = options or LaunchOptions()
+    _check_options(opts, "--")
+    where = where or f"plan {plan.get('rank', '?')}"
+    _checked(plan, cluster, where)
+    if opts.gpus_per_node not in (None, plan["gpus_per_node"]):
+        raise InputError("--gpus-per-node", f"the plan splits its batch over {plan['gpus_per_node']} GPUs per node")
+    world = len(plan["placement"]) * plan["gpus_per_node"]
+    p = _Plan(plan.get("rank", 1), 1, world, 1, plan["mbs"], plan["gbs"], tuple(plan["placement"]),
+              (model.num_layers,), 0, plan["kind"] != "ddp", plan["gpus_per_node"])
+    return {
+        "sbatch.sh": _sbatch(plan, model, cluster, p, opts),
+        "run_inter.sh": _run_inter(plan, model, cluster, p, opts),
+        "plan.json": json.dumps(plan, indent=2, sort_keys=True) + "\n",
+    }

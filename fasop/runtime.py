@@ -1,0 +1,138 @@
+"""Training with an uneven batch split (plan kinds ddp, zero1, zero2, zero3): which samples each rank takes and
+how its loss is weighted. torch is imported only when the sampler is used; docs/uneven-ddp.md has an example.
+
+Ranks follow the plan's node order: rank r runs on node r // gpus_per_node, whose node type sets its samples
+per step, micro-batch size and gradient-accumulation count.
+
+DDP (and FSDP / ZeRO) average the gradients over the W ranks. When rank r holds b_r of the B samples of a step,
+the plain average weighs every rank alike, which is not the gradient of the global batch. Scaling the mean loss
+of each micro-batch of n samples by W * n / B makes the average exactly (1/B) * sum of the per-sample
+gradients, whatever the split and the accumulation.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fasop.errors import InputError
+from fasop.files import PLANS_LIMIT_BYTES, read_json
+from fasop.plans import select_plan
+
+
+def load_plan(path: str | os.PathLike, rank: int = 1) -> dict:
+    """The plan in `path`: one plan object (fasop emit's plan.json) or plan `rank` of a plan list."""
+    data = read_json(path, PLANS_LIMIT_BYTES, "a fasop plan")
+    plan = select_plan(data, rank, str(path)) if isinstance(data, list) else data
+    check_plan(plan, str(path))
+    return plan
+
+
+def _int(value: Any, minimum: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def check_plan(plan: Any, where: str) -> None:
+    """A data-parallel plan whose per-type samples add up to its global batch."""
+    if not isinstance(plan, dict) or "per_type" not in plan:
+        raise InputError(where, "not a data-parallel plan (kind ddp, zero1, zero2 or zero3) with per_type batches")
+    if not _int(plan.get("gpus_per_node")) or not _int(plan.get("gbs")):
+        raise InputError(where, "expected gpus_per_node and gbs as integers >= 1")
+    per_type = plan["per_type"]
+    for item in per_type if isinstance(per_type, list) else [None]:
+        if not isinstance(item, dict) or not all(_int(item.get(k)) for k in
+                                                 ("gpus", "samples_per_gpu", "micro_batch_size", "accumulation_steps")):
+            raise InputError(f"{where}: per_type", "expected objects with gpus, samples_per_gpu, micro_batch_size "
+                                                   "and accumulation_steps as integers >= 1")
+        if -(-item["samples_per_gpu"] // item["micro_batch_size"]) != item["accumulation_steps"]:
+            raise InputError(f"{where}: per_type", "accumulation_steps must be samples_per_gpu / micro_batch_size "
+                                                   "rounded up")
+    types = {item.get("node_type") for item in per_type}
+    placement = plan.get("placement")
+    if not isinstance(placement, list) or not placement or not set(placement) <= types:
+        raise InputError(f"{where}: placement", "expected a list of the node types named in per_type")
+    gpus = {item["node_type"]: item["gpus"] for item in per_type}
+    for name in types:
+        if placement.count(name) * plan["gpus_per_node"] != gpus[name]:
+            raise InputError(f"{where}: per_type", f"{name} has {gpus[name]} GPUs, the placement "
+                                                   f"{placement.count(name) * plan['gpus_per_node']}")
+    if sum(rank_batches(plan)) != plan["gbs"]:
+        raise InputError(f"{where}: per_type", f"the samples of all ranks add up to {sum(rank_batches(plan))}, "
+                                               f"not the global batch {plan['gbs']}")
+
+
+def _rank_types(plan: dict) -> list[dict]:
+    by_name = {item["node_type"]: item for item in plan["per_type"]}
+    return [by_name[name] for name in plan["placement"] for _ in range(plan["gpus_per_node"])]
+
+
+def world_size(plan: dict) -> int:
+    return len(plan["placement"]) * plan["gpus_per_node"]
+
+
+def rank_batches(plan: dict) -> list[int]:
+    """Samples per step of every rank, in rank order."""
+    return [item["samples_per_gpu"] for item in _rank_types(plan)]
+
+
+def micro_batches(plan: dict, rank: int) -> list[int]:
+    """Sizes of rank `rank`'s micro-batches in one step: full micro-batches, the last one holding the rest."""
+    item = _rank_types(plan)[rank]
+    samples, size = item["samples_per_gpu"], item["micro_batch_size"]
+    return [size] * (samples // size) + ([samples % size] if samples % size else [])
+
+
+def loss_scale(plan: dict, micro_batch_samples: int) -> float:
+    """Factor on the mean loss of a micro-batch of `micro_batch_samples` so that the ranks' averaged gradient is
+    the gradient of the global batch: world_size * samples / global batch."""
+    return world_size(plan) * micro_batch_samples / plan["gbs"]
+
+
+def _sampler_class():
+    import torch
+    from torch.utils.data import Sampler
+
+    class UnevenBatchSampler(Sampler):
+        """Yields rank `rank`'s micro-batches (lists of dataset indices), step after step.
+
+        Every epoch shuffles the dataset with the same seed on every rank (seed + epoch); step k takes the
+        global batch k of that order and gives rank r the b_r samples after those of ranks 0 .. r-1, so the
+        ranks never overlap and together cover each index of an epoch once. A last global batch short of B
+        samples is dropped. Use it as a DataLoader's batch_sampler; call set_epoch(e) at each epoch."""
+
+        def __init__(self, plan: dict, rank: int, dataset_size: int, seed: int = 0):
+            if not 0 <= rank < world_size(plan):
+                raise InputError("rank", f"expected 0 to {world_size(plan) - 1}, got {rank}")
+            batches = rank_batches(plan)
+            self.offset, self.samples = sum(batches[:rank]), batches[rank]
+            self.sizes = micro_batches(plan, rank)
+            self.batch, self.dataset_size, self.seed, self.epoch = plan["gbs"], dataset_size, seed, 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        @property
+        def steps(self) -> int:
+            return self.dataset_size // self.batch
+
+        def __len__(self) -> int:
+            return self.steps * len(self.sizes)
+
+        def __iter__(self):
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_size, generator=generator).tolist()
+            for step in range(self.steps):
+                start = step * self.batch + self.offset
+                for size in self.sizes:
+                    yield order[start:start + size]
+                    start += size
+
+    return UnevenBatchSampler
+
+
+def __getattr__(name: str):
+    if name == "UnevenBatchSampler":  # defined on first use: it needs torch
+        globals()[name] = _sampler_class()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
