@@ -22,6 +22,7 @@ from fasop.emit import (FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, check_out_dir, la
                         split_flags, write_files)
 from fasop.errors import InputError
 from fasop.files import check_finite, check_outputs, pending_write
+from fasop.launchers import launcher_files, launcher_hint, launcher_inputs, launcher_options
 from fasop.layers_command import register as register_profile_layers
 from fasop.links_command import register as register_profile_links
 from fasop.model import load_model
@@ -306,7 +307,8 @@ _SITE_HELP = "Overrides the [launch] table of the cluster file."
               help="Plan list written by `fasop search --output plans.json`.")
 @click.option("--rank", type=int, default=1, show_default=True, help="Which plan of the list (1 = the best).")
 @click.option("--out", "out_dir", required=True, metavar="DIR",
-              help="Directory to write sbatch.sh, run_inter.sh and plan.json into (created if missing).")
+              help="Directory to write sbatch.sh (or launch.sh, or commands.txt), run_inter.sh and plan.json into "
+                   "(created if missing).")
 @click.option("--force", is_flag=True,
               help="Overwrite the files of a directory that holds files already, and emit a plan whose figures "
                    "disagree with a fresh estimate (with a warning; plan.json gets the fresh figures).")
@@ -359,6 +361,7 @@ _SITE_HELP = "Overrides the [launch] table of the cluster file."
               help="How uneven layers per stage are passed (stock flavour): auto (default) uses "
                    "--decoder-first/last-pipeline-num-layers when the split has that form, else "
                    "--pipeline-model-parallel-layout; layout or first-last force one. " + _SITE_HELP)
+@launcher_options
 @profiles_option
 @reports_input_errors
 def emit(plans_file: str, rank: int, out_dir: str, force: bool, model_name: str | None, cluster_name: str | None,
@@ -375,7 +378,10 @@ def emit(plans_file: str, rank: int, out_dir: str, force: bool, model_name: str 
                     extra_flags, profiles_dir, site)
     for path in written:
         click.echo(str(path))
-    click.echo(f"Submit with: cd {out_dir} && sbatch sbatch.sh", err=True)
+    commands, hint = launcher_hint(site, out_dir)
+    if commands:
+        click.echo(commands)
+    click.echo(hint, err=True)
 
 
 def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions, gres_types, extra_flags,
@@ -410,7 +416,9 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
         partition=partition, partitions=partition_map, gres_type=gres_type, gres_types=gres_map,
         extra_flags=tuple(flags), **overrides)
     files = (render_dp_plan if data_parallel else render_plan)(plan, model, cluster, options, where)
+    files = launcher_files(files, plan, out, options.master_port, site)
     inputs = [plans_path, bundled.resolve("models", model_file, ".toml"), bundled.resolve("clusters", cluster_file, ".toml")]
+    inputs += launcher_inputs(site)
     check_outputs([(out / name, "--out") for name in files], inputs)
     written = write_files(out, files, force)
     if warning:

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from fasop.dataparallel import KINDS, NoPlan, plan_row
 from fasop.emit import LaunchOptions, _check_options, _comment, _disagreements, _group_flags, _array, _Plan, _q, _sbatch
 from fasop.errors import InputError
+from fasop.startup import startup_lines
 from fasop.profiles import load_profiles
 from fasop.runtime import check_plan
 
@@ -75,8 +76,7 @@ def _run_inter(plan: Mapping[str, Any], model: Any, cluster: Any, p: _Plan, opts
         '    echo "run_inter.sh: node rank \'$NODE_RANK\' is not 0 to $((NNODES - 1)); start under srun or set NODE_RANK" >&2',
         "    exit 1",
         "fi",
-        'MASTER_ADDR="${MASTER_ADDR:?run_inter.sh: set MASTER_ADDR to the address of node rank 0}"',
-        f'MASTER_PORT="${{MASTER_PORT:-{opts.master_port}}}"',
+        *startup_lines([cluster.node_types[name].gpu for name in p.placement], opts.master_port),
         f"ENTRY_SCRIPT={entry}",
         "",
         "DISTRIBUTED_ARGS=(",

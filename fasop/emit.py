@@ -40,6 +40,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from fasop.errors import InputError
 from fasop.plans import PLAN_KEYS
+from fasop.startup import startup_lines
 
 ENTRY_SCRIPTS = {"decoder": "pretrain_gpt.py", "encoder": "pretrain_bert.py", "encoder-decoder": "pretrain_t5.py"}
 FLAVORS = ("stock", "fasop-fork")
@@ -704,7 +705,8 @@ def _run_inter(plan: Mapping[str, Any], model: Any, cluster: Any, p: _Plan, opts
     lines = [
         "#!/usr/bin/env bash",
         _describe(plan, model, cluster, p),
-        "# Per-node launcher, started once per node by sbatch.sh; by hand: NODE_RANK=r MASTER_ADDR=host bash run_inter.sh",
+        "# Per-node launcher, started once per node by sbatch.sh, launch.sh or the lines of commands.txt; by hand: "
+        "NODE_RANK=r MASTER_ADDR=host bash run_inter.sh",
         "set -euo pipefail",
         "",
         f"NNODES={len(p.placement)}",
@@ -715,8 +717,7 @@ def _run_inter(plan: Mapping[str, Any], model: Any, cluster: Any, p: _Plan, opts
         '    echo "run_inter.sh: node rank \'$NODE_RANK\' is not 0 to $((NNODES - 1)); start under srun or set NODE_RANK" >&2',
         "    exit 1",
         "fi",
-        'MASTER_ADDR="${MASTER_ADDR:?run_inter.sh: set MASTER_ADDR to the address of node rank 0}"',
-        f'MASTER_PORT="${{MASTER_PORT:-{opts.master_port}}}"',
+        *startup_lines([cluster.node_types[name].gpu for name in p.placement], opts.master_port),
         f"DEFAULT_MEGATRON_PATH={_q(opts.megatron_path)}",
         'MEGATRON_PATH="${MEGATRON_PATH:-$DEFAULT_MEGATRON_PATH}"',
         f"ENTRY_SCRIPT={entry_value}",

@@ -511,7 +511,7 @@ def test_run_inter_hands_the_arguments_over_intact(tmp_path, gpt2, cluster):
     script = tmp_path / "run_inter.sh"
     script.write_text(files["run_inter.sh"])
     env = {"PATH": f"{fake_torchrun(tmp_path)}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args"),
-           "SLURM_PROCID": "2", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "7001"}
+           "SLURM_PROCID": "2", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "7001", "FASOP_GPU_NAME": "NVIDIA H100 80GB HBM3"}
     result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "node rank 2 of 4 (plan: big)" in result.stdout
@@ -527,7 +527,7 @@ def test_run_inter_refuses_a_missing_or_bad_node_rank(tmp_path, gpt2, cluster):
     script = tmp_path / "run_inter.sh"
     script.write_text(render_plan(make_plan(), gpt2, cluster)["run_inter.sh"])
     base = {"PATH": f"{fake_torchrun(tmp_path)}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args"),
-            "MASTER_ADDR": "h"}
+            "MASTER_ADDR": "h", "FASOP_GPU_NAME": "NVIDIA A10G"}
     for extra in ({}, {"NODE_RANK": "4"}, {"NODE_RANK": "x"}):
         result = subprocess.run(["bash", str(script)], env={**base, **extra}, capture_output=True, text=True)
         assert result.returncode == 1 and "node rank" in result.stderr

@@ -223,8 +223,13 @@ def test_emitted_job_runs_every_stage_on_its_gpu_type(slurm, tmp_path):
 
     results = tmp_path / "results"
     results.mkdir()
+    bin_dir = tmp_path / "bin"  # an nvidia-smi that names the GPU of the node type, for run_inter.sh's check
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\n[[ $SLURMD_NODENAME == big* ]] && echo "NVIDIA H100 80GB HBM3" '
+                                        '|| echo "NVIDIA A10G"\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
     env = {**slurm.env, "FASOP_CHECK_DIR": str(results), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{slurm.env.get('PATH', '')}"}
+           "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{slurm.env.get('PATH', '')}"}
     submitted = run(["sbatch", "--parsable", "sbatch.sh"], env, cwd=out)
     assert submitted.returncode == 0, submitted.stderr + slurm.logs()
     job = submitted.stdout.strip().split(";")[0]

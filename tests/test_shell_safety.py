@@ -135,8 +135,9 @@ def test_names_with_shell_syntax_run_no_command(tmp_path, payload):
         (run_dir / name).write_text(files[name])
         check = subprocess.run(["bash", "-n", name], cwd=run_dir, capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
-    result = subprocess.run(["bash", "sbatch.sh"], cwd=run_dir, env=stub_commands(tmp_path),
-                            capture_output=True, text=True)
+    env = {**stub_commands(tmp_path),  # the GPU name on one line (each line is one GPU)
+           "FASOP_GPU_NAME": cluster.node_types[plan["placement"][0]].gpu.replace("\n", " ")}
+    result = subprocess.run(["bash", "sbatch.sh"], cwd=run_dir, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.rglob("PWNED*")) == []
     assert f"(plan: small{payload})" in result.stdout  # the name reaches the log as text
