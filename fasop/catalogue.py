@@ -11,26 +11,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import click
+from pydantic import BeforeValidator, Field
 
 from fasop import bundled
-from fasop.cluster import parse_bandwidth
+from fasop.cluster import bandwidth_bytes_per_s
 from fasop.errors import InputError
-from fasop.names import table_name
-from fasop.tomlfile import Table, read_toml
+from fasop.names import Name
+from fasop.tomlfile import Range, Table, Text, read_toml, validated
 
 GPU_TABLE = "gpus.toml"
-# field: (lowest, highest, whether the lowest is allowed); 0 TFLOP/s of bf16 means "no bf16"
-_RANGES = {
-    "dense_fp16_tflops": (0.0, 1e4, False),
-    "dense_bf16_tflops": (0.0, 1e4, True),
-    "memory_gib": (0.0, 1024.0, False),
-    "memory_bandwidth_gb_per_s": (0.0, 1e5, False),
-    "matmul_efficiency": (0.0, 1.0, False),
-}
-_FIELDS = {"name", "intra_node_link", "source", "date", *_RANGES}
 
 
 @dataclass(frozen=True)
@@ -66,33 +58,41 @@ class GpuSpec:
         return self.memory_bandwidth_gb_per_s * 1e9
 
 
-def _number(table: Table, key: str) -> float:
-    low, high, low_allowed = _RANGES[key]
-    return table.float(key, minimum=low, strict=not low_allowed, maximum=high)
+def _link(text: Any) -> Any:
+    bandwidth_bytes_per_s(text)  # refuses what is not a bandwidth
+    return text
+
+
+class GpuTable(Table):
+    """One [[gpu]] table."""
+
+    name: Name
+    dense_fp16_tflops: Annotated[float, Range(0.0, 1e4, low_allowed=False)]
+    dense_bf16_tflops: Annotated[float, Range(0.0, 1e4)]  # 0 means "no bf16"
+    memory_gib: Annotated[float, Range(0.0, 1024.0, low_allowed=False)]
+    memory_bandwidth_gb_per_s: Annotated[float, Range(0.0, 1e5, low_allowed=False)]
+    intra_node_link: Annotated[str, BeforeValidator(_link)]
+    matmul_efficiency: Annotated[float, Range(0.0, 1.0, low_allowed=False)]
+    source: Text = ""
+    date: Text = ""
+
+
+class GpuFile(Table):
+    gpu: list[GpuTable] = Field(min_length=1)
 
 
 def gpu_tables(entries: Any, file: str) -> dict[str, GpuSpec]:
-    """The [[gpu]] tables of one file, by name."""
-    if not isinstance(entries, list) or not entries:
-        raise InputError(f"{file}: gpu", "expected one or more [[gpu]] tables")
+    """The [[gpu]] tables of one file (`entries`, the value of its `gpu` key), by name."""
+    return _specs(validated(GpuFile, {"gpu": entries}, file), file)
+
+
+def _specs(tables: GpuFile, file: str) -> dict[str, GpuSpec]:
     specs: dict[str, GpuSpec] = {}
-    for index, entry in enumerate(entries):
-        table = Table(entry, file, f"gpu[{index}]")
-        table.reject_unknown(_FIELDS)
-        name = table_name(table, "name")
-        table.prefix = f"gpu.{name}"
-        if name in specs:
-            raise InputError(table.where("name"), f"GPU {name!r} is listed twice")
-        link = table.str("intra_node_link")
-        specs[name] = GpuSpec(
-            name=name,
-            **{key: _number(table, key) for key in _RANGES},
-            intra_node_link=link,
-            link_bytes_per_s=parse_bandwidth(link, table.where("intra_node_link")),
-            source=table.str("source", ""),
-            date=table.str("date", ""),
-            file=file,
-        )
+    for table in tables.gpu:
+        if table.name in specs:
+            raise InputError(f"{file}: gpu.{table.name}.name", f"GPU {table.name!r} is listed twice")
+        specs[table.name] = GpuSpec(**dict(table), link_bytes_per_s=bandwidth_bytes_per_s(table.intra_node_link),
+                                    file=file)
     return specs
 
 
@@ -104,11 +104,7 @@ def load_gpu_specs(path: Path | None = None) -> dict[str, GpuSpec]:
     """Every GPU of a spec file (default: the bundled catalogue/gpus.toml), by name."""
     path = Path(path) if path is not None else gpu_table_path()
     shown = f"catalogue/{GPU_TABLE}" if path == gpu_table_path() else str(path)
-    raw = read_toml(path)
-    for key in raw:
-        if key != "gpu":
-            raise InputError(f"{shown}: {key}", "unknown table (known: gpu)")
-    return gpu_tables(raw.get("gpu"), shown)
+    return _specs(validated(GpuFile, read_toml(path), shown), shown)
 
 
 def merged_specs(catalogue: Path | None = None, own: dict[str, GpuSpec] | None = None) -> dict[str, GpuSpec]:

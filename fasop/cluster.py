@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Optional
+
+from pydantic import BeforeValidator, Field
 
 from fasop import bundled
 from fasop.errors import InputError
-from fasop.names import table_name
-from fasop.tomlfile import Table, read_toml
+from fasop.names import Name
+from fasop.tomlfile import Range, Table, Text, read_toml, validated
 
 # Units a bandwidth may be written in, as bytes per second per unit. "Gb/s" and "Gbps" are refused: one
 # capital letter apart from "GB/s", they are the classic way to be wrong by 8x.
@@ -22,16 +24,28 @@ MIN_BANDWIDTH_BYTES_PER_S, MAX_BANDWIDTH_BYTES_PER_S = 1e3, 1e15
 _BANDWIDTH = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
 
 
-def parse_bandwidth(text: Any, where: str) -> float:
-    """'40 Gbit/s' -> 5e9 (bytes per second)."""
+def bandwidth_bytes_per_s(text: Any) -> float:
+    """'40 Gbit/s' -> 5e9; anything else is a ValueError saying what was expected."""
     match = _BANDWIDTH.match(text) if isinstance(text, str) else None
     if not match or match.group(2) not in _BANDWIDTH_UNITS:
         units = ", ".join(_BANDWIDTH_UNITS)
-        raise InputError(where, f"expected a bandwidth such as \"40 Gbit/s\" or \"230 GB/s\" (units: {units}), got {text!r}")
+        raise ValueError(f"expected a bandwidth such as \"40 Gbit/s\" or \"230 GB/s\" (units: {units}), got {text!r}")
     value = float(match.group(1)) * _BANDWIDTH_UNITS[match.group(2)]
     if not MIN_BANDWIDTH_BYTES_PER_S <= value <= MAX_BANDWIDTH_BYTES_PER_S:  # also refuses inf ("1e999 GB/s")
-        raise InputError(where, f"expected a bandwidth from 1 kB/s to 1 PB/s, got {text!r}")
+        raise ValueError(f"expected a bandwidth from 1 kB/s to 1 PB/s, got {text!r}")
     return value
+
+
+def parse_bandwidth(text: Any, where: str) -> float:
+    """'40 Gbit/s' -> 5e9 (bytes per second); anything else is an InputError at `where`."""
+    try:
+        return bandwidth_bytes_per_s(text)
+    except ValueError as err:
+        raise InputError(where, str(err)) from None
+
+
+Bandwidth = Annotated[float, BeforeValidator(bandwidth_bytes_per_s)]
+"""A field of a fasop.tomlfile.Table written as a string with a unit, read as bytes per second."""
 
 
 @dataclass(frozen=True)
@@ -102,89 +116,107 @@ MAX_NODES_PER_TYPE = 1_000_000
 MAX_DERATING = 1000.0
 MAX_MEMORY_MARGIN = 100.0
 
-_NODE_FIELDS = {
-    "name", "gpu", "instance", "gpus_per_node", "gpu_memory_gib", "intra_node_bandwidth",
-    "inter_node_bandwidth", "price_per_hour_usd", "price_source", "price_date", "count",
-    "slurm_partition", "gres_type",
-}
+
+class NodeTypeTable(Table):
+    """One [[node_type]] table (docs/formats.md)."""
+
+    name: Name
+    gpu: Name  # also names the GPU's profile files
+    instance: Text = ""
+    gpus_per_node: Annotated[int, Range(1, MAX_GPUS_PER_NODE)]
+    gpu_memory_gib: Optional[Annotated[float, Range(0.0, MAX_GPU_MEMORY_GIB, low_allowed=False)]] = None
+    intra_node_bandwidth: Bandwidth
+    inter_node_bandwidth: Bandwidth
+    price_per_hour_usd: Annotated[float, Range(0.0, MAX_PRICE_PER_HOUR_USD)]
+    price_source: Text = ""
+    price_date: Text = ""
+    count: Annotated[int, Range(0, MAX_NODES_PER_TYPE)]
+    slurm_partition: Optional[Text] = None
+    gres_type: Optional[Text] = None
 
 
-def _gpu_memory_gib(table: Table, gpu: str, catalogue: Callable[[], dict[str, Any]]) -> float:
+Ratio = Annotated[float, Range(0.0, MAX_DERATING, low_allowed=False)]
+
+
+class DeratingTable(Table):
+    p2p_intra_node: Ratio = 1.0
+    p2p_inter_node: Ratio = 1.0
+    collective_intra_node: Ratio = 1.0
+    collective_inter_node: Ratio = 1.0
+
+
+class ClusterHead(Table):
+    name: Name
+    description: Text = ""
+    memory_margin: Annotated[float, Range(0.0, MAX_MEMORY_MARGIN, low_allowed=False)] = 1.0
+    derating: DeratingTable = Field(default_factory=DeratingTable)
+
+
+class ClusterFile(Table):
+    cluster: ClusterHead
+    node_type: list[NodeTypeTable] = Field(min_length=1)
+    launch: dict[str, Any] = Field(default_factory=dict)  # site defaults, checked by fasop.emit where it reads them
+    gpu: Any = None  # [[gpu]] tables, read by fasop.catalogue.gpu_tables
+
+
+def _gpu_memory_gib(table: NodeTypeTable, where: str, catalogue: Callable[[], dict[str, Any]]) -> float:
     """The node type's gpu_memory_gib, or else the memory_gib of its GPU in the catalogue."""
-    if "gpu_memory_gib" in table.data:
-        return table.float("gpu_memory_gib", maximum=MAX_GPU_MEMORY_GIB)
-    spec = catalogue().get(gpu)
+    if table.gpu_memory_gib is not None:
+        return table.gpu_memory_gib
+    spec = catalogue().get(table.gpu)
     if spec is None:
-        raise InputError(table.where("gpu_memory_gib"), f"missing, and GPU {gpu!r} is in neither the bundled "
-                                                        "catalogue/gpus.toml nor this file's [[gpu]] tables")
+        raise InputError(f"{where}.gpu_memory_gib", f"missing, and GPU {table.gpu!r} is in neither the bundled "
+                                                    "catalogue/gpus.toml nor this file's [[gpu]] tables")
     return spec.memory_gib
 
 
-def _node_type(raw: Any, file: str, index: int, catalogue: Callable[[], dict[str, Any]]) -> NodeType:
-    table = Table(raw, file, f"node_type[{index}]")
-    table.reject_unknown(_NODE_FIELDS)
-    name = table_name(table, "name")
-    table.prefix = f"node_type.{name}"
-    gpu = table_name(table, "gpu")  # checked before use: it also names the GPU's profile files
+def _node_type(table: NodeTypeTable, file: str, catalogue: Callable[[], dict[str, Any]]) -> NodeType:
     return NodeType(
-        name=name,
-        gpu=gpu,
-        gpus_per_node=table.int("gpus_per_node", maximum=MAX_GPUS_PER_NODE),
-        gpu_memory_gib=_gpu_memory_gib(table, gpu, catalogue),
-        intra_node_bytes_per_s=parse_bandwidth(table.data.get("intra_node_bandwidth"), table.where("intra_node_bandwidth")),
-        inter_node_bytes_per_s=parse_bandwidth(table.data.get("inter_node_bandwidth"), table.where("inter_node_bandwidth")),
-        price_per_hour_usd=table.float("price_per_hour_usd", minimum=0.0, strict=False, maximum=MAX_PRICE_PER_HOUR_USD),
-        count=table.int("count", minimum=0, maximum=MAX_NODES_PER_TYPE),
-        instance=table.str("instance", ""),
-        price_source=table.str("price_source", ""),
-        price_date=table.str("price_date", ""),
-        slurm_partition=table.str("slurm_partition", required=False),
-        gres_type=table.str("gres_type", required=False),
+        name=table.name,
+        gpu=table.gpu,
+        gpus_per_node=table.gpus_per_node,
+        gpu_memory_gib=_gpu_memory_gib(table, f"{file}: node_type.{table.name}", catalogue),
+        intra_node_bytes_per_s=table.intra_node_bandwidth,
+        inter_node_bytes_per_s=table.inter_node_bandwidth,
+        price_per_hour_usd=table.price_per_hour_usd,
+        count=table.count,
+        instance=table.instance,
+        price_source=table.price_source,
+        price_date=table.price_date,
+        slurm_partition=table.slurm_partition,
+        gres_type=table.gres_type,
     )
 
 
 def load_cluster(name_or_path: str) -> Cluster:
     """Load a cluster from a TOML file, or a bundled cluster by name (`fasop-1xA100-7xA10`, ...)."""
     path, is_bundled = bundled.locate("clusters", name_or_path, ".toml", "--cluster")
-    raw = read_toml(path)
     file = str(path)
-    for key in raw:
-        if key not in ("cluster", "node_type", "launch", "gpu"):
-            raise InputError(f"{file}: {key}", "unknown table (known: cluster, node_type, launch, gpu)")
-    head = Table(raw.get("cluster"), file, "cluster")
-    head.reject_unknown({"name", "description", "memory_margin", "derating"})
-    derating_table = Table(head.data.get("derating", {}), file, "cluster.derating")
-    derating_table.reject_unknown(set(Derating.__dataclass_fields__))
-    derating = Derating(**{k: derating_table.float(k, 1.0, maximum=MAX_DERATING) for k in Derating.__dataclass_fields__})
-    if not isinstance(raw.get("node_type"), list) or not raw["node_type"]:
-        raise InputError(f"{file}: node_type", "expected at least one [[node_type]] table")
-    from fasop.catalogue import gpu_tables, merged_specs  # they read bandwidths with parse_bandwidth, from here
+    cluster = validated(ClusterFile, read_toml(path), file)
+    from fasop.catalogue import gpu_tables, merged_specs  # they read bandwidths with this module, so not on top
 
-    gpus = gpu_tables(raw["gpu"], file) if "gpu" in raw else {}
+    gpus = gpu_tables(cluster.gpu, file) if cluster.gpu is not None else {}
     # the bundled catalogue with the file's own GPUs over it, read only if a node type leaves out its memory
     catalogue = functools.cache(lambda: merged_specs(own=gpus))
     types: dict[str, NodeType] = {}
-    for index, entry in enumerate(raw["node_type"]):
-        node_type = _node_type(entry, file, index, catalogue)
-        if node_type.name in types:
-            raise InputError(f"{file}: node_type.{node_type.name}", "defined twice")
-        types[node_type.name] = node_type
+    for table in cluster.node_type:
+        if table.name in types:
+            raise InputError(f"{file}: node_type.{table.name}", "defined twice")
+        types[table.name] = _node_type(table, file, catalogue)
     sizes = {t.gpus_per_node for t in types.values()}
     if len(sizes) > 1:
         raise InputError(f"{file}: node_type.gpus_per_node",
                          f"all node types need the same GPUs per node (Megatron-LM gives every node the same number of ranks), got {sorted(sizes)}")
     if all(t.count == 0 for t in types.values()):
         raise InputError(f"{file}: node_type.count", "expected at least one available node")
-    launch = raw.get("launch", {})
-    if not isinstance(launch, dict):
-        raise InputError(f"{file}: launch", "expected a table")
+    head = cluster.cluster
     return Cluster(
-        name=table_name(head, "name"),
+        name=head.name,
         node_types={n: t for n, t in types.items() if t.count > 0},
-        derating=derating,
-        memory_margin=head.float("memory_margin", 1.0, maximum=MAX_MEMORY_MARGIN),
-        description=head.str("description", ""),
-        launch=launch,
+        derating=Derating(**dict(head.derating)),
+        memory_margin=head.memory_margin,
+        description=head.description,
+        launch=cluster.launch,
         file=name_or_path if is_bundled else file,
         gpus=gpus,
     )

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Annotated, Literal, Optional
 
 from fasop import bundled
 from fasop.errors import InputError
-from fasop.names import table_name
-from fasop.tomlfile import Table, read_toml
+from fasop.names import Name
+from fasop.tomlfile import Flag, Range, Table, Text, read_toml, validated
 
-ARCHITECTURES = ("decoder", "encoder", "encoder-decoder")
 PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 DROPOUT_MASK_BYTES = 1
 # Ranges of the shape fields of a model file (docs/formats.md): beyond any trained Transformer, small enough
@@ -215,60 +215,99 @@ class Model:
         return self.precision_bytes * tokens * mbs * self.hidden_size / tp
 
 
-_KNOWN = {
-    "name", "source", "architecture", "num_layers", "encoder_num_layers", "decoder_num_layers",
-    "hidden_size", "num_attention_heads", "kv_channels", "num_query_groups", "ffn_hidden_size",
-    "seq_length", "encoder_seq_length", "decoder_seq_length", "vocab_size", "tie_embeddings",
-    "position_embedding", "normalization", "ffn_activation", "flash_attention", "dropout", "linear_bias",
-    "precision", "global_batch_size", "make_vocab_size_divisible_by",
-}
+Layers = Annotated[int, Range(1, MAX_LAYERS)]
+Width = Annotated[int, Range(1, MAX_WIDTH)]
+Heads = Annotated[int, Range(1, MAX_HEADS)]
+SeqLength = Annotated[int, Range(1, MAX_SEQ_LENGTH)]
+
+
+class ModelTable(Table):
+    """The [model] table of a model file (docs/formats.md); absent optional fields are None."""
+
+    name: Name
+    source: Text = ""
+    architecture: Literal["decoder", "encoder", "encoder-decoder"]
+    num_layers: Optional[Layers] = None  # decoder and encoder architectures
+    encoder_num_layers: Optional[Layers] = None  # encoder-decoder only, as the three below
+    decoder_num_layers: Optional[Layers] = None
+    seq_length: Optional[SeqLength] = None
+    encoder_seq_length: Optional[SeqLength] = None
+    decoder_seq_length: Optional[SeqLength] = None
+    hidden_size: Width
+    num_attention_heads: Heads
+    kv_channels: Optional[Width] = None  # default hidden_size / num_attention_heads
+    num_query_groups: Optional[Heads] = None  # default num_attention_heads
+    ffn_hidden_size: Optional[Annotated[int, Range(1, 4 * MAX_WIDTH)]] = None  # default 4 * hidden_size
+    vocab_size: Annotated[int, Range(1, MAX_VOCAB)]
+    tie_embeddings: Flag = True
+    position_embedding: Literal["learned", "rope", "relative"] = "learned"
+    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    ffn_activation: Literal["gelu", "swiglu"] = "gelu"
+    flash_attention: Flag = False
+    dropout: Flag = True
+    linear_bias: Flag = True
+    precision: Literal["fp16", "bf16", "fp32"] = "bf16"
+    global_batch_size: Annotated[int, Range(1, 2**31 - 1)]
+    make_vocab_size_divisible_by: Width = 128
+
+
+class ModelFile(Table):
+    model: ModelTable
+
+
+_ONE_SEGMENT = ("num_layers", "seq_length")
+_TWO_SEGMENTS = ("encoder_num_layers", "decoder_num_layers", "encoder_seq_length", "decoder_seq_length")
+
+
+def _segments(table: ModelTable, where: str) -> tuple[int, int, int, int]:
+    """(encoder layers, decoder layers, encoder sequence length, decoder sequence length)."""
+    two = table.architecture == "encoder-decoder"
+    wanted, refused = (_TWO_SEGMENTS, _ONE_SEGMENT) if two else (_ONE_SEGMENT, _TWO_SEGMENTS)
+    for key in refused:
+        if getattr(table, key) is not None:
+            raise InputError(f"{where}.{key}", f"{table.architecture} models give {', '.join(wanted)} instead")
+    given = {key: getattr(table, key) for key in wanted}
+    for key, value in given.items():
+        if value is None:
+            raise InputError(f"{where}.{key}", "missing")
+    if two:
+        enc_layers, dec_layers, enc_seq, dec_seq = (given[key] for key in _TWO_SEGMENTS)
+        return enc_layers, dec_layers, enc_seq, dec_seq
+    if table.architecture == "encoder":
+        return given["num_layers"], 0, given["seq_length"], 0
+    return 0, given["num_layers"], 0, given["seq_length"]
 
 
 def load_model(name_or_path: str) -> Model:
     """Load a model by bundled name (`gpt2-xl`, `bert`, `t5`, ...) or from a TOML file."""
     path, is_bundled = bundled.locate("models", name_or_path, ".toml", "--model")
-    raw = read_toml(path)
-    table = Table(raw.get("model"), str(path), "model")
-    table.reject_unknown(_KNOWN)
-    arch = table.str("architecture", choices=ARCHITECTURES)
-    if arch == "encoder-decoder":
-        for key in ("num_layers", "seq_length"):
-            if key in table.data:
-                raise InputError(table.where(key), "encoder-decoder models give encoder_* and decoder_* instead")
-        enc_layers = table.int("encoder_num_layers", maximum=MAX_LAYERS)
-        dec_layers = table.int("decoder_num_layers", maximum=MAX_LAYERS)
-        enc_seq = table.int("encoder_seq_length", maximum=MAX_SEQ_LENGTH)
-        dec_seq = table.int("decoder_seq_length", maximum=MAX_SEQ_LENGTH)
-    else:
-        layers, seq = table.int("num_layers", maximum=MAX_LAYERS), table.int("seq_length", maximum=MAX_SEQ_LENGTH)
-        enc_layers, dec_layers = (layers, 0) if arch == "encoder" else (0, layers)
-        enc_seq, dec_seq = (seq, 0) if arch == "encoder" else (0, seq)
-    hidden = table.int("hidden_size", maximum=MAX_WIDTH)
-    heads = table.int("num_attention_heads", maximum=MAX_HEADS)
-    if "kv_channels" not in table.data and hidden % heads:
-        raise InputError(table.where("num_attention_heads"), f"must divide hidden_size {hidden} (or give kv_channels)")
-    groups = table.int("num_query_groups", heads, maximum=MAX_HEADS)
+    table = validated(ModelFile, read_toml(path), str(path)).model
+    where = f"{path}: model"
+    enc_layers, dec_layers, enc_seq, dec_seq = _segments(table, where)
+    hidden, heads = table.hidden_size, table.num_attention_heads
+    if table.kv_channels is None and hidden % heads:
+        raise InputError(f"{where}.num_attention_heads", f"must divide hidden_size {hidden} (or give kv_channels)")
+    groups = heads if table.num_query_groups is None else table.num_query_groups
     if heads % groups:
-        raise InputError(table.where("num_query_groups"), f"must divide num_attention_heads {heads}")
-    model = Model(
-        name=table_name(table, "name"), architecture=arch,
+        raise InputError(f"{where}.num_query_groups", f"must divide num_attention_heads {heads}")
+    return Model(
+        name=table.name, architecture=table.architecture,
         encoder_num_layers=enc_layers, decoder_num_layers=dec_layers,
         hidden_size=hidden, num_attention_heads=heads,
-        kv_channels=table.int("kv_channels", hidden // heads, maximum=MAX_WIDTH), num_query_groups=groups,
-        ffn_hidden_size=table.int("ffn_hidden_size", 4 * hidden, maximum=4 * MAX_WIDTH),
+        kv_channels=hidden // heads if table.kv_channels is None else table.kv_channels, num_query_groups=groups,
+        ffn_hidden_size=4 * hidden if table.ffn_hidden_size is None else table.ffn_hidden_size,
         encoder_seq_length=enc_seq, decoder_seq_length=dec_seq,
-        vocab_size=table.int("vocab_size", maximum=MAX_VOCAB),
-        tie_embeddings=table.bool("tie_embeddings", True),
-        position_embedding=table.str("position_embedding", "learned", ("learned", "rope", "relative")),
-        normalization=table.str("normalization", "layernorm", ("layernorm", "rmsnorm")),
-        ffn_activation=table.str("ffn_activation", "gelu", ("gelu", "swiglu")),
-        flash_attention=table.bool("flash_attention", False),
-        dropout=table.bool("dropout", True),
-        linear_bias=table.bool("linear_bias", True),
-        precision=table.str("precision", "bf16", tuple(PRECISION_BYTES)),
-        global_batch_size=table.int("global_batch_size"),
-        make_vocab_size_divisible_by=table.int("make_vocab_size_divisible_by", 128, maximum=MAX_WIDTH),
-        source=table.str("source", ""),
+        vocab_size=table.vocab_size,
+        tie_embeddings=table.tie_embeddings,
+        position_embedding=table.position_embedding,
+        normalization=table.normalization,
+        ffn_activation=table.ffn_activation,
+        flash_attention=table.flash_attention,
+        dropout=table.dropout,
+        linear_bias=table.linear_bias,
+        precision=table.precision,
+        global_batch_size=table.global_batch_size,
+        make_vocab_size_divisible_by=table.make_vocab_size_divisible_by,
+        source=table.source,
         file=name_or_path if is_bundled else str(path),
     )
-    return model
