@@ -41,7 +41,7 @@ def _check_out(out_path, option: str = "--out") -> Path:
     return path
 
 
-def _save(fig, path: Path) -> None:
+def _save(fig, path: Path, option: str = "--out") -> None:
     """Write the chart whole or not at all, without a date (the same inputs give the same file)."""
     import io
 
@@ -53,7 +53,7 @@ def _save(fig, path: Path) -> None:
             fig.savefig(image, format="svg", metadata={"Date": None})
     else:
         fig.savefig(image, format="png", dpi=100, metadata={"Software": None})
-    write_atomically(path, image.getvalue(), f"--out {path}")
+    write_atomically(path, image.getvalue(), f"{option} {path}")
 
 
 def series_label(kind: str | None) -> str:

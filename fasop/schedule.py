@@ -1,0 +1,278 @@
+"""Megatron-LM's 1F1B pipeline schedule, plain and interleaved, timed exactly for stages of different speeds.
+
+Every operation (a forward or a backward of one micro-batch on one model chunk of one stage) starts when the
+previous operation of its stage's program has ended and the operation it depends on has ended:
+
+    start(op) = max(end(previous op of the same stage), end(op it waits for))
+    end(op)   = start(op) + recompute(op) + compute(op) + send(op)
+
+A forward waits for the forward of the same micro-batch one virtual stage up, a backward for the backward one
+virtual stage down (the very last virtual stage's backward for its own forward); a backward may first
+recompute its forward (activation recomputation). Sends are blocking, as in fasop/simulate.py: a stage is
+busy while it sends what it produced, and the receiver may start once the send has ended. The programs are Megatron's (docs/cost-model.md section 4.1). The step's pipeline time is the
+makespan, when the first stage ends its last backward.
+
+The dependency graph depends only on (stages, virtual stages, micro-batches, group size), so it is built once,
+cut into levels (operations whose inputs lie in earlier levels) and evaluated level by level in numpy over
+all plans at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+# Plans are evaluated in blocks whose (operations x plans) end times take 32 MiB: wide enough that numpy's cost
+# per call (a few calls per level, hundreds of levels) is small against the work, and memory stays bounded.
+BLOCK_ELEMENTS = 2**22
+
+
+def interleaving_error(stages: int, virtual_stages: int, num_microbatches: int, group_size: int | None = None,
+                       *, overlap_p2p_comm: bool = True) -> str | None:
+    """Why Megatron-LM refuses an interleaved schedule, or None when it runs it.
+
+    group_size: micro-batches run in a row on one virtual stage (`--microbatch-group-size-per-virtual-pipeline-
+    stage`, default the number of stages). The schedule itself (megatron/core/pipeline_parallel/schedules.py,
+    forward_backward_pipelining_with_interleaving) needs stages <= group_size <= m and the last group either
+    full or at least `stages` long: with the default group, m a multiple of the stages. validate_args in
+    megatron/training/arguments.py wants more than 2 stages when `--no-overlap-p2p-communication` turns
+    overlap_p2p_comm off, more than 1 otherwise."""
+    if virtual_stages == 1:
+        return None
+    p, m = stages, num_microbatches
+    group = p if group_size is None else group_size
+    least = 2 if overlap_p2p_comm else 3
+    if p < least:
+        return (f"interleaving needs at least {least} pipeline stages"
+                + ("" if overlap_p2p_comm else " with --no-overlap-p2p-communication"))
+    if not p <= group <= m:
+        return f"the micro-batch group size {group} must lie between the {p} stages and the {m} micro-batches"
+    if 0 < m % group < p:
+        return f"{m} micro-batches leave a last group of {m % group}, fewer than the {p} stages"
+    return None
+
+
+def _warmup(stages: int, rank: int, virtual_stages: int, group: int, total: int) -> int:
+    """Forwards a stage runs before its first backward (schedules.py, get_pp_rank_microbatches)."""
+    if virtual_stages == 1:
+        return min(stages - rank - 1, total)
+    return min((stages - rank - 1) * 2 + (virtual_stages - 1) * group, total)
+
+
+def _chunk_and_microbatch(k: int, m: int, virtual_stages: int, group: int) -> tuple[int, int]:
+    """The model chunk and micro-batch of a stage's k-th forward: micro-batches go in groups of `group` (the
+    last group takes the rest), each group through chunk 0, then chunk 1, ... (schedules.py,
+    get_schedule_table)."""
+    first = (k // (group * virtual_stages)) * group
+    size = group if first + group < m else m - first
+    offset = k - first * virtual_stages
+    return offset // size, first + offset % size
+
+
+def stage_program(stages: int, rank: int, num_microbatches: int, virtual_stages: int = 1,
+                  group_size: int | None = None) -> list[tuple[str, int, int]]:
+    """The operations of one stage in the order it runs them: ("F" or "B", chunk, micro-batch). Warm-up
+    forwards, then one forward and one backward at a time, then the remaining backwards; the k-th backward
+    runs the chunk mirrored from the k-th forward's (schedules.py, get_model_chunk_id with forward=False)."""
+    v, m = virtual_stages, num_microbatches
+    group = stages if group_size is None else group_size
+    total = m * v
+    warm = _warmup(stages, rank, v, group, total)
+
+    def forward(k):
+        return ("F", *_chunk_and_microbatch(k, m, v, group))
+
+    def backward(k):
+        chunk, j = _chunk_and_microbatch(k, m, v, group)
+        return ("B", v - 1 - chunk, j)
+
+    ops = [forward(k) for k in range(warm)]
+    for k in range(total - warm):
+        ops += [forward(k + warm), backward(k)]
+    return ops + [backward(k) for k in range(total - warm, total)]
+
+
+@dataclass(frozen=True)
+class Program:
+    """The schedule's dependency graph. Operations are numbered stage by stage in program order; index `ops`
+    (one past the last) stands for "nothing to wait for" (time 0)."""
+
+    stages: int
+    virtual_stages: int
+    num_microbatches: int
+    stage: np.ndarray  # (ops,) the stage that runs it
+    chunk: np.ndarray  # (ops,) model chunk on that stage
+    microbatch: np.ndarray  # (ops,)
+    backward: np.ndarray  # (ops,) bool
+    previous: np.ndarray  # (ops,) the operation before it on its stage
+    waits_for: np.ndarray  # (ops,) the operation of another virtual stage it needs
+    link: np.ndarray  # (ops,) the send after it: boundary j < p - 1, p - 1 the wrap-around, p none
+    last: np.ndarray  # (stages,) each stage's last operation
+    levels: tuple[np.ndarray, ...]  # operations that can be evaluated together, in order
+
+    @property
+    def ops(self) -> int:
+        return len(self.stage)
+
+
+@lru_cache(maxsize=64)
+def program(stages: int, num_microbatches: int, virtual_stages: int = 1, group_size: int | None = None) -> Program:
+    """The dependency graph of Megatron's schedule for these sizes (cached: it depends on nothing else)."""
+    p, v, m = stages, virtual_stages, num_microbatches
+    if p < 1 or v < 1 or m < 1:
+        raise ValueError(f"stages {p}, virtual stages {v} and micro-batches {m} must be positive")
+    error = interleaving_error(p, v, m, group_size)
+    if error:
+        raise ValueError(error)
+    rows = [(r, kind, c, j) for r in range(p) for kind, c, j in stage_program(p, r, m, v, group_size)]
+    index = {(kind, r, c, j): i for i, (r, kind, c, j) in enumerate(rows)}
+    n = len(rows)
+    previous, waits_for, link = np.full(n, n), np.full(n, n), np.full(n, p)
+    for i, (r, kind, c, j) in enumerate(rows):
+        if i and rows[i - 1][0] == r:
+            previous[i] = i - 1
+        s = c * p + r  # virtual stage
+        if kind == "F":
+            if s > 0:
+                waits_for[i] = index["F", r - 1, c, j] if r else index["F", p - 1, c - 1, j]
+            if s < p * v - 1:
+                link[i] = r if r < p - 1 else p - 1
+        else:
+            if s == p * v - 1:
+                waits_for[i] = index["F", r, c, j]
+            else:
+                waits_for[i] = index["B", r + 1, c, j] if r < p - 1 else index["B", 0, c + 1, j]
+            if s > 0:
+                link[i] = r - 1 if r else p - 1
+    levels = _levels(previous, waits_for)
+    stage = np.array([row[0] for row in rows])
+    return Program(p, v, m, stage, np.array([row[2] for row in rows]), np.array([row[3] for row in rows]),
+                   np.array([row[1] == "B" for row in rows]), previous, waits_for, link,
+                   np.searchsorted(stage, np.arange(p), side="right") - 1, levels)
+
+
+def _levels(previous: np.ndarray, waits_for: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Level of each operation: one more than the higher level of its two inputs (the sentinel has level 0).
+    Each stage's operations are contiguous, so a sweep over the stages, each advancing as far as its inputs
+    are known, ends in at most (longest chain) sweeps; a sweep without progress is a deadlocked schedule."""
+    n = len(previous)
+    level = np.full(n + 1, -1)
+    level[n] = 0
+    heads = [i for i in range(n) if previous[i] == n]
+    ends = heads[1:] + [n]
+    done = 0
+    while done < n:
+        progress = done
+        for s, (i, end) in enumerate(zip(heads, ends)):
+            while i < end and level[waits_for[i]] >= 0:
+                level[i] = 1 + max(level[previous[i]], level[waits_for[i]])
+                i += 1
+            done += i - heads[s]
+            heads[s] = i
+        if done == progress:
+            raise RuntimeError("the schedule deadlocks: an operation waits for one that never runs")
+    order = np.argsort(level[:n], kind="stable")
+    return tuple(np.split(order, np.flatnonzero(np.diff(level[order])) + 1))
+
+
+@dataclass(frozen=True)
+class OpTimes:
+    """When every operation of `program` runs in each plan, in seconds from the start of the step; each array
+    is (plans, ops). An operation is [start, recompute_end) recomputing its forward (backwards with
+    recomputation only), [recompute_end, compute_end) computing, [compute_end, end) sending."""
+
+    program: Program
+    start_s: np.ndarray
+    recompute_end_s: np.ndarray
+    compute_end_s: np.ndarray
+    end_s: np.ndarray
+
+    @property
+    def makespan_s(self) -> np.ndarray:
+        return self.end_s[:, self.program.last].max(-1)
+
+
+def _per_chunk(times, plans: int, p: int, v: int, name: str) -> np.ndarray:
+    """(plans, p) or (plans, p, v) seconds as (plans, p * v), chunk fastest; (plans, p) is every chunk's."""
+    a = np.asarray(times, dtype=float)
+    if a.ndim == 2:
+        a = np.repeat(a[:, :, None], v, axis=2)
+    if a.shape != (plans, p, v):
+        raise ValueError(f"{name} has shape {np.shape(times)}; expected ({plans}, {p}) or ({plans}, {p}, {v})")
+    return a.reshape(plans, p * v)
+
+
+def _inputs(forward_s, backward_s, send_s, virtual_stages, wrap_send_s, recompute_s):
+    forward = np.asarray(forward_s, dtype=float)
+    if forward.ndim not in (2, 3):
+        raise ValueError(f"forward_s has shape {forward.shape}; expected (plans, stages[, virtual stages])")
+    plans, p, v = forward.shape[0], forward.shape[1], virtual_stages
+    send = np.asarray(send_s, dtype=float)
+    if send.shape != (plans, p - 1):
+        raise ValueError(f"send_s has shape {send.shape}; expected ({plans}, {p - 1})")
+    if v > 1 and wrap_send_s is None:
+        raise ValueError("an interleaved schedule needs wrap_send_s, the send from the last stage to the first")
+    wrap = np.zeros(plans) if wrap_send_s is None else np.broadcast_to(np.asarray(wrap_send_s, float), (plans,))
+    links = np.concatenate([send, wrap[:, None], np.zeros((plans, 1))], axis=1)  # indexed by Program.link
+    recompute = np.zeros((plans, p)) if recompute_s is None else recompute_s
+    return (p, _per_chunk(forward, plans, p, v, "forward_s"), _per_chunk(backward_s, plans, p, v, "backward_s"),
+            _per_chunk(recompute, plans, p, v, "recompute_s"), links)
+
+
+def _evaluate(prog: Program, forward, backward, recompute, links, keep: bool):
+    """End times (ops + 1, plans) of one block of plans, transposed so that each level gathers whole rows;
+    with keep, also the start times. Durations come per level from small tables (one row per chunk and kind,
+    one per link), which stay in cache."""
+    slot = prog.stage * prog.virtual_stages + prog.chunk + np.where(prog.backward, forward.shape[1], 0)
+    compute = np.concatenate([forward.T, recompute.T + backward.T])  # (2 p v, plans): forwards, then backwards
+    send = links.T
+    end = np.zeros((prog.ops + 1, forward.shape[0]))
+    start = np.empty_like(end) if keep else None
+    for ops in prog.levels:
+        begin = np.maximum(end[prog.previous[ops]], end[prog.waits_for[ops]])
+        end[ops] = begin + compute[slot[ops]] + send[prog.link[ops]]
+        if keep:
+            start[ops] = begin
+    return end, start
+
+
+def makespan_s(forward_s, backward_s, send_s, num_microbatches, *, virtual_stages: int = 1, wrap_send_s=None,
+               recompute_s=None, group_size: int | None = None) -> np.ndarray:
+    """Pipeline time of each plan (plans,) under Megatron's 1F1B schedule, interleaved when virtual_stages > 1.
+
+    forward_s, backward_s, recompute_s: seconds of one micro-batch on one model chunk of each stage,
+    (plans, stages) or (plans, stages, virtual_stages); recompute_s (default none) is the forward recomputed
+    at the start of each backward. send_s: (plans, stages - 1) seconds of one transfer across each boundary;
+    wrap_send_s: (plans,) from the last stage to the first, which interleaving needs. num_microbatches: one
+    count for all plans or one per plan (plans with equal counts are evaluated together)."""
+    p, forward, backward, recompute, links = _inputs(forward_s, backward_s, send_s, virtual_stages, wrap_send_s,
+                                                     recompute_s)
+    plans = forward.shape[0]
+    counts = np.broadcast_to(np.asarray(num_microbatches), (plans,))
+    result = np.empty(plans)
+    for m in np.unique(counts):
+        rows = np.flatnonzero(counts == m)
+        prog = program(p, int(m), virtual_stages, group_size)
+        block = max(1, BLOCK_ELEMENTS // (prog.ops + 1))
+        for first in range(0, len(rows), block):
+            part = rows[first:first + block]
+            end, _ = _evaluate(prog, forward[part], backward[part], recompute[part], links[part], keep=False)
+            result[part] = end[prog.last].max(0)
+    return result
+
+
+def op_times(forward_s, backward_s, send_s, num_microbatches: int, *, virtual_stages: int = 1, wrap_send_s=None,
+             recompute_s=None, group_size: int | None = None) -> OpTimes:
+    """The start and end of every operation of every plan (arguments as makespan_s, one micro-batch count),
+    for drawing the schedule (fasop/timeline.py)."""
+    p, forward, backward, recompute, links = _inputs(forward_s, backward_s, send_s, virtual_stages, wrap_send_s,
+                                                     recompute_s)
+    prog = program(p, int(num_microbatches), virtual_stages, group_size)
+    end, start = _evaluate(prog, forward, backward, recompute, links, keep=True)
+    slot = prog.stage * virtual_stages + prog.chunk
+    start = start[:-1].T
+    redo = np.where(prog.backward, recompute[:, slot], 0.0)
+    compute = np.where(prog.backward, backward[:, slot], forward[:, slot])
+    return OpTimes(prog, start, start + redo, start + redo + compute, end[:-1].T)

@@ -1,0 +1,92 @@
+"""The pipeline schedule of one plan as a Gantt chart: one row per stage, time across.
+
+Forwards, backwards, recomputed forwards, blocking sends and idle time each have their own colour (and hatch,
+for readers of a grey print); bars wide enough carry their micro-batch (and model chunk, when interleaved).
+The times come from fasop.schedule.op_times; matplotlib is imported only when a chart is drawn.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import numpy as np
+
+from fasop.files import check_outputs
+from fasop.plot import _check_out, _figure, _save
+from fasop.schedule import OpTimes
+
+# (label, face colour, hatch) of each kind of segment, in legend order
+STYLE = {
+    "forward": ("forward", "#4c72b0", None),
+    "recompute": ("recomputed forward", "#8172b3", "//"),
+    "backward": ("backward", "#dd8452", None),
+    "send": ("send (blocking)", "#8c8c8c", "xx"),
+    "idle": ("idle", "#f2f2f2", ".."),
+}
+ROW_HEIGHT = 0.8
+LABEL_MIN_FRACTION = 0.012  # bars narrower than this share of the step carry no micro-batch number
+
+
+def _segments(times: OpTimes, plan: int) -> dict[str, list[tuple[int, float, float, int]]]:
+    """(stage, start, end, operation) of every non-empty segment of each kind."""
+    prog = times.program
+    start, redo_end = times.start_s[plan], times.recompute_end_s[plan]
+    compute_end, end = times.compute_end_s[plan], times.end_s[plan]
+    found: dict[str, list] = {kind: [] for kind in STYLE}
+    for i in range(prog.ops):
+        stage = int(prog.stage[i])
+        parts = [("recompute", start[i], redo_end[i]),
+                 ("backward" if prog.backward[i] else "forward", redo_end[i], compute_end[i]),
+                 ("send", compute_end[i], end[i])]
+        for kind, a, b in parts:
+            if b > a:
+                found[kind].append((stage, float(a), float(b), i))
+    makespan = float(times.makespan_s[plan])
+    for stage in range(prog.stages):
+        ops = np.flatnonzero(prog.stage == stage)  # in program order, so in time order
+        edges = [0.0, *np.column_stack([start[ops], end[ops]]).ravel(), makespan]
+        for a, b in zip(edges[::2], edges[1::2]):
+            if b > a:
+                found["idle"].append((stage, a, b, -1))
+    return found
+
+
+def plot_timeline(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0, title: str | None = None,
+                  inputs: Iterable[str | os.PathLike] = (), option: str = "--timeline") -> dict[str, dict]:
+    """Draw the schedule of plan `plan` of `times` to out_path (.png or .svg), refusing to write over any of
+    `inputs`. Returns, for each kind of segment, how many were drawn and their total seconds."""
+    path = _check_out(out_path, option)
+    check_outputs([(path, option)], inputs)
+    prog = times.program
+    found = _segments(times, plan)
+    makespan = float(times.makespan_s[plan])
+
+    fig = _figure(10.0, 1.2 + 0.45 * prog.stages)
+    ax = fig.add_subplot()
+    for kind, (label, color, hatch) in STYLE.items():
+        if found[kind]:  # a key in the legend
+            ax.bar(0, 0, color=color, hatch=hatch, edgecolor="#555555", linewidth=0.4, label=label)
+        for stage in range(prog.stages):
+            bars = [(a, b - a) for s, a, b, _ in found[kind] if s == stage]
+            if bars:
+                ax.broken_barh(bars, (stage - ROW_HEIGHT / 2, ROW_HEIGHT), facecolors=color, hatch=hatch,
+                               edgecolor="white" if hatch is None else "#555555", linewidth=0.4)
+    for kind in ("forward", "backward"):
+        for stage, a, b, i in found[kind]:
+            if b - a >= LABEL_MIN_FRACTION * makespan:
+                text = str(prog.microbatch[i]) + (f".{prog.chunk[i]}" if prog.virtual_stages > 1 else "")
+                ax.text((a + b) / 2, stage, text, ha="center", va="center", fontsize=6, color="white")
+    ax.set_xlim(0, makespan)
+    ax.set_ylim(prog.stages - 0.5, -0.5)  # stage 0 on top
+    ax.set_yticks(range(prog.stages), [f"stage {s}" for s in range(prog.stages)])
+    ax.set_xlabel("time in the step (s)")
+    interleaved = ""
+    if prog.virtual_stages > 1:
+        interleaved = f", {prog.virtual_stages} chunks per stage (labels: micro-batch.chunk)"
+    ax.set_title(title or f"1F1B schedule: {prog.num_microbatches} micro-batches{interleaved}, "
+                          f"pipeline time {makespan:.4g} s", fontsize=10)
+    fig.legend(loc="outside lower center", ncols=len(STYLE), fontsize=8, frameon=False)
+    _save(fig, path, option)
+    return {kind: {"segments": len(segments), "seconds": sum(b - a for _, a, b, _ in segments)}
+            for kind, segments in found.items()}
