@@ -8,15 +8,23 @@ back through the loaders, as a user's would be.
 from __future__ import annotations
 
 import math
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from hypothesis import strategies as st
 
 from conftest import toml_table
+from fasop import bundled
 from fasop.cluster import Cluster, load_cluster
 from fasop.model import Model, load_model
 from fasop.synth import format_profile, header_lines, load_gpu_specs, synthesize
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 only
+    import tomli as tomllib
 
 GPU_SPECS = load_gpu_specs()
 PROFILED_DEGREES = (1, 2, 4, 8)
@@ -75,9 +83,12 @@ def model_fields(draw) -> dict:
 
 
 @st.composite
-def cluster_tables(draw, precision: str) -> tuple[dict, list[dict]]:
-    """([cluster] table, [[node_type]] tables): 1 to 3 node types of 1 to 16 nodes, one GPUs-per-node size."""
-    gpus = sorted(g for g, spec in GPU_SPECS.items() if (spec.dense_bf16_tflops if precision == "bf16" else spec.dense_fp16_tflops) > 0)
+def cluster_tables(draw, precision: str, gpus: list[str] | None = None, most_nodes: int = 16) -> tuple[dict, list[dict]]:
+    """([cluster] table, [[node_type]] tables): 1 to 3 node types of 1 to `most_nodes` nodes, one GPUs-per-node
+    size, GPUs from `gpus` (default: every catalogue GPU with a peak for `precision`)."""
+    if gpus is None:
+        gpus = sorted(g for g, spec in GPU_SPECS.items()
+                      if (spec.dense_bf16_tflops if precision == "bf16" else spec.dense_fp16_tflops) > 0)
     gpus_per_node = draw(st.sampled_from([1, 2, 4, 8]))
     type_names = draw(st.lists(names, min_size=1, max_size=3, unique=True))
     nodes: list[dict] = []
@@ -93,7 +104,7 @@ def cluster_tables(draw, precision: str) -> tuple[dict, list[dict]]:
         if nodes and draw(st.booleans()):  # the same hardware under another name (a second partition, say)
             node.update({k: nodes[0][k] for k in ("gpu", "gpu_memory_gib", "intra_node_bandwidth", "inter_node_bandwidth")})
         node["price_per_hour_usd"] = draw(st.one_of(st.just(0.0), st.floats(0.05, 100.0).map(lambda p: round(p, 4))))
-        node["count"] = draw(st.integers(1, 16))
+        node["count"] = draw(st.integers(1, most_nodes))
         nodes.append(node)
     head = {"name": draw(names), "memory_margin": draw(st.sampled_from([1.0, 1.05, 1.1, 1.25, 1.5]))}
     if draw(st.booleans()):
@@ -110,6 +121,7 @@ class Spec:
     cluster: dict
     node_types: list[dict]
     efficiency: dict[str, float]  # matmul efficiency of each GPU's synthetic profile
+    measured: bool = False  # the model is a bundled one and uses its bundled (measured) profiles
 
     @property
     def gbs(self) -> int:
@@ -120,11 +132,32 @@ def num_layers(model: dict) -> int:
     return model.get("num_layers", 0) + model.get("encoder_num_layers", 0) + model.get("decoder_num_layers", 0)
 
 
+def bundled_profiles() -> dict[str, list[str]]:
+    """GPU types of each bundled model with profiles (measured ones, converted from FASOP's), but for
+    llama2-70b: it fits none of these small clusters and searches it slowly."""
+    folder = bundled.data_dir("profiles")
+    return {model.name: sorted(p.stem for p in model.glob("*.csv")) for model in sorted(folder.iterdir())
+            if model.is_dir() and (bundled.data_dir("models") / f"{model.name}.toml").exists()
+            and model.name != "llama2-70b"}
+
+
+MEASURED = bundled_profiles()
+MEASURED_MOST_NODES = 4  # per node type: the bundled models have up to 48 layers, and searches grow with both
+
+
 @st.composite
 def specs(draw) -> Spec:
-    """A model and a cluster with a global batch size that admits at least one (dp, pp) on all GPUs."""
-    model = draw(model_fields())
-    head, nodes = draw(cluster_tables(model["precision"]))
+    """A model and a cluster with a global batch size that admits at least one (dp, pp) on all GPUs: a random
+    model with synthetic profiles, or (one time in eight) a bundled model with its measured profiles."""
+    measured = draw(st.integers(0, 7)) == 0
+    if measured:
+        name = draw(st.sampled_from(sorted(MEASURED)))
+        with open(bundled.data_dir("models") / f"{name}.toml", "rb") as handle:
+            model = tomllib.load(handle)["model"]
+        head, nodes = draw(cluster_tables(model.get("precision", "bf16"), MEASURED[name], MEASURED_MOST_NODES))
+    else:
+        model = draw(model_fields())
+        head, nodes = draw(cluster_tables(model["precision"]))
     world = nodes[0]["gpus_per_node"] * sum(n["count"] for n in nodes)
     # fasop's own limit on stages (fasop.search.max_stages): a decoder or encoder stage may hold only the
     # embedding or only the head
@@ -132,7 +165,7 @@ def specs(draw) -> Spec:
     pp = draw(st.sampled_from([d for d in range(1, min(world, most_stages) + 1) if world % d == 0]))
     model["global_batch_size"] = world // pp * draw(st.sampled_from([1, 2, 3, 4, 8]))
     efficiency = {gpu: draw(st.sampled_from([0.05, 0.1, 0.3, 0.5, 0.87, 1.0])) for gpu in sorted({n["gpu"] for n in nodes})}
-    return Spec(model, head, nodes, efficiency)
+    return Spec(model, head, nodes, {} if measured else efficiency, measured)
 
 
 @dataclass(frozen=True)
@@ -165,6 +198,9 @@ def write(spec: Spec, root: Path) -> Written:
     cluster_path.write_text("\n".join([toml_table("[cluster]", spec.cluster)]
                                       + [toml_table("[[node_type]]", n) for n in spec.node_types]))
     model = load_model(str(model_path))
+    if spec.measured:
+        for gpu in {n["gpu"] for n in spec.node_types}:
+            shutil.copy(bundled.data_dir("profiles") / model.name / f"{gpu}.csv", profiles / f"{gpu}.csv")
     tps = profiled_degrees(model)
     for gpu, efficiency in spec.efficiency.items():
         rows = synthesize(model, GPU_SPECS[gpu], tps, PROFILED_MBS, efficiency=efficiency)
