@@ -166,7 +166,7 @@ def specs(draw) -> Spec:
     # embedding or only the head
     most_stages = num_layers(model) + (0 if model["architecture"] == "encoder-decoder" else 2)
     pp = draw(st.sampled_from([d for d in range(1, min(world, most_stages) + 1) if world % d == 0]))
-    model["global_batch_size"] = world // pp * draw(st.sampled_from([1, 2, 3, 4, 8]))
+    model = {**model, "global_batch_size": world // pp * draw(st.sampled_from([1, 2, 3, 4, 8]))}
     efficiency = {gpu: draw(st.sampled_from([0.05, 0.1, 0.3, 0.5, 0.87, 1.0])) for gpu in sorted({n["gpu"] for n in nodes})}
     return Spec(model, head, nodes, {} if measured else efficiency, measured)
 
@@ -194,7 +194,8 @@ def profiled_degrees(model: Model) -> tuple[int, ...]:
 
 
 def write(spec: Spec, root: Path) -> Written:
-    """Write the model, the cluster and a synthetic profile per GPU type (as `fasop profile synth` does)."""
+    """Write the model, the cluster and a profile per GPU type: the bundled one of a bundled model, else a
+    synthetic one (as `fasop profile synth` writes it)."""
     model_path, cluster_path, profiles = root / "model.toml", root / "cluster.toml", root / "profiles"
     profiles.mkdir(parents=True)
     model_path.write_text(toml_table("[model]", spec.model))

@@ -31,16 +31,16 @@ ESTIMATED_PLANS = 100  # plans of one search re-estimated (evenly spread over th
 
 
 def examples(ci: int, slow: int):
-    """Run a property `ci` times in the default run and `slow` times under `-m slow`."""
-    return pytest.mark.parametrize("max_examples", [pytest.param(ci, id="ci"),
-                                                    pytest.param(slow, id="slow", marks=pytest.mark.slow)])
+    """Run a property `ci` times in the default run (the same examples every time) and `slow` times, from a
+    fresh random seed, under `-m slow`."""
+    return pytest.mark.parametrize("max_examples, derandomize", [
+        pytest.param(ci, True, id="ci"), pytest.param(slow, False, id="slow", marks=pytest.mark.slow)])
 
 
-def check(max_examples: int, prop, *strategies) -> None:
-    """Run `prop` on `strategies` with the settings of the ci or the slow run."""
-    ci = max_examples < 1000
-    configured = settings(max_examples=max_examples, deadline=None, derandomize=ci, database=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def check(max_examples: int, derandomize: bool, prop, *strategies) -> None:
+    """Run `prop` on `strategies`; searches have no deadline (their time varies with the cluster)."""
+    configured = settings(max_examples=max_examples, derandomize=derandomize, deadline=None, database=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     configured(given(*strategies)(prop))()
 
 
@@ -140,7 +140,7 @@ def check_estimate(plan: dict, w: Written) -> None:
 
 # -- the properties ---------------------------------------------------------------------------------------------
 @examples(ci=120, slow=4000)
-def test_every_plan_is_sound_and_estimate_reproduces_it(max_examples):
+def test_every_plan_is_sound_and_estimate_reproduces_it(max_examples, derandomize):
     def prop(spec, sort):
         with tempfile.TemporaryDirectory() as root:
             w = written(spec, root)
@@ -155,11 +155,11 @@ def test_every_plan_is_sound_and_estimate_reproduces_it(max_examples):
                 write_plans(plans, path)
                 assert load_plans(path) == plans  # the JSON plan file round-trips exactly
 
-    check(max_examples, prop, specs(), st.sampled_from(sorted(SORT_KEYS)))
+    check(max_examples, derandomize, prop, specs(), st.sampled_from(sorted(SORT_KEYS)))
 
 
 @examples(ci=120, slow=4000)
-def test_pruned_search_finds_the_same_best_plans(max_examples):
+def test_pruned_search_finds_the_same_best_plans(max_examples, derandomize):
     def prop(spec, keep, sort):
         with tempfile.TemporaryDirectory() as root:
             w = written(spec, root)
@@ -169,11 +169,11 @@ def test_pruned_search_finds_the_same_best_plans(max_examples):
             for a, b in zip(pruned, full):
                 assert close(a, b), differing_keys(a, b)
 
-    check(max_examples, prop, specs(), st.integers(1, 6), st.sampled_from(sorted(SORT_KEYS)))
+    check(max_examples, derandomize, prop, specs(), st.integers(1, 6), st.sampled_from(sorted(SORT_KEYS)))
 
 
 @examples(ci=60, slow=2000)
-def test_command_line_search_writes_the_plans_of_the_api(max_examples):
+def test_command_line_search_writes_the_plans_of_the_api(max_examples, derandomize):
     def prop(spec, sort, prune_top, suffix):
         with tempfile.TemporaryDirectory() as root:
             w = written(spec, root)
@@ -189,7 +189,6 @@ def test_command_line_search_writes_the_plans_of_the_api(max_examples):
                 assert not output.exists()
                 return
             assert result.exit_code == 0, result.output
-            assert result.exception is None or isinstance(result.exception, SystemExit)
             if suffix == ".json":
                 plans = load_plans(output)
                 assert len(plans) == len(api) and all(close(a, b) for a, b in zip(plans, api)), "CLI and API differ"
@@ -212,5 +211,5 @@ def test_command_line_search_writes_the_plans_of_the_api(max_examples):
                     assert [int(n) for n in row["layers_per_stage"].split("-")] == plan["layers_per_stage"]
                     assert close(float(row["step_time_s"]), plan["step_time_s"])
 
-    check(max_examples, prop, specs(), st.sampled_from(sorted(SORT_KEYS)), st.sampled_from([None, 1, 3]),
+    check(max_examples, derandomize, prop, specs(), st.sampled_from(sorted(SORT_KEYS)), st.sampled_from([None, 1, 3]),
           st.sampled_from([".json", ".csv"]))
