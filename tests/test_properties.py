@@ -1,0 +1,215 @@
+"""Properties every plan of every search must have, on random valid models and clusters (tests/strategies.py).
+
+Each property runs twice: `ci` (part of the default `pytest -q`, derandomized, about 300 examples in all)
+and `slow` (10,000 examples in all, a fresh random seed each run), selected with
+
+    python -m pytest -m slow -p no:cacheprovider tests/test_properties.py
+
+A failure prints the shrunk falsifying `spec` (the model, cluster and profile efficiencies) and a
+@reproduce_failure blob that replays it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from fasop.cli import main
+from fasop.plans import load_plans, write_plans
+from fasop.search import SORT_KEYS, estimate, search_plans
+from strategies import Written, specs, write
+
+RELATIVE_TOLERANCE = 1e-9  # figures recomputed along another path may differ in the last bits
+ESTIMATED_PLANS = 100  # plans of one search re-estimated (evenly spread over the ranking when there are more)
+
+
+def examples(ci: int, slow: int):
+    """Run a property `ci` times in the default run (the same examples every time) and `slow` times, from a
+    fresh random seed, under `-m slow`."""
+    return pytest.mark.parametrize("max_examples, derandomize", [
+        pytest.param(ci, True, id="ci"), pytest.param(slow, False, id="slow", marks=pytest.mark.slow)])
+
+
+def check(max_examples: int, derandomize: bool, prop, *strategies) -> None:
+    """Run `prop` on `strategies`; searches have no deadline (their time varies with the cluster)."""
+    configured = settings(max_examples=max_examples, derandomize=derandomize, deadline=None, database=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    configured(given(*strategies)(prop))()
+
+
+def written(spec, root: str) -> Written:
+    return write(spec, Path(root))
+
+
+def close(a, b) -> bool:
+    """Equal, with floats (also nested in lists and dicts) equal up to RELATIVE_TOLERANCE."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(
+            a, b, rel_tol=RELATIVE_TOLERANCE, abs_tol=1e-15)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def differing_keys(a: dict, b: dict) -> dict:
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if not close(a.get(k), b.get(k))}
+
+
+def identity(plan: dict) -> tuple:
+    return (plan["tp"], plan["dp"], plan["pp"], plan["mbs"], plan["encoder_stages"], tuple(plan["placement"]),
+            tuple(plan["layers_per_stage"]))
+
+
+# -- invariants of one plan -------------------------------------------------------------------------------------
+def check_plan(plan: dict, w: Written, gbs: int) -> None:
+    model, cluster = w.model, w.cluster
+    gpn, tp, dp, pp, mbs = cluster.gpus_per_node, plan["tp"], plan["dp"], plan["pp"], plan["mbs"]
+    placement, layers, stages = plan["placement"], plan["layers_per_stage"], plan["stages"]
+    # GPUs: the plan's degrees use exactly the GPUs of its nodes, and the nodes exist in the cluster
+    assert tp * dp * pp == len(placement) * gpn, plan
+    assert gpn % tp == 0, plan
+    assert all(placement.count(n) <= cluster.node_types[n].count for n in set(placement)), plan
+    # every layer held exactly once
+    assert len(layers) == pp and [s["layers"] for s in stages] == layers, plan
+    assert sum(layers) == model.num_layers, (layers, model.num_layers)
+    assert all(n >= 0 for n in layers), layers
+    if model.is_encoder_decoder and pp > 1:
+        e = plan["encoder_stages"]
+        assert 1 <= e < pp, plan
+        assert sum(layers[:e]) == model.encoder_num_layers, (layers, e, model.encoder_num_layers)
+        assert sum(layers[e:]) == model.decoder_num_layers, (layers, e, model.decoder_num_layers)
+        assert all(n >= 1 for n in layers), layers
+    else:
+        assert plan["encoder_stages"] == 0, plan
+        assert all(n >= 1 for n in layers[1:-1]), layers  # only the ends may hold just the embedding or head
+    # the batch
+    assert plan["gbs"] == gbs and plan["num_microbatches"] * dp * mbs == gbs, plan
+    # memory: margin x memory fits the smallest GPU of every stage (docs/cost-model.md section 8)
+    assert len(stages) == pp and [s["stage"] for s in stages] == list(range(pp))
+    assert set().union(*(s["nodes"] for s in stages)) == set(range(len(placement))), plan
+    for s in stages:
+        nodes = {placement[i] for i in s["nodes"]}
+        assert s["memory_capacity_gib"] == min(cluster.node_types[n].gpu_memory_gib for n in nodes), s
+        assert s["gpu"] == "+".join(sorted({cluster.node_types[n].gpu for n in nodes})), s
+        assert s["memory_gib"] > 0 and s["memory_gib"] * cluster.memory_margin <= s["memory_capacity_gib"] * (1 + 1e-12), (
+            s, cluster.memory_margin)
+    loads = [s["memory_gib"] / s["memory_capacity_gib"] for s in stages]
+    worst = stages[loads.index(max(loads))]
+    assert (plan["peak_memory_gib"], plan["memory_capacity_gib"]) == (worst["memory_gib"], worst["memory_capacity_gib"])
+    # figures (docs/cost-model.md section 7)
+    step = plan["step_time_s"]
+    assert 0 < step < math.inf
+    assert close(step, plan["pipeline_time_s"] + plan["dp_allreduce_s"] + plan["embedding_allreduce_s"]), plan
+    assert close(plan["dp_allreduce_s"], max(s["dp_allreduce_s"] for s in stages)), plan
+    assert close(plan["throughput_samples_per_s"], gbs / step) and close(plan["tokens_per_s"], gbs * model.seq_length / step)
+    price = sum(cluster.node_types[n].price_per_hour_usd for n in placement)
+    assert close(plan["cost_per_hour_usd"], price) and close(plan["cost_per_step_usd"], price * step / 3600), plan
+
+
+def check_ranking(plans: list[dict], sort: str) -> None:
+    assert [p["rank"] for p in plans] == list(range(1, len(plans) + 1))
+    keys = [p[SORT_KEYS[sort]] for p in plans]
+    assert keys == sorted(keys), keys
+    # one plan per (degrees, micro-batch size, placement): encoder splits are alternatives of one plan
+    assert len({identity(p)[:4] + identity(p)[5:6] for p in plans}) == len(plans), "a plan is listed twice"
+
+
+def estimated_fields(plan: dict) -> dict:
+    """What `fasop estimate` must reproduce: everything but the rank and how the search found the placement."""
+    return {k: v for k, v in plan.items() if k not in ("rank", "placement_search")}
+
+
+def check_estimate(plan: dict, w: Written) -> None:
+    """`fasop estimate` of the plan's degrees, placement and layers gives the plan's own figures."""
+    row = estimated_fields(estimate(w.model, w.cluster, tp=plan["tp"], dp=plan["dp"], pp=plan["pp"], mbs=plan["mbs"],
+                   placement=plan["placement"], layers=plan["layers_per_stage"], gbs=plan["gbs"],
+                   profiles_dir=str(w.profiles), distributed_optimizer=plan["distributed_optimizer"]))
+    assert row.pop("fits_memory") is True, plan
+    expected = estimated_fields(plan)
+    assert close(row, expected), differing_keys(row, expected)
+
+
+# -- the properties ---------------------------------------------------------------------------------------------
+@examples(ci=120, slow=4000)
+def test_every_plan_is_sound_and_estimate_reproduces_it(max_examples, derandomize):
+    def prop(spec, sort):
+        with tempfile.TemporaryDirectory() as root:
+            w = written(spec, root)
+            plans = search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort, workers=1).plans
+            check_ranking(plans, sort)
+            for plan in plans:
+                check_plan(plan, w, spec.gbs)
+            for plan in plans[::max(1, -(-len(plans) // ESTIMATED_PLANS))]:
+                check_estimate(plan, w)
+            if plans:
+                path = Path(root) / "plans.json"
+                write_plans(plans, path)
+                assert load_plans(path) == plans  # the JSON plan file round-trips exactly
+
+    check(max_examples, derandomize, prop, specs(), st.sampled_from(sorted(SORT_KEYS)))
+
+
+@examples(ci=120, slow=4000)
+def test_pruned_search_finds_the_same_best_plans(max_examples, derandomize):
+    def prop(spec, keep, sort):
+        with tempfile.TemporaryDirectory() as root:
+            w = written(spec, root)
+            full = search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort, workers=1).plans
+            pruned = search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort, workers=1, keep=keep).plans
+            assert [identity(p) for p in pruned] == [identity(p) for p in full[:keep]], (len(full), keep)
+            for a, b in zip(pruned, full):
+                assert close(a, b), differing_keys(a, b)
+
+    check(max_examples, derandomize, prop, specs(), st.integers(1, 6), st.sampled_from(sorted(SORT_KEYS)))
+
+
+@examples(ci=60, slow=2000)
+def test_command_line_search_writes_the_plans_of_the_api(max_examples, derandomize):
+    def prop(spec, sort, prune_top, suffix):
+        with tempfile.TemporaryDirectory() as root:
+            w = written(spec, root)
+            output = Path(root) / f"plans{suffix}"
+            options = ["--sort", sort, "--output", str(output)]
+            if prune_top:
+                options += ["--prune", "--top", str(prune_top)]
+            result = CliRunner().invoke(main, ["search", *w.args(*options)])
+            api = search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort, keep=prune_top).plans
+            if not api:  # nothing fits: one line, exit code 2, no output file
+                assert result.exit_code == 2, result.output
+                assert result.stderr.count("\n") == 1 and "no plan fits" in result.stderr, result.stderr
+                assert not output.exists()
+                return
+            assert result.exit_code == 0, result.output
+            if suffix == ".json":
+                plans = load_plans(output)
+                assert len(plans) == len(api) and all(close(a, b) for a, b in zip(plans, api)), "CLI and API differ"
+                best = plans[0]
+                layers = ",".join(map(str, best["layers_per_stage"]))
+                shown = CliRunner().invoke(main, ["estimate", *w.args(
+                    "--tp", str(best["tp"]), "--dp", str(best["dp"]), "--pp", str(best["pp"]), "--mbs", str(best["mbs"]),
+                    "--placement", ",".join(best["placement"]), "--layers", layers, "--json")])
+                assert shown.exit_code == 0, shown.output
+                row = estimated_fields(json.loads(shown.stdout))
+                assert row.pop("fits_memory") is True
+                expected = estimated_fields(best)
+                assert close(row, expected), differing_keys(row, expected)
+            else:
+                with open(output, newline="") as handle:
+                    rows = list(csv.DictReader(handle))
+                assert len(rows) == len(api)
+                for row, plan in zip(rows, api):
+                    assert int(row["rank"]) == plan["rank"] and row["placement"].split("-") == plan["placement"]
+                    assert [int(n) for n in row["layers_per_stage"].split("-")] == plan["layers_per_stage"]
+                    assert close(float(row["step_time_s"]), plan["step_time_s"])
+
+    check(max_examples, derandomize, prop, specs(), st.sampled_from(sorted(SORT_KEYS)), st.sampled_from([None, 1, 3]),
+          st.sampled_from([".json", ".csv"]))
