@@ -15,7 +15,7 @@ from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_json, write_atomic
 MAX_PLAN_INT = 2**53  # ranks, degrees, batch sizes and layer counts of a plan file: exact in any JSON reader
 PLAN_KEYS = ("rank", "gbs", "mbs", "tp", "dp", "pp", "placement", "layers_per_stage")  # what readers rely on
 CSV_LISTS = ("placement", "layers_per_stage")
-# Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.names),
+# Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.inputs.names),
 # so every node-type name reads back whole ("-" is inside it).
 CSV_LIST_SEPARATOR = " "
 

@@ -61,7 +61,7 @@ def series_label(kind: str | None) -> str:
 
 
 def _short(record: dict) -> str:
-    from fasop.pareto import node_counts
+    from fasop.market.pareto import node_counts
 
     return "+".join(f"{n}{name}" for name, n in node_counts(record).items() if n)
 
@@ -81,7 +81,7 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
     'not shown' (compositions without a plan that fits). In an SVG each scatter series is the group
     with id 'series-<label>' ('series-A100-only', 'series-mixed').
     """
-    from fasop.pareto import check_limits, composition_kind, composition_label, mark_front, node_counts
+    from fasop.market.pareto import check_limits, composition_kind, composition_label, mark_front, node_counts
 
     if x not in ("throughput", "time"):
         raise InputError(f"--x {x}", "expected throughput or time")

@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 import fasop
-from fasop.cluster import Cluster, Derating, NodeType, parse_bandwidth
-from fasop.model import Model
-from fasop.partition import PartitionBatch
-from fasop.placement import more_sequences_than, placement_unit, type_order
-from fasop.search import search_plans
-from fasop.simulate import simulate_1f1b
+from fasop.inputs.cluster import Cluster, Derating, NodeType, parse_bandwidth
+from fasop.inputs.model import Model
+from fasop.search.partition import PartitionBatch
+from fasop.search.placement import more_sequences_than, placement_unit, type_order
+from fasop.search.engine import search_plans
+from fasop.cost.simulate import simulate_1f1b
 
 EXPERIMENTS = [("gpt2-xl", "fasop-8xA10"), ("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-4xA10"),
                ("bert", "fasop-1xA100-3xA10"), ("t5", "fasop-8xA10"), ("t5", "fasop-1xA100-7xA10")]

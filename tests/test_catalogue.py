@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from fasop import synth
-from fasop.catalogue import load_gpu_specs
+from fasop.profile import synth
+from fasop.inputs.catalogue import load_gpu_specs
 from fasop.cli import main
-from fasop.cluster import load_cluster
-from fasop.model import load_model
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
 
 from conftest import toml_table
 

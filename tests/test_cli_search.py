@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 
 from fasop.cli import main
-from fasop.cluster import load_cluster
-from fasop.model import load_model
-from fasop.search import estimate
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.search.engine import estimate
 
 from conftest import TINY_MODEL, model_toml, profile_csv
 

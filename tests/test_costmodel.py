@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 
 import fasop
-from fasop.cluster import Cluster, Derating, NodeType
-from fasop.costmodel import Config, bytes_per_param, embedding_stages, stage_costs
-from fasop.model import Model
-from fasop.placement import geometry, placements, with_embedding_group
-from fasop.search import prepare, search_plans
-from fasop.simulate import simulate_1f1b
+from fasop.inputs.cluster import Cluster, Derating, NodeType
+from fasop.cost.step import Config, bytes_per_param, embedding_stages, stage_costs
+from fasop.inputs.model import Model
+from fasop.search.placement import geometry, placements, with_embedding_group
+from fasop.search.engine import prepare, search_plans
+from fasop.cost.simulate import simulate_1f1b
 
 GIB = 2.0**30
 
 
 def node_type(name, gpus=2, intra="80 GB/s", inter="10 GB/s", memory=16.0, count=1, gpu=None):
-    from fasop.cluster import parse_bandwidth
+    from fasop.inputs.cluster import parse_bandwidth
 
     return NodeType(name=name, gpu=gpu or name, gpus_per_node=gpus, gpu_memory_gib=memory,
                     intra_node_bytes_per_s=parse_bandwidth(intra, "test"),

@@ -14,13 +14,13 @@ import pytest
 from click.testing import CliRunner
 
 from fasop.cli import emit, main
-from fasop.cluster import load_cluster
-from fasop.emit import (LaunchOptions, emit_plan, fasop_units_to_layers, first_last_split, launch_options,
+from fasop.inputs.cluster import load_cluster
+from fasop.launch.emit import (LaunchOptions, emit_plan, fasop_units_to_layers, first_last_split, launch_options,
                         pipeline_layout, render_plan)
 from fasop.errors import InputError
-from fasop.model import load_model
+from fasop.inputs.model import load_model
 from fasop.plans import load_plans
-from fasop.search import estimate
+from fasop.search.engine import estimate
 
 CLUSTER_TOML = """\
 [cluster]

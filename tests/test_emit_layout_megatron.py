@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fasop.cluster import load_cluster
-from fasop.emit import LaunchOptions, render_plan
-from fasop.model import load_model
+from fasop.inputs.cluster import load_cluster
+from fasop.launch.emit import LaunchOptions, render_plan
+from fasop.inputs.model import load_model
 from test_emit import flag_values, make_plan, megatron_args, write_cluster
 
 layout_module = pytest.importorskip(

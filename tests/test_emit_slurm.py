@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from fasop.cluster import load_cluster
-from fasop.emit import LaunchOptions, emit_plan
-from fasop.model import load_model
+from fasop.inputs.cluster import load_cluster
+from fasop.launch.emit import LaunchOptions, emit_plan
+from fasop.inputs.model import load_model
 from test_emit import flag_values, make_plan, write_cluster
 
 if shutil.which("slurmctld") is None:

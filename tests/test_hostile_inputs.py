@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fasop import bundled
+from fasop.inputs import bundled
 from fasop.cli import main
 from fasop.errors import InputError
 from fasop.files import check_finite

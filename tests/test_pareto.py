@@ -13,13 +13,13 @@ from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
 from fasop.cli import main
-from fasop.cluster import load_cluster
+from fasop.inputs.cluster import load_cluster
 from fasop.errors import InputError
-from fasop.model import load_model
-from fasop.pareto import (DEFAULT_TRAIN_STEPS, REQUIRED_COLUMNS, check_limits, choose, compositions,
+from fasop.inputs.model import load_model
+from fasop.market.pareto import (DEFAULT_TRAIN_STEPS, REQUIRED_COLUMNS, check_limits, choose, compositions,
                           front_as_csv, pareto_front, read_front_csv, sweep, write_front_csv)
 from fasop.plot import plot_front, plot_stages, stage_times
-from fasop.search import search_plans
+from fasop.search.engine import search_plans
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SVG = "{http://www.w3.org/2000/svg}"
@@ -485,7 +485,7 @@ def test_plot_bad_input(cluster_file, records, folder):
 
 
 def test_search_does_not_import_matplotlib(cluster_file):
-    code = ("import sys; from click.testing import CliRunner; from fasop.cli import main; import fasop.pareto; "
+    code = ("import sys; from click.testing import CliRunner; from fasop.cli import main; import fasop.market.pareto; "
             f"r = CliRunner().invoke(main, ['search', '--model', 'gpt2-xl', '--cluster', {str(cluster_file)!r}, '--top', '1']); "
             "assert r.exit_code == 0, r.output; print('matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from fasop.partition import PartitionBatch, optimal_partitions
+from fasop.search.partition import PartitionBatch, optimal_partitions
 
 
 def compositions(total: int, parts: int, lo: list[int]):

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 
 import fasop
-from fasop.partition import lower_bounds, optimal_partitions
-from fasop.search import search_plans
+from fasop.search.partition import lower_bounds, optimal_partitions
+from fasop.search.engine import search_plans
 from test_partition import problems
 
 

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fasop.cluster import Cluster, Derating, NodeType
+from fasop.inputs.cluster import Cluster, Derating, NodeType
 from fasop.errors import InputError
-from fasop.model import Model
-from fasop.pareto import MAX_COMPOSITIONS, compositions
-from fasop.placement import SUBSET_NODES, placements
-from fasop.profiles import Curve, GpuProfile
-from fasop.search import MAX_GLOBAL_BATCH, divisors, search_plans
+from fasop.inputs.model import Model
+from fasop.market.pareto import MAX_COMPOSITIONS, compositions
+from fasop.search.placement import SUBSET_NODES, placements
+from fasop.inputs.profiles import Curve, GpuProfile
+from fasop.search.engine import MAX_GLOBAL_BATCH, divisors, search_plans
 
 search_module = importlib.import_module("fasop.search")  # the package exports a function of that name
 GPUS = ("g0", "g1", "g2")

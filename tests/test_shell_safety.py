@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from fasop.cli import main
-from fasop.cluster import load_cluster
-from fasop.emit import LaunchOptions, launch_options, render_plan
+from fasop.inputs.cluster import load_cluster
+from fasop.launch.emit import LaunchOptions, launch_options, render_plan
 from fasop.errors import InputError
-from fasop.model import load_model
-from fasop.pareto import read_front_csv, sweep, write_front_csv
+from fasop.inputs.model import load_model
+from fasop.market.pareto import read_front_csv, sweep, write_front_csv
 from test_emit import fake_torchrun, make_plan, megatron_args, write_cluster
 
 # Each piece would create a file named PWNED* if a shell ran the text instead of reading it as data.

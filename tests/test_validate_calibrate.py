@@ -14,15 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import GPU_SPEED, profile_csv
-from fasop.calibrate import Calibration, Factor, calibrate, calibrated_cluster_text
+from fasop.calibration.calibrate import Calibration, Factor, calibrate, calibrated_cluster_text
 from fasop.cli import main
-from fasop.cluster import load_cluster
-from fasop.measured import median_iteration_s, read_measured
-from fasop.model import load_model
-from fasop.profiles import load_profiles
-from fasop.search import estimate
-from fasop.tomlfile import tomllib
-from fasop.validate import load_settings
+from fasop.inputs.cluster import load_cluster
+from fasop.calibration.measured import median_iteration_s, read_measured
+from fasop.inputs.model import load_model
+from fasop.inputs.profiles import load_profiles
+from fasop.search.engine import estimate
+from fasop.inputs.tomlfile import tomllib
+from fasop.calibration.validate import load_settings
 
 # Slow links, so that transfers take a real share of the tiny model's step time and the fit can see them.
 NODES = {
