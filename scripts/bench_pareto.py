@@ -13,8 +13,8 @@ import argparse
 import sys
 import time
 
-from fasop.inputs.cluster import load_cluster
 from fasop.errors import InputError
+from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.market.pareto import composition_label, compositions, sweep
 

@@ -8,12 +8,16 @@ import numpy as np
 import pytest
 
 import fasop
-from fasop.inputs.cluster import Cluster, Derating, NodeType
-from fasop.cost.step import Config, bytes_per_param, embedding_stages, stage_costs
-from fasop.inputs.model import Model
-from fasop.search.placement import geometry, placements, with_embedding_group
-from fasop.search.engine import prepare, search_plans
+from fasop.cost.communication import geometry, with_embedding_group
+from fasop.cost.config import Config, embedding_stages
+from fasop.cost.memory import bytes_per_param
 from fasop.cost.simulate import simulate_1f1b
+from fasop.cost.step import stage_costs
+from fasop.inputs.cluster import Cluster, Derating, NodeType
+from fasop.inputs.model import Model
+from fasop.search import search_plans
+from fasop.search.placement import placements
+from fasop.search.space import prepare
 
 GIB = 2.0**30
 
@@ -26,8 +30,9 @@ def node_type(name, gpus=2, intra="80 GB/s", inter="10 GB/s", memory=16.0, count
                     inter_node_bytes_per_s=parse_bandwidth(inter, "test"), price_per_hour_usd=3.6, count=count)
 
 
-def cluster(*types, derating=Derating(), margin=1.0):
-    return Cluster(name="test", node_types={t.name: t for t in types}, derating=derating, memory_margin=margin)
+def cluster(*types, derating=None, margin=1.0):
+    return Cluster(name="test", node_types={t.name: t for t in types}, derating=derating or Derating(),
+                   memory_margin=margin)
 
 
 # -- model: parameters and activations ---------------------------------------------------------------

@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 
 from fasop import files
+from fasop.calibration.measured import MeasuredRun
+from fasop.calibration.validate import Setting, mape_pct, predict_step_s
+from fasop.errors import InputError
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
-from fasop.errors import InputError
-from fasop.calibration.measured import MeasuredRun
 from fasop.inputs.profiles import Curve, GpuProfile
 from fasop.inputs.tomlfile import read_toml
-from fasop.calibration.validate import Setting, mape_pct, predict_step_s
 
 COMPUTE_BOUNDS = (0.25, 4.0)
 BANDWIDTH_BOUNDS = (0.1, 10.0)
@@ -92,7 +92,7 @@ class Calibration:
         return np.array([predict_step_s(self.runs[i], s.model, cluster, profiles) for i in chosen])
 
     def unit(self) -> dict[Factor, float]:
-        return {f: 1.0 for f in self.factors}
+        return dict.fromkeys(self.factors, 1.0)
 
     def exercised(self) -> list[Factor]:
         """The factors some run's estimate depends on (doubling the factor moves it)."""

@@ -9,7 +9,6 @@ iterations are over (the first iterations build CUDA graphs, allocate memory and
 from __future__ import annotations
 
 import csv
-import json
 import math
 import re
 import statistics
@@ -19,6 +18,7 @@ from typing import Any
 
 from fasop.errors import InputError
 from fasop.files import CSV_LIMIT_BYTES, LOG_LIMIT_BYTES, PLANS_LIMIT_BYTES, read_json, read_text
+from fasop.plans import PlanShape
 
 WARMUP_ITERS = 3  # iterations of each log whose timings are left out by default
 LOG_SUFFIXES = (".out", ".log", ".txt")  # files beside plan.json read as training logs (fasop emit: fasop-<job>.out)
@@ -34,21 +34,13 @@ _ELAPSED = re.compile(re.escape(ELAPSED_MARK) + r"\s*([^\s|/]*)")
 
 
 @dataclass(frozen=True)
-class MeasuredRun:
+class MeasuredRun(PlanShape):
     """One plan and the step time measured for it."""
 
     label: str  # how reports name the run: "row 3" of a CSV, or the log's path inside the folder
     where: str  # file (and row) for messages
     model: str  # model name or file, as load_model takes it
     cluster: str
-    tp: int
-    dp: int
-    pp: int
-    mbs: int
-    gbs: int
-    placement: tuple[str, ...]
-    layers_per_stage: tuple[int, ...]
-    distributed_optimizer: bool
     measured_step_s: float
 
 
@@ -77,7 +69,7 @@ def _int_list(value: Any, where: str, key: str, minimum: int) -> tuple[int, ...]
         numbers = ()
     if not numbers or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in numbers):
         raise InputError(f"{where}: {key}", f"expected a list of integers >= {minimum}, got {value!r}")
-    return numbers
+    return tuple(int(v) for v in numbers)  # checked to be ints above
 
 
 def _name_list(value: Any, where: str, key: str) -> tuple[str, ...]:
@@ -116,7 +108,7 @@ def run_from_plan(plan: dict, measured_step_s: float, label: str, where: str, ba
         value = plan.get(f"{kind}_file") or plan.get(kind)
         if override is None and not (isinstance(value, str) and value.strip()):
             raise InputError(where, f"names no {kind}_file or {kind} (or pass --{kind})")
-        refs[kind] = override or _resolve(value.strip(), base)
+        refs[kind] = override or _resolve(str(value).strip(), base)
     missing = [key for key in REQUIRED_COLUMNS if key != "measured_step_s" and key not in plan]
     if missing:
         raise InputError(where, f"lacks {', '.join(missing)}")
@@ -150,8 +142,8 @@ def read_runs_csv(path: Path, model: str | None = None, cluster: str | None = No
         if None in row or None in row.values():
             raise InputError(where, f"expected {len(header)} fields like the header, got a different number")
         label = row.get("run") or f"line {number}"
-        runs.append(run_from_plan(row, positive_number(row["measured_step_s"], where, "measured_step_s"), label, where, path.parent,
-                                  model, cluster))
+        step_s = positive_number(row["measured_step_s"], where, "measured_step_s")
+        runs.append(run_from_plan(row, step_s, label, where, path.parent, model, cluster))
     if not runs:
         raise InputError(str(path), "no rows under the header")
     return runs
@@ -171,7 +163,7 @@ def median_iteration_s(path: Path, warmup_iters: int = WARMUP_ITERS) -> float | 
             continue
         where = f"{path}: line {number}"
         iteration, elapsed = _ITERATION.search(line), _ELAPSED.search(line)
-        if iteration is None:
+        if iteration is None or elapsed is None:  # elapsed matches any line holding ELAPSED_MARK
             raise InputError(where, f"expected 'iteration N/ M |' before '{ELAPSED_MARK}'")
         step_ms = positive_number(elapsed.group(1), where, "elapsed time per iteration (ms)")
         if reports and int(iteration.group(1)) <= reports[-1][0]:

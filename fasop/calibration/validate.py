@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
+from fasop.calibration.measured import MeasuredRun
+from fasop.errors import InputError
 from fasop.inputs import bundled
 from fasop.inputs.cluster import Cluster, load_cluster
-from fasop.errors import InputError
-from fasop.calibration.measured import MeasuredRun
 from fasop.inputs.model import Model, load_model
 from fasop.inputs.profiles import GpuProfile, load_profiles
 
@@ -24,12 +24,15 @@ class Setting:
     model: Model
     cluster: Cluster
     profiles: dict[str, GpuProfile]
-    model_path: Path
-    cluster_path: Path
+    files: tuple[Path, Path]  # the model file and the cluster file
+
+    @property
+    def cluster_path(self) -> Path:
+        return self.files[1]
 
     @property
     def input_paths(self) -> list[Path]:
-        return [self.model_path, self.cluster_path] + [Path(p.file) for p in self.profiles.values()]
+        return [*self.files] + [Path(p.file) for p in self.profiles.values()]
 
 
 def load_settings(runs: list[MeasuredRun], profiles_dir: str | None) -> list[Setting]:
@@ -45,15 +48,16 @@ def load_settings(runs: list[MeasuredRun], profiles_dir: str | None) -> list[Set
                 profiles = load_profiles(model, gpus, profiles_dir)
             except InputError as err:
                 raise InputError(run.where, str(err)) from None
-            cache[key] = Setting(model, cluster, profiles, bundled.locate("models", run.model, ".toml", "--model")[0],
-                                 bundled.locate("clusters", run.cluster, ".toml", "--cluster")[0])
+            files = (bundled.locate("models", run.model, ".toml", "--model")[0],
+                     bundled.locate("clusters", run.cluster, ".toml", "--cluster")[0])
+            cache[key] = Setting(model, cluster, profiles, files)
         result.append(cache[key])
     return result
 
 
 def predict_step_s(run: MeasuredRun, model: Model, cluster: Cluster, profiles: dict[str, GpuProfile]) -> float:
     """The estimated step time of the run's plan."""
-    from fasop.search.engine import estimate  # the search modules load only when a plan is estimated
+    from fasop.search import estimate  # the search modules load only when a plan is estimated
 
     try:
         row = estimate(model, cluster, tp=run.tp, dp=run.dp, pp=run.pp, mbs=run.mbs, placement=list(run.placement),

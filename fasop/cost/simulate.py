@@ -27,7 +27,8 @@ def simulate_1f1b(forward: list[float], backward: list[float], send: list[float]
             ops += [("F", j + warm), ("B", j)]
         programs.append(ops + [("B", j) for j in range(m - warm, m)])
     ready = {("F", 0, j): 0.0 for j in range(m)}  # inputs of stage 0 are there at time 0
-    clock, position, events = [0.0] * p, [0] * p, []
+    clock, position = [0.0] * p, [0] * p
+    events: list[tuple] = []
     waiting = set(range(p))
     finish = 0.0
     while waiting or events:

@@ -15,9 +15,9 @@ from typing import Any
 
 import click
 
+from fasop.errors import InputError
 from fasop.inputs import bundled
 from fasop.inputs.cluster import parse_bandwidth
-from fasop.errors import InputError
 from fasop.inputs.names import table_name
 from fasop.inputs.tomlfile import Table, read_toml
 

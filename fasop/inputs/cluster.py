@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from fasop.inputs import bundled
 from fasop.errors import InputError
+from fasop.inputs import bundled
 from fasop.inputs.names import table_name
 from fasop.inputs.tomlfile import Table, read_toml
 

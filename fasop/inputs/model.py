@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from fasop.inputs import bundled
 from fasop.errors import InputError
+from fasop.inputs import bundled
 from fasop.inputs.names import table_name
 from fasop.inputs.tomlfile import Table, read_toml
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fasop.inputs import bundled
 from fasop.errors import InputError
 from fasop.files import CSV_LIMIT_BYTES, read_text
+from fasop.inputs import bundled
 from fasop.inputs.model import Model
 
 COLUMNS = ("tp", "mbs", "kind", "forward_s", "backward_s")
@@ -89,6 +89,7 @@ def _identity(line: str, where: str) -> dict[str, str]:
     return fields
 
 
+# Long: every check of one file, in the order the file is read, each with its own one-line error.
 def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = False) -> GpuProfile:
     """The profile of `model` on `gpu`; a header line naming another model or GPU is refused unless
     `allow_mismatch`."""
@@ -131,20 +132,21 @@ def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = Fals
                 seconds = math.nan
             if not 0 < seconds <= MAX_UNIT_TIME_S:  # also refuses NaN
                 raise InputError(f"{where}: {key}", f"expected seconds > 0 and <= {MAX_UNIT_TIME_S:g}, got {row[key]!r}")
-        if MEMORY_COLUMN in row and not (row[MEMORY_COLUMN].isascii() and row[MEMORY_COLUMN].isdigit() and int(row[MEMORY_COLUMN]) <= MAX_MEMORY_BYTES):
+        memory = row.get(MEMORY_COLUMN)
+        if memory is not None and not (memory.isascii() and memory.isdigit() and int(memory) <= MAX_MEMORY_BYTES):
             raise InputError(f"{where}: {MEMORY_COLUMN}", f"expected bytes from 0 to 2**50, got {row[MEMORY_COLUMN]!r}")
         tp, mbs, forward, backward = int(row["tp"]), int(row["mbs"]), float(row["forward_s"]), float(row["backward_s"])
         if row["kind"] not in kinds:
             raise InputError(f"{where}: kind", f"{row['kind']!r} is not one of {', '.join(kinds)} ({model.architecture} model)")
         rows.setdefault((tp, row["kind"]), []).append((mbs, forward, backward))
-    curves = {}
-    for key, entries in rows.items():
+    curves: dict[tuple[int, str], Curve] = {}
+    for (tp, kind), entries in rows.items():
         entries.sort()
         sizes = [e[0] for e in entries]
         if len(set(sizes)) != len(sizes):
-            raise InputError(file, f"micro-batch size listed twice for tp={key[0]} kind={key[1]}")
+            raise InputError(file, f"micro-batch size listed twice for tp={tp} kind={kind}")
         table = np.array(entries, dtype=float)
-        curves[key] = Curve(table[:, 0], table[:, 1], table[:, 2])
+        curves[(tp, kind)] = Curve(table[:, 0], table[:, 1], table[:, 2])
     for tp in sorted({tp for tp, _ in curves}):
         missing = [k for k in kinds if (tp, k) not in curves]
         if missing:

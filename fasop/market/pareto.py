@@ -13,57 +13,36 @@ memory, or no plan can use the global batch size, stays in the sweep as an infea
 
 from __future__ import annotations
 
-import csv
-import io
 import itertools
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from fasop.inputs.cluster import Cluster
+from fasop.cost.price import check_run_length
 from fasop.errors import InputError
-from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_text, write_atomically
+from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
-from fasop.plans import CSV_LIST_SEPARATOR
+from fasop.market.frontfile import NODES_PREFIX, TAIL_COLUMNS
 
 DEFAULT_TRAIN_STEPS = 10_000  # run length used when neither train_steps nor train_tokens is given
-NODES_PREFIX = "nodes_"
 PARALLEL_COMPOSITIONS = 8  # compositions per process: smaller sweeps stay in one process
 MAX_COMPOSITIONS = 4096  # a sweep searches each composition: more would run for hours (or forever)
 
-# Columns of a front file, in order; the per-type node counts (nodes_<type>) come first, after the inputs.
-HEAD_COLUMNS = ("model", "cluster", "gbs")
-TAIL_COLUMNS = (
-    "gpus", "feasible", "on_front", "mbs", "tp", "dp", "pp", "num_microbatches", "placement", "layers_per_stage",
-    "step_time_s", "throughput_samples_per_s", "cost_per_hour_usd", "cost_per_step_usd", "train_steps",
-    "train_hours", "train_cost_usd", "peak_memory_gib", "plans_evaluated", "out_of_memory", "note",
-)
-# What `read_front_csv` insists on (the rest are informative).
-REQUIRED_COLUMNS = (
-    "gpus", "feasible", "on_front", "mbs", "tp", "dp", "pp", "placement", "layers_per_stage", "step_time_s",
-    "throughput_samples_per_s", "cost_per_hour_usd", "train_hours", "train_cost_usd",
-)
 PLAN_FIELDS = ("mbs", "tp", "dp", "pp", "num_microbatches", "placement", "layers_per_stage", "step_time_s",
                "throughput_samples_per_s", "cost_per_step_usd", "train_steps", "train_hours", "train_cost_usd",
                "peak_memory_gib")
-INT_COLUMNS = {"gbs", "gpus", "mbs", "tp", "dp", "pp", "num_microbatches", "train_steps", "plans_evaluated",
-               "out_of_memory"}
-BOOL_COLUMNS = {"feasible", "on_front"}
-LIST_COLUMNS = {"placement": str, "layers_per_stage": int}
-TEXT_COLUMNS = {"model", "cluster", "note"}
 
 
 # -- compositions --------------------------------------------------------------------------------------
 
 def compositions(cluster: Cluster, max_nodes: dict[str, int] | None = None) -> list[dict[str, int]]:
     """Every composition of 0 up to the available count of each node type (capped by `max_nodes`), without
-    the empty one; more than MAX_COMPOSITIONS are refused. Order: the cluster file's node types as digits, the first type most significant,
-    counting up (for A100 and A10: {A100 0, A10 1}, {A100 0, A10 2}, ..., {A100 1, A10 0}, ...)."""
+    the empty one; more than MAX_COMPOSITIONS are refused. Order: the cluster file's node types as digits, the
+    first type most significant, counting up (for A100 and A10: {A100 0, A10 1}, {A100 0, A10 2}, ..., {A100 1, A10 0}, ...)."""
     caps = {name: t.count for name, t in cluster.node_types.items()}
     for name, cap in (max_nodes or {}).items():
         if name not in caps:
@@ -135,7 +114,7 @@ class _Composition:
     profiles: dict
 
     def __call__(self, composition: dict[str, int]) -> dict:
-        from fasop.search.engine import search_plans
+        from fasop.search import search_plans
 
         model, cluster = self.model, self.cluster
         record = _empty_record(model, cluster, composition, self.gbs)
@@ -178,14 +157,9 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
     and cost of every composition scale with it alike); budgets and deadlines do.
     """
     from fasop.inputs.profiles import load_profiles
-    from fasop.search.engine import check_global_batch
+    from fasop.search.space import check_global_batch
 
-    if train_steps is not None and train_tokens is not None:
-        raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
-    if train_steps is not None and train_steps < 1:
-        raise InputError("--train-steps", f"expected a positive number of steps, got {train_steps}")
-    if train_tokens is not None and not train_tokens > 0:
-        raise InputError("--train-tokens", f"expected a positive number of tokens, got {train_tokens}")
+    check_run_length(train_steps, train_tokens)
     if train_steps is None and train_tokens is None:
         train_steps = DEFAULT_TRAIN_STEPS
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
@@ -194,7 +168,8 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
     for composition in compositions:
         for name in composition:
             if name not in cluster.node_types:
-                raise InputError(f"composition {composition}", f"unknown node type {name!r} (cluster has {', '.join(cluster.node_types)})")
+                raise InputError(f"composition {composition}",
+                                 f"unknown node type {name!r} (cluster has {', '.join(cluster.node_types)})")
         if any(n < 0 for n in composition.values()) or not any(composition.values()):
             raise InputError(f"composition {composition}", "expected node counts >= 0, at least one of them positive")
     # problems common to every composition (a missing or malformed profile) are errors, raised once here;
@@ -275,6 +250,27 @@ def check_limits(budget_usd: float | None = None, deadline_hours: float | None =
                              if isinstance(value, (int, float)) else f"expected a positive number of {unit}, got {value!r}")
 
 
+def _hours(record: dict) -> float:
+    return record["train_hours"]
+
+
+def _cost(record: dict) -> float:
+    return record["train_cost_usd"]
+
+
+def _choose_within(feasible: list[dict], limit: float, measure, other, texts: tuple[str, str]) -> tuple[dict | None, str]:
+    """One limit on `measure` (cost or hours): the run that is best by `other` within it (ties: the better by
+    `measure`), else None and how far the best run by `measure` misses it; texts: (found, missed as a format
+    of near, miss and pct)."""
+    meets = [r for r in feasible if measure(r) <= limit]
+    if meets:
+        best = min(meets, key=lambda r: (other(r), measure(r)))
+        return best, f"{texts[0]}: {_describe(best)}"
+    near = min(feasible, key=lambda r: (measure(r), other(r)))
+    miss = measure(near) - limit
+    return None, texts[1].format(near=_describe(near), miss=miss, pct=100 * miss / limit)
+
+
 def choose(records: list[dict], budget_usd: float | None = None,
            deadline_hours: float | None = None) -> tuple[dict | None, str]:
     """The composition that meets the constraint best, and a one-line message saying so.
@@ -292,26 +288,24 @@ def choose(records: list[dict], budget_usd: float | None = None,
     feasible = [r for r in records if r.get("feasible")]
     if not feasible:
         return None, "no composition has a plan that fits in memory"
-    hours = lambda r: r["train_hours"]  # noqa: E731
-    cost = lambda r: r["train_cost_usd"]  # noqa: E731
-    meets = [r for r in feasible
-             if (budget_usd is None or cost(r) <= budget_usd) and (deadline_hours is None or hours(r) <= deadline_hours)]
-    if budget_usd is not None and deadline_hours is None:
-        if meets:
-            best = min(meets, key=lambda r: (hours(r), cost(r)))
-            return best, f"fastest within the budget of ${budget_usd:,.2f}: {_describe(best)}"
-        near = min(feasible, key=lambda r: (cost(r), hours(r)))
-        miss = cost(near) - budget_usd
-        return None, (f"no composition fits the budget of ${budget_usd:,.2f}; the cheapest, {_describe(near)}, "
-                      f"is ${miss:,.2f} ({100 * miss / budget_usd:.1f}%) over")
-    if deadline_hours is not None and budget_usd is None:
-        if meets:
-            best = min(meets, key=lambda r: (cost(r), hours(r)))
-            return best, f"cheapest within the deadline of {deadline_hours:,.2f} h: {_describe(best)}"
-        near = min(feasible, key=lambda r: (hours(r), cost(r)))
-        miss = hours(near) - deadline_hours
-        return None, (f"no composition meets the deadline of {deadline_hours:,.2f} h; the fastest, {_describe(near)}, "
-                      f"takes {miss:,.2f} h ({100 * miss / deadline_hours:.1f}%) longer")
+    if budget_usd is not None and deadline_hours is not None:
+        return _choose_within_both(feasible, budget_usd, deadline_hours)
+    if budget_usd is not None:
+        return _choose_within(feasible, budget_usd, _cost, _hours, (
+            f"fastest within the budget of ${budget_usd:,.2f}",
+            f"no composition fits the budget of ${budget_usd:,.2f}; the cheapest, {{near}}, is ${{miss:,.2f}} "
+            "({pct:.1f}%) over"))
+    assert deadline_hours is not None  # one of the two limits is given (checked above)
+    return _choose_within(feasible, deadline_hours, _hours, _cost, (
+        f"cheapest within the deadline of {deadline_hours:,.2f} h",
+        f"no composition meets the deadline of {deadline_hours:,.2f} h; the fastest, {{near}}, takes "
+        "{miss:,.2f} h ({pct:.1f}%) longer"))
+
+
+def _choose_within_both(feasible: list[dict], budget_usd: float, deadline_hours: float) -> tuple[dict | None, str]:
+    """Both limits: the cheapest run that meets both, else the one whose worse overshoot is smallest."""
+    hours, cost = _hours, _cost
+    meets = [r for r in feasible if cost(r) <= budget_usd and hours(r) <= deadline_hours]
     limits = f"the budget of ${budget_usd:,.2f} and the deadline of {deadline_hours:,.2f} h"
     if meets:
         best = min(meets, key=lambda r: (cost(r), hours(r)))
@@ -329,97 +323,3 @@ def choose(records: list[dict], budget_usd: float | None = None,
         late = hours(near) - deadline_hours
         misses.append(f"{late:,.2f} h ({100 * late / deadline_hours:.1f}%) late")
     return None, f"no composition meets {limits}; the closest, {_describe(near)}, is {' and '.join(misses)}"
-
-
-# -- the front file ----------------------------------------------------------------------------------------
-
-def columns_of(records: list[dict]) -> list[str]:
-    types = [key for key in records[0] if key.startswith(NODES_PREFIX)] if records else []
-    return [*HEAD_COLUMNS, *types, *TAIL_COLUMNS]
-
-
-def _format(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return CSV_LIST_SEPARATOR.join(map(str, value))
-    if isinstance(value, float):
-        return repr(value)  # the shortest text that reads back as the same float
-    if isinstance(value, (np.floating, np.integer)):
-        return _format(value.item())
-    return str(value)
-
-
-def front_as_csv(records: list[dict]) -> str:
-    """The records as CSV text: one row per composition, lists joined with spaces, booleans true/false,
-    floats in the shortest form that reads back exactly, empty cells for the plan of an infeasible row."""
-    if not records:
-        raise InputError("front", "no compositions to write")
-    check_finite(records, "front")
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    columns = columns_of(records)
-    writer.writerow(columns)
-    for record in records:
-        writer.writerow([_format(record.get(key)) for key in columns])
-    return out.getvalue()
-
-
-def write_front_csv(records: list[dict], path) -> None:
-    """Write the front file whole or not at all."""
-    write_atomically(Path(path), front_as_csv(records), f"--output {path}")
-
-
-def _parse(value: str, column: str, where: str):
-    known = column.startswith(NODES_PREFIX) or column in HEAD_COLUMNS or column in TAIL_COLUMNS
-    if column in TEXT_COLUMNS or not known:  # columns added by hand are kept as text
-        return value
-    if value == "":
-        return None
-    try:
-        if column.startswith(NODES_PREFIX) or column in INT_COLUMNS:
-            return int(value)
-        if column in BOOL_COLUMNS:
-            if value.lower() not in ("true", "false"):
-                raise ValueError
-            return value.lower() == "true"
-        if column in LIST_COLUMNS:
-            return [LIST_COLUMNS[column](v) for v in value.split(CSV_LIST_SEPARATOR)]
-        number = float(value)
-    except ValueError:
-        raise InputError(where, f"column {column}: unexpected value {value!r}") from None
-    if not math.isfinite(number):
-        raise InputError(where, f"column {column}: expected a finite number, got {value!r}")
-    return number
-
-
-def read_front_csv(path) -> list[dict]:
-    """The records of a front file written by `write_front_csv` (`fasop pareto --output`)."""
-    file = str(path)
-    text = read_text(path, PLANS_LIMIT_BYTES, missing="no such file")
-    reader = csv.DictReader(io.StringIO(text))
-    header = reader.fieldnames or []
-    missing = [c for c in REQUIRED_COLUMNS if c not in header]
-    if not any(h.startswith(NODES_PREFIX) for h in header):
-        missing.insert(0, f"{NODES_PREFIX}<type>")
-    if missing:
-        raise InputError(file, f"not a fasop front file (from fasop pareto --output): missing column "
-                               f"{', '.join(missing)}")
-    records = []
-    for number, row in enumerate(reader, start=2):
-        where = f"{file}: line {number}"
-        if None in row or any(v is None for v in row.values()):
-            raise InputError(where, f"expected {len(header)} cells")
-        record = {column: _parse(value, column, where) for column, value in row.items()}
-        if record["feasible"] is None or record["on_front"] is None:
-            raise InputError(where, "columns feasible and on_front need true or false")
-        if record["feasible"]:
-            blank = [c for c in REQUIRED_COLUMNS if record[c] is None]
-            if blank:
-                raise InputError(where, f"a feasible composition needs a value in column {', '.join(blank)}")
-        records.append(record)
-    if not records:
-        raise InputError(file, "a front file with no compositions")
-    return records

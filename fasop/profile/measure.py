@@ -27,10 +27,11 @@ import socket
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Empty
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -301,7 +302,7 @@ def header_lines(model: Model, gpu: str, tps, mbss, settings: Settings, out_of_m
 
 
 def _number(value: float) -> str:
-    return "%.6g" % value
+    return f"{value:.6g}"
 
 
 def format_measured(rows: list[Measured], comment_lines: list[str]) -> str:

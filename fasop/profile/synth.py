@@ -56,10 +56,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from fasop.inputs.catalogue import GpuSpec, load_gpu_spec
-from fasop.inputs.cluster import parse_bandwidth
 from fasop.errors import InputError
 from fasop.files import write_atomically
+from fasop.inputs.catalogue import GpuSpec, load_gpu_spec
+from fasop.inputs.cluster import parse_bandwidth
 from fasop.inputs.model import DROPOUT_MASK_BYTES, Model
 from fasop.inputs.profiles import COLUMNS, identity_line, required_kinds
 
@@ -242,7 +242,7 @@ def synthesize(model: Model, gpu_spec: GpuSpec | str, tps=DEFAULT_DEGREES, mbss=
 
 # -- the profile file -------------------------------------------------------------------------------------
 def _number(value: float) -> str:
-    return "%.12g" % value
+    return f"{value:.12g}"
 
 
 def header_lines(model: Model, spec: GpuSpec, tps, mbss, efficiency: float | None = None,

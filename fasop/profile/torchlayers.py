@@ -22,8 +22,8 @@ This module imports torch: only `fasop profile layers` loads it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

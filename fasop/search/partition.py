@@ -20,62 +20,12 @@ with brute force over every partition.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
+
+from fasop.cost.problem import PartitionBatch, segment_sums
 
 _EPS = 1e-9
 _GRID_ELEMENTS = 4_000_000  # grid cells (problems x X x Y x stages) evaluated at once
-# the fields a batch holds per problem, in constructor order after the segments
-_PER_PROBLEM = ("lo", "hi", "layer_s", "period_fixed_s", "ar_fixed_s", "ar_layer_s", "num_microbatches", "base_s")
-
-
-@dataclass(frozen=True)
-class PartitionBatch:
-    """B partition problems with the same stages and segments; per-stage arrays are (B, P)."""
-
-    segment_of_stage: np.ndarray  # which segment each stage holds; a segment's stages are contiguous
-    segment_layers: np.ndarray  # (S,) layers to place in each segment
-    lo: np.ndarray  # fewest layers a stage may hold
-    hi: np.ndarray  # most layers that fit the stage's memory (below lo: nothing fits)
-    layer_s: np.ndarray  # compute of one layer for one micro-batch, forward + backward
-    period_fixed_s: np.ndarray  # steady-state period of the stage without its layers
-    ar_fixed_s: np.ndarray  # data-parallel all-reduce without the layers' gradients
-    ar_layer_s: np.ndarray  # all-reduce time each layer adds
-    num_microbatches: np.ndarray  # (B,)
-    base_s: np.ndarray  # (B,) everything that does not depend on the partition
-
-    def __len__(self) -> int:
-        return len(self.base_s)
-
-    @staticmethod
-    def stack(problems: list["PartitionBatch"]) -> "PartitionBatch":
-        """One batch of all the problems (same number of stages and segment sizes)."""
-        seg = np.concatenate([np.broadcast_to(p.segment_of_stage, p.lo.shape) for p in problems])
-        return PartitionBatch(seg, problems[0].segment_layers,
-                              *(np.concatenate([getattr(p, f) for p in problems]) for f in _PER_PROBLEM))
-
-    def take(self, rows: np.ndarray) -> "PartitionBatch":
-        """The problems `rows` of this batch."""
-        seg = self.segment_of_stage if self.segment_of_stage.ndim == 1 else self.segment_of_stage[rows]
-        return PartitionBatch(seg, self.segment_layers, *(getattr(self, f)[rows] for f in _PER_PROBLEM))
-
-    def objective(self, counts: np.ndarray) -> np.ndarray:
-        """F(n) for counts (B, P) -> (B,)."""
-        n = np.asarray(counts, dtype=float)
-        period = (self.period_fixed_s + self.layer_s * n).max(axis=-1)
-        allreduce = (self.ar_fixed_s + self.ar_layer_s * n).max(axis=-1)
-        return self.base_s + (self.layer_s * n).sum(axis=-1) + (self.num_microbatches - 1) * period + allreduce
-
-    def feasible(self, counts: np.ndarray) -> np.ndarray:
-        n = np.asarray(counts)
-        sums = _segment_sums(n, self.segment_of_stage, len(self.segment_layers))
-        return (n >= self.lo).all(-1) & (n <= self.hi).all(-1) & (sums == self.segment_layers).all(-1)
-
-
-def _segment_sums(values: np.ndarray, segment: np.ndarray, segments: int) -> np.ndarray:
-    """(B, P) -> (B, S): sum of each segment's stages."""
-    return np.stack([np.where(segment == s, values, 0).sum(axis=-1) for s in range(segments)], axis=-1)
 
 
 class _Filler:
@@ -88,12 +38,12 @@ class _Filler:
         # within each segment, cheapest layer first (ties: earlier stage first)
         self.order = np.lexsort((np.broadcast_to(np.arange(p), (b, p)), batch.layer_s, seg), axis=-1)
         self.seg_sorted = np.take_along_axis(seg, self.order, axis=-1)
-        self.remaining = batch.segment_layers[None, :] - _segment_sums(batch.lo, seg, len(batch.segment_layers))
+        self.remaining = batch.segment_layers[None, :] - segment_sums(batch.lo, seg, len(batch.segment_layers))
 
     def fill(self, caps: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """caps (B', ..., P) for the problems `rows` (default all) -> (counts, feasible (B', ...))."""
-        rows = slice(None) if rows is None else rows
-        lo, order, remaining, seg = self.lo[rows], self.order[rows], self.remaining[rows], self.seg_sorted[rows]
+        index: slice | np.ndarray = slice(None) if rows is None else rows
+        lo, order, remaining, seg = self.lo[index], self.order[index], self.remaining[index], self.seg_sorted[index]
         expand = (slice(None),) + (None,) * (caps.ndim - 2)
         lo_b, order_b, seg_b = lo[expand], np.broadcast_to(order[expand], caps.shape), seg[expand]
         extra = np.take_along_axis(np.clip(caps - lo_b, 0, None), order_b, axis=-1)
@@ -108,7 +58,7 @@ class _Filler:
             ok &= avail.sum(axis=-1) >= need
         counts = np.empty_like(taken)
         np.put_along_axis(counts, order_b, taken, axis=-1)
-        return counts + lo_b, ok
+        return counts + lo_b, np.asarray(ok)
 
 
 def _caps(threshold: np.ndarray, fixed: np.ndarray, per_layer: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -164,7 +114,7 @@ def _first_feasible(values: np.ndarray, caps_of, filler: _Filler) -> np.ndarray:
 def _clipped_hi(p: PartitionBatch) -> np.ndarray:
     """No stage can take more layers than its segment leaves it after the other stages' minimum."""
     seg = np.broadcast_to(p.segment_of_stage, p.lo.shape)
-    lo_sum = np.take_along_axis(_segment_sums(p.lo, seg, len(p.segment_layers)), seg, axis=-1)
+    lo_sum = np.take_along_axis(segment_sums(p.lo, seg, len(p.segment_layers)), seg, axis=-1)
     return np.minimum(p.hi, p.segment_layers[seg] - (lo_sum - p.lo)).astype(float)
 
 

@@ -27,14 +27,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import click
 import numpy as np
 
-from fasop.inputs.cluster import Cluster
-from fasop.cost.step import Config, breakdown, embedding_stages, stage_costs
+from fasop.cost.communication import geometry, with_embedding_group
+from fasop.cost.config import Config, embedding_stages
+from fasop.cost.step import breakdown, stage_costs
 from fasop.errors import InputError
+from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
-from fasop.search.placement import geometry, with_embedding_group
 from fasop.inputs.profiles import Curve, GpuProfile, required_kinds
 
 CANDIDATES = 20
@@ -108,36 +108,3 @@ def robustness(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], 
               for i, plan in enumerate(plans)]
     # rounded: plans with equal costs would otherwise be ordered by the last bits of their sums
     return sorted(result, key=lambda r: (round(r.mean_slowdown, 12), -r.best_fraction, r.exact_rank))
-
-
-def noise_options(command):
-    """The search command's --noise, --trials and --seed options."""
-    command = click.option("--seed", type=int, default=0, show_default=True,
-                           help="Seed of the --noise trials: the same seed gives the same report.")(command)
-    command = click.option("--trials", type=int, default=200, show_default=True,
-                           help="Perturbed re-estimates for --noise.")(command)
-    return click.option("--noise", type=float, default=None, metavar="F",
-                        help=f"Also perturb every profile time and link bandwidth by up to this fraction (0.2: "
-                             f"+-20%) in --trials trials, re-estimate the best {CANDIDATES} plans in each and "
-                             "report how often each is best and how much slower than the best it can be "
-                             "(fasop/robust.py).")(command)
-
-
-def noise_report(inputs, plans: list[dict], noise: float, trials: int, seed: int, sort: str, top: int) -> str:
-    """The robust ranking of the best plans as a table; `inputs` is a fasop.search.Inputs."""
-    from fasop.cli import compress_placement
-
-    candidates = plans[:CANDIDATES]
-    ranked = robustness(inputs.model, inputs.cluster, inputs.profiles, candidates, noise, trials, seed, sort)
-    by_rank = {plan["rank"]: plan for plan in candidates}
-    what = "step time" if sort == "time" else "dollars per step"
-    cells = [["robust", "rank", "mbs", "tp", "dp", "pp", "placement", "P(best)", "mean slower", "worst slower"]]
-    for position, r in enumerate(ranked[:top], start=1):
-        plan = by_rank[r.exact_rank]
-        cells.append([str(position), str(r.exact_rank), str(plan["mbs"]), str(plan["tp"]), str(plan["dp"]),
-                      str(plan["pp"]), compress_placement(plan["placement"]), f"{r.best_fraction:.3f}",
-                      f"{r.mean_slowdown:.2%}", f"{r.worst_slowdown:.2%}"])
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    table = "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
-    return (f"Under +-{noise:g} noise on every profile time and link ({trials} trials, seed {seed}), the best "
-            f"{len(candidates)} plans re-estimated; slower: {what} against each trial's best of them.\n{table}")
