@@ -8,17 +8,7 @@ from pathlib import Path
 
 import click
 
-from fasop.cli.common import (
-    cluster_option,
-    gbs_option,
-    input_paths,
-    mismatch_option,
-    model_option,
-    optimizer_option,
-    profiles_option,
-    progress_bar,
-    reports_input_errors,
-)
+from fasop.cli import common
 from fasop.cli.tables import front_table
 from fasop.cost.price import check_run_length, run_steps
 from fasop.errors import InputError
@@ -45,9 +35,9 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
 
 
 @click.command()
-@model_option
-@cluster_option
-@gbs_option
+@common.model_option
+@common.cluster_option
+@common.gbs_option
 @click.option("--train-steps", type=int, default=None, help="Steps of the whole run (default 10,000 without --train-tokens).")
 @click.option("--train-tokens", type=float, default=None, help="Tokens of the whole run (instead of --train-steps).")
 @click.option("--budget", type=float, default=None, metavar="USD", help="Report the fastest run that costs at most this.")
@@ -60,10 +50,10 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
               help="Draw cost against throughput to chart.png or chart.svg.")
 @click.option("--x", "x_axis", type=click.Choice(["throughput", "time"]), default="throughput", show_default=True,
               help="Horizontal axis of --chart.")
-@profiles_option
-@mismatch_option
-@optimizer_option
-@reports_input_errors
+@common.profiles_option
+@common.mismatch_option
+@common.optimizer_option
+@common.reports_input_errors
 def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, deadline, max_nodes, output, chart, x_axis,
            profiles_dir, allow_profile_mismatch, distributed_optimizer):
     """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
@@ -81,7 +71,7 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
         raise InputError(f"--chart {chart}", "expected a file name ending in .png or .svg")
     model, cluster = load_model(model_name), load_cluster(cluster_name)
     outputs = [(path, option) for path, option in ((output, "--output"), (chart, "--chart")) if path is not None]
-    check_outputs(outputs, input_paths(model_name, cluster_name, model, cluster, profiles_dir))
+    check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir))
     todo = compositions(cluster, _max_nodes(max_nodes))
     batch = gbs or model.global_batch_size
     caps = ", ".join(f"0-{max(c[n] for c in todo)} {n}" for n in cluster.node_types)
@@ -90,7 +80,7 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
     from fasop.market.pareto import choose, sweep
 
     started = time.perf_counter()
-    with progress_bar("sweeping") as progress:
+    with common.progress_bar("sweeping") as progress:
         records = sweep(model, cluster, todo, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
                         profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer,
                         allow_profile_mismatch=allow_profile_mismatch, progress=progress)
@@ -159,7 +149,7 @@ def _load_plan(plan_file: Path, rank: int) -> dict:
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Instead of a front: chart the stages of one plan of a fasop search --output plans.json file.")
 @click.option("--rank", type=int, default=None, help="Which plan of --plan (default 1, the best).")
-@reports_input_errors
+@common.reports_input_errors
 def plot(front_file, out, x_axis, budget, deadline, plan_file, rank):
     """Chart a front file of fasop pareto (cost against throughput), or with --plan the compute,
     communication and idle time of each pipeline stage of one plan."""

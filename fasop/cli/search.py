@@ -9,18 +9,7 @@ from pathlib import Path
 
 import click
 
-from fasop.cli.common import (
-    cluster_option,
-    gbs_option,
-    input_paths,
-    int_list,
-    mismatch_option,
-    model_option,
-    optimizer_option,
-    profiles_option,
-    progress_bar,
-    reports_input_errors,
-)
+from fasop.cli import common
 from fasop.cli.tables import format_estimate, format_table, noise_report
 from fasop.cost.price import check_run_length
 from fasop.errors import InputError
@@ -48,9 +37,9 @@ def noise_options(command):
 
 
 @click.command()
-@model_option
-@cluster_option
-@gbs_option
+@common.model_option
+@common.cluster_option
+@common.gbs_option
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Plans to print.")
 @click.option("--sort", type=click.Choice(["time", "cost"]), default="time", show_default=True,
               help="Rank by step time or by dollars per step.")
@@ -68,11 +57,11 @@ def noise_options(command):
 @click.option("--emit", "emit_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write the best plan's Slurm and Megatron-LM launch scripts into this directory "
                    "(site options from the cluster file's [launch] table; `fasop emit` offers them all).")
-@profiles_option
-@mismatch_option
-@optimizer_option
+@common.profiles_option
+@common.mismatch_option
+@common.optimizer_option
 @noise_options
-@reports_input_errors
+@common.reports_input_errors
 def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, prune, workers, emit_dir,
            profiles_dir, allow_profile_mismatch, distributed_optimizer, noise, trials, seed):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
@@ -85,14 +74,14 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     if output is not None and output.suffix not in (".json", ".csv"):
         raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
     model, cluster = load_model(model_name), load_cluster(cluster_name)
-    inputs = input_paths(model_name, cluster_name, model, cluster, profiles_dir)
+    inputs = common.input_paths(model_name, cluster_name, model, cluster, profiles_dir)
     outputs = [(output, "--output")] if output is not None else []
     if emit_dir is not None:
         check_out_dir(emit_dir, force=False)
     check_outputs(outputs, inputs)
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
     started = time.perf_counter()
-    with progress_bar("searching") as progress:
+    with common.progress_bar("searching") as progress:
         result = search_plans(model, cluster, gbs, profiles_dir, distributed_optimizer=distributed_optimizer,
                               train_steps=train_steps, train_tokens=train_tokens, sort=sort, progress=progress,
                               keep=top if prune else None, workers=workers, profiles=profiles)
@@ -141,8 +130,8 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> 
 
 
 @click.command()
-@model_option
-@cluster_option
+@common.model_option
+@common.cluster_option
 @click.option("--tp", type=click.IntRange(min=1), required=True, help="Tensor-parallel degree.")
 @click.option("--dp", type=click.IntRange(min=1), required=True, help="Data-parallel degree.")
 @click.option("--pp", type=click.IntRange(min=1), required=True, help="Pipeline-parallel degree.")
@@ -150,12 +139,12 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> 
 @click.option("--placement", required=True, metavar="TYPE,TYPE,...", help="Node types in node-rank order.")
 @click.option("--layers", required=True, metavar="N,N,...",
               help="Transformer layers per stage (embedding on the first stage, head on the last).")
-@gbs_option
-@profiles_option
-@mismatch_option
-@optimizer_option
+@common.gbs_option
+@common.profiles_option
+@common.mismatch_option
+@common.optimizer_option
 @click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
-@reports_input_errors
+@common.reports_input_errors
 def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, profiles_dir, allow_profile_mismatch,
              distributed_optimizer, as_json):
     """Break down the step time, memory and price of one explicit plan."""
@@ -164,7 +153,7 @@ def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, 
     model, cluster = load_model(model_name), load_cluster(cluster_name)
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
     row = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
-                       layers=int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
+                       layers=common.int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
                        distributed_optimizer=distributed_optimizer, profiles=profiles)
     if as_json:
         check_finite(row, "estimate")

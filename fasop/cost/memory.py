@@ -65,6 +65,13 @@ def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: 
     return mem_fixed, mem_layer
 
 
+def head_fits(model: Model, cluster: Cluster, tp: int, mbs: int) -> bool:
+    """Whether the output layer's activations of one micro-batch fit the largest GPU's usable memory (the last
+    stage holds them; a size that fails fits no stage)."""
+    usable_gib = max(t.gpu_memory_gib for t in cluster.node_types.values()) / cluster.memory_margin
+    return mbs * (model.head_activation_bytes(1, tp) / GIB) <= usable_gib * (1 + 1e-9)
+
+
 def layers_that_fit(mem_fixed: np.ndarray, mem_layer: np.ndarray, capacity_gib: np.ndarray, margin: float,
                     whole: bool) -> np.ndarray:
     """(K, pp) most layers each stage's memory holds with the cluster's margin; -1 where not even the stage's

@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import nnls
 
 from fasop.errors import InputError
 
@@ -134,6 +133,8 @@ def fit_alpha_beta(link_bytes_: np.ndarray, times_s: np.ndarray, where: str = "f
     x, t = np.asarray(link_bytes_, dtype=float), np.asarray(times_s, dtype=float)
     if len(x) < 2 or len(np.unique(x)) < 2 or not (np.isfinite(t).all() and (t > 0).all()):
         raise InputError(where, "expected positive times at two or more message sizes")
+    from scipy.optimize import nnls  # scipy loads only when a fit is made, not with every fasop command
+
     weight = 1.0 / t
     (alpha, per_byte), _ = nnls(np.column_stack([np.ones_like(x), x]) * weight[:, None], t * weight)
     if per_byte <= 0:

@@ -11,7 +11,7 @@ import numpy as np
 
 from fasop.cost.communication import Geometry, geometry, with_embedding_group
 from fasop.cost.config import Config, embedding_stages
-from fasop.cost.memory import GIB
+from fasop.cost.memory import head_fits
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -127,11 +127,8 @@ def micro_batch_sizes(inputs: Inputs, tp: int, dp: int) -> tuple[list[int], int]
     data-parallel replica; a size whose output-layer activations alone exceed the largest GPU's usable memory
     fits no stage (the last stage holds them, and memory only grows with the size), so it is counted out of
     memory without being built: their number grows with the divisors of the batch, not with the answer."""
-    model, cluster = inputs.model, inputs.cluster
-    usable_gib = max(t.gpu_memory_gib for t in cluster.node_types.values()) / cluster.memory_margin
-    head_gib = model.head_activation_bytes(1, tp) / GIB
     sizes = divisors(inputs.gbs // dp)
-    kept = [b for b in sizes if b == 1 or b * head_gib <= usable_gib * (1 + 1e-9)]
+    kept = [b for b in sizes if b == 1 or head_fits(inputs.model, inputs.cluster, tp, b)]
     return kept, len(sizes) - len(kept)
 
 
