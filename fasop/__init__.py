@@ -6,9 +6,9 @@
 returns a pandas DataFrame of every plan that fits memory, best first.
 """
 
-from fasop.cluster import Cluster, load_cluster
 from fasop.errors import InputError
-from fasop.model import Model, load_model
+from fasop.inputs.cluster import Cluster, load_cluster
+from fasop.inputs.model import Model, load_model
 from fasop.search import estimate, search, search_plans
 
 __all__ = ["Cluster", "InputError", "Model", "estimate", "load_cluster", "load_model", "search", "search_plans"]

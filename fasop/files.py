@@ -7,9 +7,10 @@ import math
 import os
 import stat
 import tempfile
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from fasop.errors import InputError
 
@@ -89,12 +90,12 @@ def _same_file(a: Path, b: Path) -> bool:
 def check_outputs(outputs: Iterable[tuple[str | os.PathLike, str]], inputs: Iterable[str | os.PathLike]) -> None:
     """Refuse outputs, given as (path, option), that would replace an input of the same run or one another, that
     are directories, or whose folder cannot hold them; a missing folder is fine (it is created)."""
-    inputs = [Path(p) for p in inputs]
+    input_paths = [Path(p) for p in inputs]
     seen: list[tuple[Path, str]] = []
-    for path, option in outputs:
-        path = Path(path)
+    for output, option in outputs:
+        path = Path(output)
         where = f"{option} {path}"
-        for given in inputs:
+        for given in input_paths:
             if _same_file(path, given):
                 raise InputError(where, f"is an input of this run ({given}); choose another output file")
         for other, other_option in seen:

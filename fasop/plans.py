@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from fasop.errors import InputError
 from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_json, write_atomically
@@ -16,9 +18,34 @@ MAX_PLAN_INT = 2**53  # ranks, degrees, batch sizes and layer counts of a plan f
 PLAN_KEYS = ("rank", "gbs", "mbs", "tp", "dp", "pp", "placement", "layers_per_stage")  # what readers rely on
 PLAN_KINDS = ("3d", "ddp", "zero1", "zero2", "zero3")  # `kind` of a plan; plans without one are 3d
 CSV_LISTS = ("placement", "layers_per_stage")
-# Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.names),
+# Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.inputs.names),
 # so every node-type name reads back whole ("-" is inside it).
 CSV_LIST_SEPARATOR = " "
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """What makes a plan, checked: degrees, batch sizes, placement and layers per stage (what launching or
+    re-estimating a plan needs of a plan file)."""
+
+    tp: int
+    dp: int
+    pp: int
+    mbs: int
+    gbs: int
+    placement: tuple[str, ...]
+    layers_per_stage: tuple[int, ...]
+    distributed_optimizer: bool
+
+
+def placement_runs(placement: Sequence[str]) -> list[tuple[str, int]]:
+    """Runs of consecutive nodes of one type, in placement order: [A10, A100, A100, A10] -> 3 runs."""
+    return [(name, len(list(run))) for name, run in itertools.groupby(placement)]
+
+
+def compress_placement(placement: Sequence) -> str:
+    """['A100', 'A10', 'A10'] -> 'A100,A10*2' (runs of one node type; numbers are joined as they are)."""
+    return ",".join(str(name) if count == 1 else f"{name}*{count}" for name, count in placement_runs(placement))
 
 
 def plans_as_json(plans: list[dict]) -> str:

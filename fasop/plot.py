@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fasop.errors import InputError
 from fasop.files import write_atomically
+from fasop.plans import compress_placement
 
 SUFFIXES = (".png", ".svg")
 SINGLE_MARKERS = ("o", "s", "D", "p", "h", "*", "P", "X")  # single-type compositions, cheapest node type first
@@ -61,7 +62,7 @@ def series_label(kind: str | None) -> str:
 
 
 def _short(record: dict) -> str:
-    from fasop.pareto import node_counts
+    from fasop.market.pareto import node_counts
 
     return "+".join(f"{n}{name}" for name, n in node_counts(record).items() if n)
 
@@ -81,7 +82,7 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
     'not shown' (compositions without a plan that fits). In an SVG each scatter series is the group
     with id 'series-<label>' ('series-A100-only', 'series-mixed').
     """
-    from fasop.pareto import check_limits, composition_kind, composition_label, mark_front, node_counts
+    from fasop.market.pareto import check_limits, mark_front
 
     if x not in ("throughput", "time"):
         raise InputError(f"--x {x}", "expected throughput or time")
@@ -93,30 +94,10 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
     if not feasible:
         raise InputError("front", "no composition has a plan that fits in memory: nothing to plot")
     xkey = "throughput_samples_per_s" if x == "throughput" else "train_hours"
-    xlabel = "throughput (samples/s)" if x == "throughput" else "time to train (hours)"
-
-    # one series per single-type composition kind, cheapest node type first, then the mixed ones
-    price = {}
-    for r in feasible:
-        kind = composition_kind(r)
-        if kind is not None:
-            price.setdefault(kind, r["cost_per_hour_usd"] / node_counts(r)[kind])
-    singles = sorted(price, key=lambda k: (price[k], k))
-    style = {k: (SINGLE_MARKERS[i % len(SINGLE_MARKERS)], COLORS[i % len(COLORS)]) for i, k in enumerate(singles)}
-    style[None] = (MIXED_MARKER, MIXED_COLOR)
 
     fig = _figure(8.0, 5.4)
     ax = fig.add_subplot()
-    for kind in [*singles, None]:
-        points = [r for r in feasible if composition_kind(r) == kind]
-        if not points:
-            continue
-        marker, color = style[kind]
-        label = series_label(kind)
-        dots = ax.scatter([r[xkey] for r in points], [r["train_cost_usd"] for r in points], marker=marker, s=42,
-                          color=color, alpha=0.85, edgecolors="none", label=f"{label} ({len(points)})", zorder=3)
-        dots.set_gid(SERIES_GID + label.replace(" ", "-"))
-
+    _draw_series(ax, feasible, xkey)
     front = sorted((r for r in feasible if r.get("on_front")), key=lambda r: (r[xkey], r["train_cost_usd"]))
     if front:
         # throughput: the cheapest way to reach at least x is the next front point to the right ("pre");
@@ -129,47 +110,11 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
         for r in front:
             ax.annotate(_short(r), (r[xkey], r["train_cost_usd"]), xytext=(5, -11), textcoords="offset points",
                         fontsize=7, color="#333333")
-
-    if budget is not None:
-        ax.axhline(budget, ls="--", lw=1.2, color="#ff7f0e", label=f"budget ${budget:,.0f}", zorder=1)
-    if deadline is not None:
-        if x == "time":
-            at, label = deadline, f"deadline {deadline:,.4g} h"
-        else:  # the throughput that finishes the run in time: samples / (deadline), the same for every row
-            samples_over_3600 = feasible[0][xkey] * feasible[0]["train_hours"]  # samples of the run / 3600 s
-            at = samples_over_3600 / deadline
-            label = f"deadline {deadline:,.4g} h (>= {at:,.1f} samples/s)"
-        ax.axvline(at, ls="--", lw=1.2, color="#8c564b", label=label, zorder=1)
-
+    _draw_limits(ax, feasible, x, xkey, budget, deadline)
     if chosen is not None and chosen.get("feasible") and chosen.get(xkey) is not None:
-        mark = ax.scatter([chosen[xkey]], [chosen["train_cost_usd"]], s=260, facecolors="none", edgecolors="#ff0000",
-                          linewidths=2.2, zorder=4, label="chosen")
-        mark.set_gid("chosen")
-        ax.annotate(f"{composition_label(chosen)}\n{chosen['train_hours']:,.1f} h, ${chosen['train_cost_usd']:,.0f}",
-                    (chosen[xkey], chosen["train_cost_usd"]), textcoords="offset points",
-                    # towards the empty corner: slow and dear (upper left against throughput, upper right against time)
-                    xytext=(-30, 36) if x == "throughput" else (30, 36), ha="right" if x == "throughput" else "left",
-                    fontsize=8.5, color="#b00000", fontweight="bold",
-                    bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#ff0000", "alpha": 0.9},
-                    arrowprops={"arrowstyle": "-", "color": "#ff0000", "lw": 1}, zorder=5)
-
-    first = feasible[0]
-    run = ""
-    if first.get("train_steps") and first.get("gbs"):
-        run = f", {int(first['train_steps']):,} steps of {int(first['gbs'])} samples"
-    what = "cost against throughput" if x == "throughput" else "cost against time to train"
-    name = f"{first.get('model', '')} on {first.get('cluster', '')}".strip()
-    ax.set_title(title or f"{name}: {what}{run}", fontsize=11)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("cost of the run (USD)")
-    ax.yaxis.set_major_formatter("${x:,.0f}")
-    ax.grid(True, lw=0.4, alpha=0.5)
-    ax.margins(x=0.07, y=0.06)  # room for the labels of the outermost points
+        _draw_chosen(ax, chosen, x, xkey)
     hidden = len(records) - len(feasible)
-    if hidden:
-        ax.text(0.99, 0.01, f"{hidden} composition{'s' if hidden > 1 else ''} without a plan that fits: not shown",
-                transform=ax.transAxes, ha="right", va="bottom", fontsize=7.5, color="#555555")
-    ax.legend(fontsize=8, loc="best", framealpha=0.9)
+    _label_axes(ax, feasible[0], x, title, hidden)
     _save(fig, path)
 
     counts: dict[str, int] = {}
@@ -181,6 +126,79 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
     counts["chosen"] = sum(len(c.get_offsets()) for c in ax.collections if c.get_gid() == "chosen")
     counts["not shown"] = hidden
     return counts
+
+
+def _draw_series(ax, feasible: list[dict], xkey: str) -> None:
+    """One scatter series per single-type composition kind, cheapest node type first, then the mixed ones."""
+    from fasop.market.pareto import composition_kind, node_counts
+
+    price: dict[str, float] = {}
+    for r in feasible:
+        kind = composition_kind(r)
+        if kind is not None:
+            price.setdefault(kind, r["cost_per_hour_usd"] / node_counts(r)[kind])
+    singles = sorted(price, key=lambda k: (price[k], k))
+    style: dict[str | None, tuple[str, str]] = {
+        k: (SINGLE_MARKERS[i % len(SINGLE_MARKERS)], COLORS[i % len(COLORS)]) for i, k in enumerate(singles)}
+    style[None] = (MIXED_MARKER, MIXED_COLOR)
+    for kind in [*singles, None]:
+        points = [r for r in feasible if composition_kind(r) == kind]
+        if not points:
+            continue
+        marker, color = style[kind]
+        label = series_label(kind)
+        dots = ax.scatter([r[xkey] for r in points], [r["train_cost_usd"] for r in points], marker=marker, s=42,
+                          color=color, alpha=0.85, edgecolors="none", label=f"{label} ({len(points)})", zorder=3)
+        dots.set_gid(SERIES_GID + label.replace(" ", "-"))
+
+
+def _draw_limits(ax, feasible: list[dict], x: str, xkey: str, budget: float | None, deadline: float | None) -> None:
+    """The budget and the deadline as dashed lines."""
+    if budget is not None:
+        ax.axhline(budget, ls="--", lw=1.2, color="#ff7f0e", label=f"budget ${budget:,.0f}", zorder=1)
+    if deadline is not None:
+        if x == "time":
+            at, label = deadline, f"deadline {deadline:,.4g} h"
+        else:  # the throughput that finishes the run in time: samples / (deadline), the same for every row
+            samples_over_3600 = feasible[0][xkey] * feasible[0]["train_hours"]  # samples of the run / 3600 s
+            at = samples_over_3600 / deadline
+            label = f"deadline {deadline:,.4g} h (>= {at:,.1f} samples/s)"
+        ax.axvline(at, ls="--", lw=1.2, color="#8c564b", label=label, zorder=1)
+
+
+def _draw_chosen(ax, chosen: dict, x: str, xkey: str) -> None:
+    """The chosen composition, circled and labelled."""
+    from fasop.market.pareto import composition_label
+
+    mark = ax.scatter([chosen[xkey]], [chosen["train_cost_usd"]], s=260, facecolors="none", edgecolors="#ff0000",
+                      linewidths=2.2, zorder=4, label="chosen")
+    mark.set_gid("chosen")
+    ax.annotate(f"{composition_label(chosen)}\n{chosen['train_hours']:,.1f} h, ${chosen['train_cost_usd']:,.0f}",
+                (chosen[xkey], chosen["train_cost_usd"]), textcoords="offset points",
+                # towards the empty corner: slow and dear (upper left against throughput, upper right against time)
+                xytext=(-30, 36) if x == "throughput" else (30, 36), ha="right" if x == "throughput" else "left",
+                fontsize=8.5, color="#b00000", fontweight="bold",
+                bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#ff0000", "alpha": 0.9},
+                arrowprops={"arrowstyle": "-", "color": "#ff0000", "lw": 1}, zorder=5)
+
+
+def _label_axes(ax, first: dict, x: str, title: str | None, hidden: int) -> None:
+    """Title, axis labels, grid, the count of compositions not shown, and the legend."""
+    run = ""
+    if first.get("train_steps") and first.get("gbs"):
+        run = f", {int(first['train_steps']):,} steps of {int(first['gbs'])} samples"
+    what = "cost against throughput" if x == "throughput" else "cost against time to train"
+    name = f"{first.get('model', '')} on {first.get('cluster', '')}".strip()
+    ax.set_title(title or f"{name}: {what}{run}", fontsize=11)
+    ax.set_xlabel("throughput (samples/s)" if x == "throughput" else "time to train (hours)")
+    ax.set_ylabel("cost of the run (USD)")
+    ax.yaxis.set_major_formatter("${x:,.0f}")
+    ax.grid(True, lw=0.4, alpha=0.5)
+    ax.margins(x=0.07, y=0.06)  # room for the labels of the outermost points
+    if hidden:
+        ax.text(0.99, 0.01, f"{hidden} composition{'s' if hidden > 1 else ''} without a plan that fits: not shown",
+                transform=ax.transAxes, ha="right", va="bottom", fontsize=7.5, color="#555555")
+    ax.legend(fontsize=8, loc="best", framealpha=0.9)
 
 
 STAGE_KEYS = ("compute_s", "p2p_s", "dp_allreduce_s", "gpu")
@@ -260,7 +278,7 @@ def plot_stages(plan: dict, out_path, *, title: str | None = None) -> dict[str, 
     ax.set_yticks(rows, labels, fontsize=8)
     ax.invert_yaxis()  # stage 0 on top
     ax.set_xlabel("time per training step (s)")
-    placement = f", placement {compress(plan['placement'])}" if plan.get("placement") else ""
+    placement = f", placement {compress_placement(plan['placement'])}" if plan.get("placement") else ""
     ax.set_title(title or (f"{plan.get('model', 'plan')}: tp={plan['tp']} dp={plan['dp']} pp={plan['pp']} "
                            f"mbs={plan['mbs']}, {plan['num_microbatches']} micro-batches{placement}"), fontsize=10)
     ax.grid(True, axis="x", lw=0.4, alpha=0.5)
@@ -276,17 +294,6 @@ def node_range(nodes: list[int]) -> str:
     if all(isinstance(n, int) for n in nodes) and list(nodes) == list(range(nodes[0], nodes[0] + len(nodes))):
         return f"nodes {nodes[0]}-{nodes[-1]}"
     return "nodes " + ",".join(map(str, nodes))
-
-
-def compress(names) -> str:
-    """['A100', 'A10', 'A10'] -> 'A100,A10*2'; numbers are joined as they are."""
-    runs: list[list] = []
-    for name in names:
-        if runs and runs[-1][0] == name:
-            runs[-1][1] += 1
-        else:
-            runs.append([name, 1])
-    return ",".join(str(n) if c == 1 else f"{n}*{c}" for n, c in runs)
 
 
 def plot_validation(labels: list[str], predicted_s, measured_s, out_path, *, title: str | None = None,
@@ -306,4 +313,21 @@ def plot_validation(labels: list[str], predicted_s, measured_s, out_path, *, tit
     ax.set_ylabel("estimated step time (s)")
     ax.set_title(title or "fasop estimates against measured runs")
     ax.legend(loc="upper left", fontsize=8)
+    _save(fig, path)
+
+
+def plot_comparison(families: list, path, title: str) -> None:
+    """Throughput of each strategy as horizontal bars; strategies without a plan show their reason."""
+    fig = _figure(8.0, 0.5 * len(families) + 1.2)
+    ax = fig.add_subplot()
+    names = [f.name for f in families][::-1]
+    values = [f.plan["throughput_samples_per_s"] if f.plan else 0.0 for f in families][::-1]
+    bars = ax.barh(names, values, color=["#1f77b4" if v else "#cccccc" for v in values])
+    top = max(values) or 1.0
+    for bar, family in zip(bars, families[::-1]):
+        label = f" \\${family.plan['cost_per_step_usd']:.4f}/step" if family.plan else f" no plan: {family.reason}"
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
+    ax.set_xlim(0, top * 1.45)
+    ax.set_xlabel("throughput (samples/s)")
+    ax.set_title(title)
     _save(fig, path)

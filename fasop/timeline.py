@@ -14,7 +14,7 @@ import numpy as np
 
 from fasop.files import check_outputs
 from fasop.plot import _check_out, _figure, _save
-from fasop.schedule import OpTimes
+from fasop.cost.schedule import OpTimes
 
 # (label, face colour, hatch) of each kind of segment, in legend order
 STYLE = {

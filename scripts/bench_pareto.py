@@ -1,7 +1,7 @@
 """Time FASOP's pareto sweep through the Python API.
 
 FASOP's pareto mode (reference section 2.1) sweeps every mix of 0..8 A100 nodes and 0..8 A10 nodes of 8 GPUs
-(80 compositions, up to 128 GPUs) for GPT-2 XL. This script runs the same sweep with fasop.pareto.sweep and
+(80 compositions, up to 128 GPUs) for GPT-2 XL. This script runs the same sweep with fasop.market.pareto.sweep and
 prints the wall time, the compositions, the plans evaluated, the slowest compositions and the Pareto front.
 
     python scripts/bench_pareto.py [--model gpt2-xl] [--cluster fasop-pareto] [--max-nodes A100=4 ...]
@@ -13,10 +13,10 @@ import argparse
 import sys
 import time
 
-from fasop.cluster import load_cluster
 from fasop.errors import InputError
-from fasop.model import load_model
-from fasop.pareto import composition_label, compositions, sweep
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.market.pareto import composition_label, compositions, sweep
 
 
 def main(argv: list[str] | None = None) -> int:

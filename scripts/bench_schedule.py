@@ -1,7 +1,7 @@
-"""Time the exact 1F1B schedule (fasop/schedule.py) on many random heterogeneous plans at once.
+"""Time the exact 1F1B schedule (fasop/cost/schedule.py) on many random heterogeneous plans at once.
 
 Stage times are drawn 3x apart (backward twice the forward), sends up to a tenth of a forward; the same plans
-run plain and interleaved. For scale, a few plans also go through the event simulation of fasop/simulate.py.
+run plain and interleaved. For scale, a few plans also go through the event simulation of fasop/cost/simulate.py.
 
     python scripts/bench_schedule.py [--plans 10000] [--stages 16] [--microbatches 64] [--virtual 1 2 4]
 """

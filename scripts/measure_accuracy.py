@@ -2,7 +2,7 @@
 
     python scripts/measure_accuracy.py [--instances 200] [--seed 0]
 
-1. The 1F1B closed form (docs/cost-model.md section 4) against the event simulation of fasop/simulate.py:
+1. The 1F1B closed form (docs/cost-model.md section 4) against the event simulation of fasop/cost/simulate.py:
    on the best plan of each of FASOP's six experiments, and on random stage sets (speeds 0.3x to 3x apart).
 2. The placement subset that large searches use (type blocks and their rotations, docs/cost-model.md
    section 1) against exhaustive search, on random clusters of up to 16 nodes of up to 3 GPU types that are
@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 import fasop
-from fasop.cluster import Cluster, Derating, NodeType, parse_bandwidth
-from fasop.model import Model
-from fasop.partition import PartitionBatch
-from fasop.placement import more_sequences_than, placement_unit, type_order
+from fasop.cost.problem import PartitionBatch
+from fasop.cost.simulate import simulate_1f1b
+from fasop.inputs.cluster import Cluster, Derating, NodeType, parse_bandwidth
+from fasop.inputs.model import Model
 from fasop.search import search_plans
-from fasop.simulate import simulate_1f1b
+from fasop.search.placement import more_sequences_than, placement_unit, type_order
 
 EXPERIMENTS = [("gpt2-xl", "fasop-8xA10"), ("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-4xA10"),
                ("bert", "fasop-1xA100-3xA10"), ("t5", "fasop-8xA10"), ("t5", "fasop-1xA100-7xA10")]

@@ -5,8 +5,8 @@
 #
 #   scripts/profile_on_gpu.sh [GPU] [OUT_DIR]
 #
-# GPU: the GPU type of catalogue/gpus.toml the profile is for (default H100). OUT_DIR: where to write
-# <model>-<GPU>-measured.csv (default: profiles/<model>/<GPU>-measured.csv, beside the bundled profiles).
+# GPU: the GPU type of fasop/data/catalogue/gpus.toml the profile is for (default H100). OUT_DIR: where to write
+# <model>-<GPU>-measured.csv (default: fasop/data/profiles/<model>/<GPU>-measured.csv, beside the bundled profiles).
 # Environment: PYTHON (default python3), REPEAT (timed passes, default 20), WARMUP (default 5).
 set -euo pipefail
 
@@ -22,7 +22,7 @@ for model in gpt2-xl llama2-7b; do
     if [[ -n "$OUT_DIR" ]]; then
         measured="$OUT_DIR/$model-$GPU-measured.csv"
     else
-        measured="profiles/$model/$GPU-measured.csv"
+        measured="fasop/data/profiles/$model/$GPU-measured.csv"
     fi
     echo "== $model on $GPU: measuring into $measured"
     "$PYTHON" -m fasop profile layers --model "$model" --gpu "$GPU" --tp 1 --mbs 1,2,4,8 --device cuda \
@@ -30,15 +30,15 @@ for model in gpt2-xl llama2-7b; do
     cat "$measured"
     synth="$synth_dir/$model.csv"
     if ! "$PYTHON" -m fasop profile synth --model "$model" --gpu "$GPU" --tp 1 --mbs 1,2,4,8 --out "$synth" --force; then
-        echo "(no synthetic profile for $GPU: not in catalogue/gpus.toml)"
+        echo "(no synthetic profile for $GPU: not in fasop/data/catalogue/gpus.toml)"
         continue
     fi
     echo "== $model on $GPU: measured against fasop profile synth (milliseconds)"
     "$PYTHON" - "$model" "$GPU" "$measured" "$synth" <<'EOF'
 import sys
 
-from fasop.model import load_model
-from fasop.profiles import read_profile, required_kinds
+from fasop.inputs.model import load_model
+from fasop.inputs.profiles import read_profile, required_kinds
 
 model_name, gpu, measured_path, synth_path = sys.argv[1:]
 model = load_model(model_name)

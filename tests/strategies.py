@@ -16,11 +16,11 @@ from pathlib import Path
 from hypothesis import strategies as st
 
 from conftest import toml_table
-from fasop import bundled
-from fasop.cluster import Cluster, load_cluster
-from fasop.model import Model, load_model
-from fasop.catalogue import load_gpu_specs
-from fasop.synth import format_profile, header_lines, synthesize
+from fasop.inputs import bundled
+from fasop.inputs.cluster import Cluster, load_cluster
+from fasop.inputs.model import Model, load_model
+from fasop.inputs.catalogue import load_gpu_specs
+from fasop.profile.synth import format_profile, header_lines, synthesize
 
 if sys.version_info >= (3, 11):
     import tomllib

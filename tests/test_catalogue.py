@@ -4,16 +4,16 @@ catalogue, used by `fasop profile synth`, and refused with one line when a value
 import csv
 import json
 import math
+from pathlib import Path
 
 import pytest
-
-from fasop import synth
-from fasop.catalogue import load_gpu_specs
-from fasop.cli import main
-from fasop.cluster import load_cluster
-from fasop.model import load_model
-
 from conftest import toml_table
+
+from fasop.cli import main
+from fasop.inputs.catalogue import load_gpu_specs
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.profile import synth
 
 MY_GPU = {"name": "MyGPU-24G", "dense_fp16_tflops": 100.0, "dense_bf16_tflops": 100.0, "memory_gib": 24.0,
           "memory_bandwidth_gb_per_s": 1000.0, "intra_node_link": "25 GB/s", "matmul_efficiency": 0.5,
@@ -26,7 +26,8 @@ def _gpu_toml(**changes) -> str:
 
 
 def _layer_times(path) -> dict:
-    rows = csv.DictReader(line for line in open(path) if not line.startswith("#"))
+    lines = Path(path).read_text().splitlines()
+    rows = csv.DictReader(line for line in lines if not line.startswith("#"))
     return {(r["tp"], r["mbs"], r["kind"]): (float(r["forward_s"]), float(r["backward_s"])) for r in rows}
 
 

@@ -17,13 +17,12 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from conftest import TINY_MODEL, model_toml, profile_csv
 
 from fasop.cli import main
-from fasop.cluster import load_cluster
-from fasop.model import load_model
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
 from fasop.search import estimate
-
-from conftest import TINY_MODEL, model_toml, profile_csv
 
 REQUIRED_KEYS = ("mbs", "tp", "dp", "pp", "placement", "layers_per_stage", "step_time_s",
                  "throughput_samples_per_s", "peak_memory_gib", "cost_per_step_usd")

@@ -8,26 +8,31 @@ import numpy as np
 import pytest
 
 import fasop
-from fasop.cluster import Cluster, Derating, NodeType
-from fasop.costmodel import Config, bytes_per_param, embedding_stages, stage_costs
-from fasop.model import Model
-from fasop.placement import geometry, placements, with_embedding_group
-from fasop.search import prepare, search_plans
-from fasop.simulate import simulate_1f1b
+from fasop.cost.communication import geometry, with_embedding_group
+from fasop.cost.config import Config, embedding_stages
+from fasop.cost.memory import bytes_per_param
+from fasop.cost.simulate import simulate_1f1b
+from fasop.cost.step import stage_costs
+from fasop.inputs.cluster import Cluster, Derating, NodeType
+from fasop.inputs.model import Model
+from fasop.search import search_plans
+from fasop.search.placement import placements
+from fasop.search.space import prepare
 
 GIB = 2.0**30
 
 
 def node_type(name, gpus=2, intra="80 GB/s", inter="10 GB/s", memory=16.0, count=1, gpu=None):
-    from fasop.cluster import parse_bandwidth
+    from fasop.inputs.cluster import parse_bandwidth
 
     return NodeType(name=name, gpu=gpu or name, gpus_per_node=gpus, gpu_memory_gib=memory,
                     intra_node_bytes_per_s=parse_bandwidth(intra, "test"),
                     inter_node_bytes_per_s=parse_bandwidth(inter, "test"), price_per_hour_usd=3.6, count=count)
 
 
-def cluster(*types, derating=Derating(), margin=1.0):
-    return Cluster(name="test", node_types={t.name: t for t in types}, derating=derating, memory_margin=margin)
+def cluster(*types, derating=None, margin=1.0):
+    return Cluster(name="test", node_types={t.name: t for t in types}, derating=derating or Derating(),
+                   memory_margin=margin)
 
 
 # -- model: parameters and activations ---------------------------------------------------------------

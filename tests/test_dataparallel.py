@@ -9,12 +9,12 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
-from fasop import dataparallel as dpl
+from fasop.search import dataparallel as dpl
 from fasop.cli import main
-from fasop.cluster import load_cluster
-from fasop.model import load_model
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
 from fasop.plans import load_plans
-from fasop.profiles import load_profiles
+from fasop.inputs.profiles import load_profiles
 
 
 def _brute_force(times, counts, batch):

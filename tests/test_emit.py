@@ -13,12 +13,14 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from fasop.cli import emit, main
-from fasop.cluster import load_cluster
-from fasop.emit import (LaunchOptions, emit_plan, fasop_units_to_layers, first_last_split, launch_options,
-                        pipeline_layout, render_plan)
+from fasop.cli import main
+from fasop.cli.emit import emit
 from fasop.errors import InputError
-from fasop.model import load_model
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.launch.megatron import fasop_units_to_layers, first_last_split, pipeline_layout
+from fasop.launch.options import LaunchOptions, launch_options
+from fasop.launch.write import emit_plan, render_plan
 from fasop.plans import load_plans
 from fasop.search import estimate
 
@@ -370,7 +372,7 @@ def test_partitions_and_gres_from_options_and_cluster(gpt2, tmp_path):
                                                        'account = "proj"\ntime_limit = "2-00:00:00"\n')))
     options = launch_options(cluster.launch, "mixed.toml: launch", cpus_per_task=8)
     components = sbatch_components(render_plan(make_plan(), gpt2, cluster, options)["sbatch.sh"])
-    assert "--partition=hgx" in components[1] and not any(l.startswith("--partition") for l in components[0])
+    assert "--partition=hgx" in components[1] and not any(line.startswith("--partition") for line in components[0])
     assert "--gres=gpu:a10g:2" in components[0] and "--gres=gpu:big:2" in components[1]
     assert all("--account=proj" in c and "--time=2-00:00:00" in c and "--cpus-per-task=8" in c for c in components)
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
-from fasop.cluster import load_cluster
-from fasop.emit import LaunchOptions, render_plan
-from fasop.model import load_model
 from test_emit import flag_values, make_plan, megatron_args, write_cluster
+
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.launch.options import LaunchOptions
+from fasop.launch.write import render_plan
 
 layout_module = pytest.importorskip(
     "megatron.core.transformer.pipeline_parallel_layer_layout",

@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from fasop.cluster import load_cluster
-from fasop.emit import LaunchOptions, emit_plan
-from fasop.model import load_model
 from test_emit import flag_values, make_plan, write_cluster
+
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.launch.options import LaunchOptions
+from fasop.launch.write import emit_plan
 
 if shutil.which("slurmctld") is None:
     pytest.skip("slurmctld is not installed (scripts/install_slurm.sh installs Slurm)", allow_module_level=True)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fasop import bundled
 from fasop.cli import main
 from fasop.errors import InputError
 from fasop.files import check_finite
+from fasop.inputs import bundled
 from fasop.plans import plans_text
 
 HOSTILE = Path(__file__).parent / "hostile"

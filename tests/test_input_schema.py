@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from fasop.catalogue import GpuTable, load_gpu_specs
+from fasop.inputs.catalogue import GpuTable, load_gpu_specs
 from fasop.cli import main
-from fasop.cluster import ClusterHead, DeratingTable, NodeTypeTable, load_cluster
+from fasop.inputs.cluster import ClusterHead, DeratingTable, NodeTypeTable, load_cluster
 from fasop.errors import InputError
-from fasop.model import ModelTable, load_model
+from fasop.inputs.model import ModelTable, load_model
 
 from conftest import TINY_CLUSTER, TINY_NODE_TYPES, cluster_toml, model_toml, toml_table
 

@@ -14,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from fasop.cli import main
-from fasop.emit import render_plan
+from fasop.launch.write import render_plan
 from fasop.errors import InputError
-from fasop.launchers import read_hosts
+from fasop.launch.launchers import read_hosts
 from test_emit import cluster, fake_torchrun, fresh_plan, gpt2, make_plan, write_cluster  # noqa: F401 (fixtures)
 
 

@@ -10,14 +10,15 @@ import xml.etree.ElementTree as ET
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fasop.cli import main
-from fasop.cluster import load_cluster
 from fasop.errors import InputError
-from fasop.model import load_model
-from fasop.pareto import (DEFAULT_TRAIN_STEPS, REQUIRED_COLUMNS, check_limits, choose, compositions,
-                          front_as_csv, pareto_front, read_front_csv, sweep, write_front_csv)
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.market.frontfile import REQUIRED_COLUMNS, front_as_csv, read_front_csv, write_front_csv
+from fasop.market.pareto import DEFAULT_TRAIN_STEPS, check_limits, choose, compositions, pareto_front, sweep
 from fasop.plot import plot_front, plot_stages, stage_times
 from fasop.search import search_plans
 
@@ -54,7 +55,8 @@ count = {a10}
 
 
 def cluster_toml(name, a100=2, a10=2, a100_memory=39.59, a10_memory=22.20):
-    head = f'[cluster]\nname = "{name}"\nmemory_margin = 1.10\n\n[cluster.derating]\np2p_intra_node = 3.5\np2p_inter_node = 1.05\n'
+    head = (f'[cluster]\nname = "{name}"\nmemory_margin = 1.10\n\n'
+            '[cluster.derating]\np2p_intra_node = 3.5\np2p_inter_node = 1.05\n')
     return head + NODE_TYPES.format(a100=a100, a10=a10, a100_memory=a100_memory, a10_memory=a10_memory)
 
 
@@ -479,13 +481,14 @@ def test_plot_bad_input(cluster_file, records, folder):
         not_plans.write_text(content)
         one_line_error(run("plot", "--plan", not_plans, "--out", folder / "x.png"), str(not_plans))
     plans = folder / "few-plans.json"
-    plans.write_text(json.dumps(search_plans(load_model("gpt2-xl"), load_cluster(str(cluster_file)).with_counts({"A10": 1})).plans[:3]))
+    one_a10 = load_cluster(str(cluster_file)).with_counts({"A10": 1})
+    plans.write_text(json.dumps(search_plans(load_model("gpt2-xl"), one_a10).plans[:3]))
     one_line_error(run("plot", "--plan", plans, "--rank", 4, "--out", folder / "x.png"), "--rank", "ranks 1-3")
     one_line_error(run("plot", "--plan", plans, "--rank", 0, "--out", folder / "x.png"), "--rank")
 
 
 def test_search_does_not_import_matplotlib(cluster_file):
-    code = ("import sys; from click.testing import CliRunner; from fasop.cli import main; import fasop.pareto; "
+    code = ("import sys; from click.testing import CliRunner; from fasop.cli import main; import fasop.market.pareto; "
             f"r = CliRunner().invoke(main, ['search', '--model', 'gpt2-xl', '--cluster', {str(cluster_file)!r}, '--top', '1']); "
             "assert r.exit_code == 0, r.output; print('matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -3,9 +3,11 @@
 import itertools
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from fasop.partition import PartitionBatch, optimal_partitions
+from fasop.cost.problem import PartitionBatch
+from fasop.search.partition import optimal_partitions
 
 
 def compositions(total: int, parts: int, lo: list[int]):

@@ -11,12 +11,12 @@ import time
 import pytest
 
 from fasop.cli import main
-from fasop.model import load_model
-from fasop.profiles import read_profile, required_kinds
+from fasop.inputs.model import load_model
+from fasop.inputs.profiles import read_profile, required_kinds
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
-# Shapes small enough for a quick test, each exercising other branches of fasop.torchlayers. Vocabulary 1000
+# Shapes small enough for a quick test, each exercising other branches of fasop.profile.torchlayers. Vocabulary 1000
 # pads to 1024 at tp 1 and 2 alike, so both degrees draw the same weights.
 GPT = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 1000,
        "precision": "fp16"}
@@ -62,7 +62,7 @@ def test_profile_tolerates_the_memory_column_only(tmp_path, tiny):
 def test_units_have_the_model_files_parameter_counts(tiny, shape):
     import torch
 
-    from fasop.torchlayers import Group, build_unit
+    from fasop.profile.torchlayers import Group, build_unit
 
     model = model_file(tiny, shape, SHAPES[shape])
     counts = {kind: build_unit(model, kind, Group(), torch.float32, torch.device("cpu")).parameter_count()
@@ -86,7 +86,7 @@ def unit_results(model, group):
     for one micro-batch of 2, dropout off."""
     import torch
 
-    from fasop.torchlayers import build_unit, output_gradient
+    from fasop.profile.torchlayers import build_unit, output_gradient
 
     results = {}
     for kind in required_kinds(model):
@@ -107,7 +107,7 @@ def report_unit_results(rank, tp, port, models, queue):
     """A spawned rank of the tp=2 check: rank 0 sends its results for each model."""
     import torch.distributed as dist
 
-    from fasop.torchlayers import Group
+    from fasop.profile.torchlayers import Group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     results = {name: unit_results(model, Group(rank, tp)) for name, model in models.items()}
@@ -120,8 +120,8 @@ def report_unit_results(rank, tp, port, models, queue):
 def test_tensor_parallel_shards_compute_what_one_rank_computes(tiny):
     import numpy as np
 
-    from fasop.measure import spawn_ranks
-    from fasop.torchlayers import Group
+    from fasop.profile.measure import spawn_ranks
+    from fasop.profile.torchlayers import Group
 
     # GQA, SwiGLU, RMSNorm and rotary; cross-attention and the decoder embedding; BERT's head
     models = {shape: model_file(tiny, shape, SHAPES[shape]) for shape in ("llama", "t5", "bert")}
@@ -147,7 +147,7 @@ def rank_one_dies(rank, tp, port, queue):
 
 @needs_torch
 def test_a_rank_that_dies_is_reported_and_the_others_ended():
-    from fasop.measure import MeasureError, spawn_ranks
+    from fasop.profile.measure import MeasureError, spawn_ranks
 
     started = time.monotonic()
     with pytest.raises(MeasureError, match="rank 1 ended with exit code 3"):
@@ -181,7 +181,7 @@ def whole_model_s(model, passes):
     """Median seconds of `passes` forward + backward passes of the whole model (micro-batch of 2)."""
     import torch
 
-    from fasop.torchlayers import Group, build_unit
+    from fasop.profile.torchlayers import Group, build_unit
 
     cpu = torch.device("cpu")
     embedding, head = (build_unit(model, kind, Group(), torch.float32, cpu) for kind in ("embedding", "head"))
@@ -253,7 +253,7 @@ def test_bad_requests_get_one_line(runner, tiny, tmp_path):
 @pytest.mark.parametrize("model_name", ["gpt2-xl", "llama2-7b"])
 def test_bundled_measured_profiles_load(model_name):
     """The H100 profiles measured with `fasop profile layers` carry a memory column and load like any other."""
-    from fasop.bundled import data_dir
+    from fasop.inputs.bundled import data_dir
 
     model = load_model(model_name)
     path = data_dir("profiles") / model_name / "H100-measured.csv"

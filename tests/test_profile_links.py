@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from fasop.cli import main
-from fasop.cluster import load_cluster
 from fasop.errors import InputError
-from fasop.links import fit_alpha_beta, group_nodes, launch_from_env, link_bytes, parse_message_sizes
+from fasop.inputs.cluster import load_cluster
+from fasop.profile.links import fit_alpha_beta, group_nodes, launch_from_env, link_bytes, parse_message_sizes
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 SIZES = "16K,1M,16M"

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fasop.cli import main
 from fasop.plans import load_plans, write_plans
-from fasop.search import SORT_KEYS, estimate, search_plans
+from fasop.search import estimate, search_plans
+from fasop.search.engine import SORT_KEYS
 from strategies import Written, specs, write
 
 RELATIVE_TOLERANCE = 1e-9  # figures recomputed along another path may differ in the last bits

@@ -4,13 +4,15 @@ less exposed to profiling error."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fasop.cli import main
-from fasop.cluster import load_cluster
-from fasop.model import load_model
-from fasop.robust import factor_keys, perturbed, plan_metric, robustness
-from fasop.search import prepare, search_plans
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.search import search_plans
+from fasop.search.robust import factor_keys, perturbed, plan_metric, robustness
+from fasop.search.space import prepare
 
 # Both node types carry the same GPU, so compute shares its factors; their network interfaces are equally
 # slow. A data-parallel plan over both nodes (tp=1 dp=4 pp=1) spends a third of its step in an all-reduce

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from test_partition import problems
 
 import fasop
-from fasop.partition import lower_bounds, optimal_partitions
 from fasop.search import search_plans
-from test_partition import problems
+from fasop.search.partition import lower_bounds, optimal_partitions
 
 
 def _measurement_script():

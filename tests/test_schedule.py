@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import fasop.schedule as schedule
+import fasop.cost.schedule as schedule
 from fasop.errors import InputError
-from fasop.schedule import interleaving_error, makespan_s, op_times, stage_program
-from fasop.simulate import simulate_1f1b, simulate_interleaved_1f1b
+from fasop.cost.schedule import interleaving_error, makespan_s, op_times, stage_program
+from fasop.cost.simulate import simulate_1f1b, simulate_interleaved_1f1b
 from fasop.timeline import plot_timeline
 
 seconds = st.floats(1.0, 3.0)  # stage times spread 3x
@@ -58,7 +58,7 @@ def test_blocks_of_plans_give_the_same_times_as_one_block(monkeypatch):
 
 
 def closed_form(forward, backward, send, m):
-    """docs/cost-model.md section 4 (fasop.costmodel.breakdown's pipeline_time_s): every stage and both
+    """docs/cost-model.md section 4 (fasop.cost.step.breakdown's pipeline_time_s): every stage and both
     transfers of every boundary once, then m - 1 periods of the slowest stage with its blocking exchanges."""
     compute = np.add(forward, backward)
     exchange = np.concatenate([[0.0], send]) + np.concatenate([send, [0.0]])

@@ -1,21 +1,21 @@
 """Answers the search can be trusted with: every plan holds every layer, a pruned search returns exactly the
 full search's best plans, and work stays bounded by the answer rather than by the input's numbers."""
 
-import importlib
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from fasop.cluster import Cluster, Derating, NodeType
 from fasop.errors import InputError
-from fasop.model import Model
-from fasop.pareto import MAX_COMPOSITIONS, compositions
-from fasop.placement import SUBSET_NODES, placements
-from fasop.profiles import Curve, GpuProfile
-from fasop.search import MAX_GLOBAL_BATCH, divisors, search_plans
+from fasop.inputs.cluster import Cluster, Derating, NodeType
+from fasop.inputs.model import Model
+from fasop.inputs.profiles import Curve, GpuProfile
+from fasop.market.pareto import MAX_COMPOSITIONS, compositions
+from fasop.search import engine, search_plans
+from fasop.search.placement import SUBSET_NODES, placements
+from fasop.search.space import MAX_GLOBAL_BATCH, divisors
 
-search_module = importlib.import_module("fasop.search")  # the package exports a function of that name
 GPUS = ("g0", "g1", "g2")
 KINDS = ("embedding", "layer", "head", "encoder", "decoder_embedding", "decoder")
 
@@ -72,9 +72,9 @@ def test_pruned_search_returns_the_full_searchs_best(instance, sort):
         assert sum(plan["layers_per_stage"]) == model.num_layers
     for keep in (1, 2, 3, 5):
         # the threshold also tightens after every single problem: soundness may not depend on the chunk size
-        for chunk in (1, search_module.PRUNE_CHUNK):
+        for chunk in (1, engine.PRUNE_CHUNK):
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(search_module, "PRUNE_CHUNK", chunk)
+                patch.setattr(engine, "PRUNE_CHUNK", chunk)
                 pruned = search_plans(model, cluster, profiles=profiles, sort=sort, keep=keep, workers=1).plans
             assert pruned == full[:keep]
 
@@ -115,7 +115,7 @@ def test_many_node_types_give_a_bounded_placement_subset():
     types = [(GPUS[i % 3], 400 + i, 16.0, 1.0) for i in range(12)]
     nodes, exhaustive = placements(cluster_of(types, 1), 2, 100)
     total = sum(count for _, count, _, _ in types)
-    assert not exhaustive and 0 < len(nodes) and len(nodes) * total <= SUBSET_NODES
+    assert not exhaustive and len(nodes) > 0 and len(nodes) * total <= SUBSET_NODES
     assert all(sorted(p) == sorted(f"n{i}" for i, (_, count, _, _) in enumerate(types) for _ in range(count))
                for p in nodes)
 
@@ -125,5 +125,5 @@ def test_sweeping_many_node_types_is_refused_with_its_limit():
     cluster = cluster_of([(GPUS[i % 3], 100, 16.0, 1.0) for i in range(12)], 1)
     with pytest.raises(InputError, match=f"compositions to sweep, more than the limit of {MAX_COMPOSITIONS:,}"):
         compositions(cluster)
-    caps = {name: 1 for name in cluster.node_types}
+    caps = dict.fromkeys(cluster.node_types, 1)
     assert len(compositions(cluster, caps)) == 2**12 - 1

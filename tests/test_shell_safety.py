@@ -16,14 +16,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_emit import fake_torchrun, make_plan, megatron_args, write_cluster
 
 from fasop.cli import main
-from fasop.cluster import load_cluster
-from fasop.emit import LaunchOptions, launch_options, render_plan
 from fasop.errors import InputError
-from fasop.model import load_model
-from fasop.pareto import read_front_csv, sweep, write_front_csv
-from test_emit import fake_torchrun, make_plan, megatron_args, write_cluster
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.launch.options import LaunchOptions, launch_options
+from fasop.launch.write import render_plan
+from fasop.market.frontfile import read_front_csv, write_front_csv
+from fasop.market.pareto import sweep
 
 # Each piece would create a file named PWNED* if a shell ran the text instead of reading it as data.
 PAYLOAD = "x\ntouch PWNED_NEWLINE\n$(touch PWNED_SUBST)`touch PWNED_BACKQUOTE`';touch PWNED_SQ;'\";touch PWNED_DQ;#"

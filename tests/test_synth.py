@@ -1,4 +1,4 @@
-"""Synthetic profiles (fasop.synth, `fasop profile synth`) against FLOP and byte counts worked out by hand
+"""Synthetic profiles (fasop.profile.synth, `fasop profile synth`) against FLOP and byte counts worked out by hand
 from the layer shapes, and the bundled synthetic profiles against what the command regenerates."""
 
 import shlex
@@ -10,12 +10,12 @@ from click.testing import CliRunner
 from fasop import load_model
 from fasop.cli import main
 from fasop.errors import InputError
-from fasop.model import Model
-from fasop.profiles import load_profiles, read_profile
-from fasop import synth
+from fasop.inputs.model import Model
+from fasop.inputs.profiles import load_profiles, read_profile
+from fasop.profile import synth
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT / "profiles"
+PROFILES = ROOT / "fasop" / "data" / "profiles"
 
 # The bundled synthetic profiles: the three-type cluster clusters/h100-a100-a10g.toml needs H100, A100 and
 # A10G profiles; gpt2-xl's A100 (and A10) profiles are FASOP's measurements.

@@ -4,25 +4,25 @@ against them, and factors fitted to runs generated from a known ground truth."""
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from conftest import GPU_SPEED, profile_csv
-from fasop.calibrate import Calibration, Factor, calibrate, calibrated_cluster_text
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fasop.calibration.calibrate import Calibration, Factor, calibrate, calibrated_cluster_text
+from fasop.calibration.measured import median_iteration_s, read_measured
+from fasop.calibration.validate import load_settings
 from fasop.cli import main
-from fasop.cluster import load_cluster
-from fasop.measured import median_iteration_s, read_measured
-from fasop.model import load_model
-from fasop.profiles import load_profiles
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.inputs.profiles import load_profiles
+from fasop.inputs.tomlfile import tomllib
 from fasop.search import estimate
-from fasop.tomlfile import tomllib
-from fasop.validate import load_settings
 
 # Slow links, so that transfers take a real share of the tiny model's step time and the fit can see them.
 NODES = {

@@ -1,0 +1,1 @@
+"""Estimates against measured runs: reading the runs, scoring the estimates, fitting correction factors."""

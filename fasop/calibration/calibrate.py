@@ -1,0 +1,296 @@
+"""Calibration: a few named factors fitted to measured runs so that estimates match the user's hardware.
+
+The factors, each with bounds:
+
+- `compute_time_scale.<gpu>`: a multiplier on every time of that GPU type's profile (1.3: the GPU takes 30%
+  longer than profiled, e.g. a profile measured on a faster part, or a synthetic one). Bounds 0.25 to 4.
+- `bandwidth_scale.intra_node` / `bandwidth_scale.inter_node`: the fraction of the cluster file's (already
+  derated) bandwidth that transfers inside a node / between nodes achieve; pipeline sends and all-reduces
+  alike. Bounds 0.1 to 10. Written as derating: each `[cluster.derating]` field of that link kind is divided
+  by it.
+
+The fit is robust least squares (scipy.optimize.least_squares, soft-L1 loss with a 5% scale, so one odd run
+cannot drag the factors) on log(estimate / measurement), over the logarithms of the factors. A factor that no
+run depends on (no run crosses nodes, say) is not fitted and stays 1. Every evaluation is a full estimate of
+each run with scaled profiles and derating, so the fit and the estimate cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fasop import files
+from fasop.calibration.measured import MeasuredRun
+from fasop.calibration.validate import Setting, mape_pct, predict_step_s
+from fasop.errors import InputError
+from fasop.inputs.catalogue import merged_specs
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.profiles import Curve, GpuProfile
+from fasop.inputs.tomlfile import read_toml
+
+COMPUTE_BOUNDS = (0.25, 4.0)
+BANDWIDTH_BOUNDS = (0.1, 10.0)
+LINK_KINDS = ("intra_node", "inter_node")
+LOSS_SCALE = 0.05  # residuals (log ratios) beyond about 5% count linearly, not quadratically
+UNUSED_SENSITIVITY = 1e-9  # doubling a factor moves no estimate by more than this (log ratio): not fitted
+
+
+@dataclass(frozen=True)
+class Factor:
+    kind: str  # "compute" or "bandwidth"
+    key: str  # a GPU type or a link kind
+
+    @property
+    def name(self) -> str:
+        return f"compute_time_scale.{self.key}" if self.kind == "compute" else f"bandwidth_scale.{self.key}"
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        return COMPUTE_BOUNDS if self.kind == "compute" else BANDWIDTH_BOUNDS
+
+
+def factors_of(setting: Setting) -> list[Factor]:
+    gpus = sorted(setting.profiles)
+    return [Factor("compute", g) for g in gpus] + [Factor("bandwidth", k) for k in LINK_KINDS]
+
+
+def scaled_profile(profile: GpuProfile, scale: float) -> GpuProfile:
+    curves = {key: Curve(c.mbs, c.forward_s * scale, c.backward_s * scale) for key, c in profile.curves.items()}
+    return GpuProfile(profile.gpu, profile.file, curves)
+
+
+def derated(cluster: Cluster, intra_scale: float, inter_scale: float) -> Cluster:
+    """`cluster` whose links achieve `intra_scale` / `inter_scale` times the bandwidth its file gives."""
+    d = cluster.derating
+    return replace(cluster, derating=replace(
+        d, p2p_intra_node=d.p2p_intra_node / intra_scale, collective_intra_node=d.collective_intra_node / intra_scale,
+        p2p_inter_node=d.p2p_inter_node / inter_scale, collective_inter_node=d.collective_inter_node / inter_scale))
+
+
+class Calibration:
+    """The runs of one model on one cluster, and their estimates as a function of the factors."""
+
+    def __init__(self, runs: list[MeasuredRun], setting: Setting):
+        self.runs, self.setting = runs, setting
+        self.factors = factors_of(setting)
+        self.measured_s = np.array([r.measured_step_s for r in runs])
+
+    def predict(self, values: dict[Factor, float], runs: list[int] | None = None) -> np.ndarray:
+        s = self.setting
+        profiles = {g: scaled_profile(p, values[Factor("compute", g)]) for g, p in s.profiles.items()}
+        cluster = derated(s.cluster, values[Factor("bandwidth", "intra_node")], values[Factor("bandwidth", "inter_node")])
+        chosen = range(len(self.runs)) if runs is None else runs
+        return np.array([predict_step_s(self.runs[i], s.model, cluster, profiles) for i in chosen])
+
+    def unit(self) -> dict[Factor, float]:
+        return dict.fromkeys(self.factors, 1.0)
+
+    def exercised(self) -> list[Factor]:
+        """The factors some run's estimate depends on (doubling the factor moves it)."""
+        base = np.log(self.predict(self.unit()))
+        return [f for f in self.factors
+                if np.max(np.abs(np.log(self.predict({**self.unit(), f: 2.0})) - base)) > UNUSED_SENSITIVITY]
+
+    def fit(self, free: list[Factor], runs: list[int], start: dict[Factor, float] | None = None) -> dict[Factor, float]:
+        """Values of the `free` factors (the others 1) that best explain the measured `runs`."""
+        from scipy.optimize import least_squares
+
+        measured = np.log(self.measured_s[runs])
+
+        def values(x: np.ndarray) -> dict[Factor, float]:
+            return {**self.unit(), **{f: float(math.exp(v)) for f, v in zip(free, x)}}
+
+        def residuals(x: np.ndarray) -> np.ndarray:
+            return np.log(self.predict(values(x), runs)) - measured
+
+        x0 = np.log([(start or {}).get(f, 1.0) for f in free])
+        low, high = np.log([f.bounds[0] for f in free]), np.log([f.bounds[1] for f in free])
+        result = least_squares(residuals, np.clip(x0, low, high), bounds=(low, high), loss="soft_l1",
+                               f_scale=LOSS_SCALE)
+        return values(result.x)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    values: dict[Factor, float]
+    free: list[Factor]
+    mape_before_pct: float
+    mape_after_pct: float  # fitted on every run, scored on the same runs
+    mape_loo_pct: float | None  # each run estimated by a fit on the others; None for a single run
+
+
+def calibrate(calibration: Calibration) -> Outcome:
+    n = len(calibration.runs)
+    measured = calibration.measured_s
+    before = calibration.predict(calibration.unit())
+    free = calibration.exercised()
+    everything = list(range(n))
+    values = calibration.fit(free, everything) if free else calibration.unit()
+    after = calibration.predict(values)
+    loo = None
+    if n > 1:
+        held_out = []
+        for i in range(n):
+            others = [j for j in everything if j != i]
+            fitted = calibration.fit(free, others, start=values) if free else values
+            held_out.append(calibration.predict(fitted, [i])[0])
+        loo = mape_pct(np.array(held_out), measured)
+    return Outcome(values, free, mape_pct(before, measured), mape_pct(after, measured), loo)
+
+
+def factor_lines(outcome: Outcome) -> list[str]:
+    """One line per factor: its value and bounds, or why it was not fitted."""
+    width = max(len(f.name) for f in outcome.values)
+    lines = []
+    for f, value in outcome.values.items():
+        low, high = f.bounds
+        if f not in outcome.free:
+            note = "not fitted: no run depends on it"
+        elif min(abs(math.log(value / low)), abs(math.log(value / high))) < 1e-6:
+            note = f"at its bound ({low:g} to {high:g}): the runs would take it further"
+        else:
+            note = f"bounds {low:g} to {high:g}"
+        lines.append(f"{f.name:<{width}}  {value:.4f}  {note}")
+    return lines
+
+
+# -- the written files ---------------------------------------------------------------------------------
+
+def provenance(outcome: Outcome, measured: str, date: str, runs: int, setting: Setting) -> list[str]:
+    """Comment lines saying what was fitted, to what, when, and how well."""
+    loo = "n/a" if outcome.mape_loo_pct is None else f"{outcome.mape_loo_pct:.2f}%"
+    return [f"Calibrated by fasop calibrate on {date} from {runs} measured runs in {measured}",
+            f"(model {setting.model.name}, cluster {setting.cluster.name}); input cluster file {setting.cluster_path}.",
+            "Fitted factors (docs/formats.md, section Calibration, says what each means):",
+            *(f"  {line}" for line in factor_lines(outcome)),
+            f"MAPE {outcome.mape_before_pct:.2f}% before, {outcome.mape_after_pct:.2f}% after, {loo} leave-one-out."]
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else _toml_string(key)
+
+
+def _toml_string(text: str) -> str:
+    # JSON escapes are TOML escapes; TOML also wants DEL escaped
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007F")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def _toml_tables(path: str, table: dict, lines: list[str]) -> None:
+    """`table` as TOML at `path`: its plain values, then its sub-tables and arrays of tables."""
+    def is_array_of_tables(v):
+        return isinstance(v, list) and v and all(isinstance(e, dict) for e in v)
+
+    for key, value in table.items():
+        if not isinstance(value, dict) and not is_array_of_tables(value):
+            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+    for key, value in table.items():
+        sub = f"{path}.{_toml_key(key)}" if path else _toml_key(key)
+        if isinstance(value, dict):
+            lines += ["", f"[{sub}]"]
+            _toml_tables(sub, value, lines)
+        elif is_array_of_tables(value):
+            for entry in value:
+                lines += ["", f"[[{sub}]]"]
+                _toml_tables(sub, entry, lines)
+
+
+def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, date: str) -> tuple[list[dict], list[str]]:
+    """A [[gpu]] table for each GPU type with a fitted compute_time_scale and a spec in the catalogue (bundled,
+    then the cluster file's own), its matmul_efficiency divided by the scale so that `fasop profile synth` reads
+    the calibrated figure; and a comment line for each GPU whose efficiency would leave (0, 1]."""
+    specs = merged_specs(own=cluster.gpus)
+    tables, notes = [], []
+    for factor in outcome.free:
+        scale = outcome.values[factor]
+        if factor.kind != "compute" or factor.key not in specs or scale == 1.0:
+            continue
+        spec = specs[factor.key]
+        efficiency = spec.matmul_efficiency / scale
+        if efficiency > 1.0:
+            notes.append(f"No [[gpu]] table for {spec.name}: matmul_efficiency {spec.matmul_efficiency:g} "
+                         f"({spec.file}) / {factor.name} {scale:.4f} = {efficiency:.4f} is above 1, so the runs are "
+                         "faster than its other figures (peak, memory bandwidth, link) allow; check them.")
+            continue
+        origin = spec.file + (f" ({spec.source})" if spec.source else "")
+        tables.append({
+            "name": spec.name, "dense_fp16_tflops": spec.dense_fp16_tflops, "dense_bf16_tflops": spec.dense_bf16_tflops,
+            "memory_gib": spec.memory_gib, "memory_bandwidth_gb_per_s": spec.memory_bandwidth_gb_per_s,
+            "intra_node_link": spec.intra_node_link, "matmul_efficiency": efficiency,
+            "source": f"fasop calibrate on {measured}: matmul_efficiency {spec.matmul_efficiency:g} / {factor.name} "
+                      f"{scale:.6g}; the other figures from {origin}",
+            "date": date,
+        })
+    return tables, notes
+
+
+def calibrated_cluster_text(cluster_path: Path, cluster: Cluster, outcome: Outcome, comments: list[str],
+                            measured: str, date: str) -> str:
+    """The input cluster file with its derating divided by the fitted bandwidth scales, calibrated [[gpu]] tables
+    (calibrated_gpu_tables) replacing or added to its own, and `comments` on top."""
+    raw = read_toml(cluster_path)
+    gpus, notes = calibrated_gpu_tables(cluster, outcome, measured, date)
+    if gpus:
+        replaced = {g["name"] for g in gpus}
+        raw["gpu"] = [g for g in raw.get("gpu", []) if g.get("name") not in replaced] + gpus
+    calibrated = derated(cluster, outcome.values[Factor("bandwidth", "intra_node")],
+                         outcome.values[Factor("bandwidth", "inter_node")]).derating
+    head = raw.setdefault("cluster", {})
+    head["derating"] = {k: getattr(calibrated, k) for k in type(calibrated).__dataclass_fields__}
+    mark = "(calibrated by fasop calibrate)"
+    if mark not in head.get("description", ""):
+        head["description"] = f"{head.get('description', '')} {mark}".strip()
+    lines = [f"# {line}" for line in comments + notes]
+    _toml_tables("", raw, lines)
+    return "\n".join(lines) + "\n"
+
+
+def scaled_profile_text(profile: GpuProfile, scale: float, comments: list[str]) -> str:
+    """The profile file with every time multiplied by `scale`; its own comments kept under `comments`."""
+    text = files.read_text(profile.file, files.CSV_LIMIT_BYTES)
+    kept = [line for line in text.splitlines() if line.lstrip().startswith("#")]
+    rows = list(csv.reader(line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")))
+    header = rows[0]
+    timed = [header.index("forward_s"), header.index("backward_s")]
+    out = [f"# {line}" for line in comments] + [f"# profile times x {scale:.6g} (compute_time_scale.{profile.gpu}); "
+                                                f"scaled from {profile.file}, whose comments follow:"] + kept
+    out.append(",".join(header))
+    for row in rows[1:]:
+        out.append(",".join(format(float(v) * scale, ".10g") if i in timed else v for i, v in enumerate(row)))
+    return "\n".join(out) + "\n"
+
+
+def check_outputs(outputs: list[tuple[Path, str]], inputs: list[Path], force: bool) -> None:
+    """Refuse an output (path, option) that is one of the inputs or unwritable (always) or that exists (without
+    --force)."""
+    files.check_outputs(outputs, inputs)
+    for out, option in outputs:
+        if out.exists() and not force:
+            raise InputError(f"{option} {out}", "already exists (pass --force to overwrite it)")

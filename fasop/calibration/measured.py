@@ -1,0 +1,234 @@
+"""Measured step times of plans that really ran, for `fasop validate` and `fasop calibrate`.
+
+Two sources: a CSV with the plan columns of a plan file plus `measured_step_s`, or a folder of Megatron-LM
+runs, each a `plan.json` (as `fasop emit` writes it) beside the training log(s) of the job. From a log, the
+step time is the median of Megatron-LM's `elapsed time per iteration (ms)` reports once the warm-up
+iterations are over (the first iterations build CUDA graphs, allocate memory and tune kernels).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fasop.errors import InputError
+from fasop.files import CSV_LIMIT_BYTES, LOG_LIMIT_BYTES, PLANS_LIMIT_BYTES, read_json, read_text
+from fasop.plans import PlanShape
+
+WARMUP_ITERS = 3  # iterations of each log whose timings are left out by default
+LOG_SUFFIXES = (".out", ".log", ".txt")  # files beside plan.json read as training logs (fasop emit: fasop-<job>.out)
+REQUIRED_COLUMNS = ("tp", "dp", "pp", "mbs", "gbs", "placement", "layers_per_stage", "measured_step_s")
+
+# Megatron-LM's training_log prints, on the last rank, every --log-interval iterations:
+#  [2024-05-01 12:00:03] iteration       10/      50 | consumed samples:          640 | elapsed time per
+#  iteration (ms): 1234.5 | learning rate: ... (one line; older versions have no date, some forks print
+#  "X/Y" with a running mean after the interval's own figure, which is the one read here)
+ELAPSED_MARK = "elapsed time per iteration (ms):"
+_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/")
+_ELAPSED = re.compile(re.escape(ELAPSED_MARK) + r"\s*([^\s|/]*)")
+
+
+@dataclass(frozen=True)
+class MeasuredRun(PlanShape):
+    """One plan and the step time measured for it."""
+
+    label: str  # how reports name the run: "row 3" of a CSV, or the log's path inside the folder
+    where: str  # file (and row) for messages
+    model: str  # model name or file, as load_model takes it
+    cluster: str
+    measured_step_s: float
+
+
+def _resolve(value: str, base: Path) -> str:
+    """A model or cluster file named in a run: as given if it exists, else beside the run's file, else as
+    given (a bundled name)."""
+    if Path(value).exists():
+        return value
+    beside = base / value
+    return str(beside) if beside.exists() else value
+
+
+def _positive_int(value: Any, where: str, key: str) -> int:
+    if isinstance(value, str) and re.fullmatch(r"\s*\d+\s*", value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{where}: {key}", f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _int_list(value: Any, where: str, key: str, minimum: int) -> tuple[int, ...]:
+    items = re.split(r"[\s,]+", value.strip()) if isinstance(value, str) else value
+    try:
+        numbers = tuple(int(v) if isinstance(v, str) and v.isdigit() else v for v in items)
+    except TypeError:
+        numbers = ()
+    if not numbers or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in numbers):
+        raise InputError(f"{where}: {key}", f"expected a list of integers >= {minimum}, got {value!r}")
+    return tuple(int(v) for v in numbers)  # checked to be ints above
+
+
+def _name_list(value: Any, where: str, key: str) -> tuple[str, ...]:
+    items = re.split(r"[\s,]+", value.strip()) if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or not all(isinstance(v, str) and v for v in items):
+        raise InputError(f"{where}: {key}", f"expected node-type names, got {value!r}")
+    return tuple(items)
+
+
+def _flag(value: Any, where: str, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise InputError(f"{where}: {key}", f"expected true or false, got {value!r}")
+
+
+def positive_number(value: Any, where: str, key: str) -> float:
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not 0 < number < math.inf:
+        raise InputError(f"{where}: {key}", f"expected a positive, finite number, got {value!r}")
+    return number
+
+
+def run_from_plan(plan: dict, measured_step_s: float, label: str, where: str, base: Path,
+                  model: str | None, cluster: str | None) -> MeasuredRun:
+    """A run from the plan fields of `plan` (a CSV row or a plan.json); `model` / `cluster` override it."""
+    refs = {}
+    for kind, override in (("model", model), ("cluster", cluster)):
+        value = plan.get(f"{kind}_file") or plan.get(kind)
+        if override is None and not (isinstance(value, str) and value.strip()):
+            raise InputError(where, f"names no {kind}_file or {kind} (or pass --{kind})")
+        refs[kind] = override or _resolve(str(value).strip(), base)
+    missing = [key for key in REQUIRED_COLUMNS if key != "measured_step_s" and key not in plan]
+    if missing:
+        raise InputError(where, f"lacks {', '.join(missing)}")
+    return MeasuredRun(
+        label=label, where=where, model=refs["model"], cluster=refs["cluster"],
+        tp=_positive_int(plan["tp"], where, "tp"), dp=_positive_int(plan["dp"], where, "dp"),
+        pp=_positive_int(plan["pp"], where, "pp"), mbs=_positive_int(plan["mbs"], where, "mbs"),
+        gbs=_positive_int(plan["gbs"], where, "gbs"),
+        placement=_name_list(plan["placement"], where, "placement"),
+        layers_per_stage=_int_list(plan["layers_per_stage"], where, "layers_per_stage", 0),
+        distributed_optimizer=_flag(plan.get("distributed_optimizer", True), where, "distributed_optimizer"),
+        measured_step_s=measured_step_s,
+    )
+
+
+def read_runs_csv(path: Path, model: str | None = None, cluster: str | None = None) -> list[MeasuredRun]:
+    """Runs of a CSV: one row per run, plan columns (as `fasop search --output plans.csv` writes them) and
+    `measured_step_s`; an optional `run` column names the rows. Lines starting with `#` are comments."""
+    numbered = [(n, line) for n, line in enumerate(read_text(path, CSV_LIMIT_BYTES).splitlines(), start=1)
+                if line.strip() and not line.lstrip().startswith("#")]
+    if not numbered:
+        raise InputError(str(path), "no header and no rows (expected a CSV with measured_step_s and plan columns)")
+    reader = csv.DictReader([line for _, line in numbered])
+    header = reader.fieldnames or []
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
+        raise InputError(str(path), f"missing column(s) {', '.join(missing)} (header: {','.join(header)})")
+    runs = []
+    for (number, _), row in zip(numbered[1:], reader):
+        where = f"{path}: line {number}"
+        if None in row or None in row.values():
+            raise InputError(where, f"expected {len(header)} fields like the header, got a different number")
+        label = row.get("run") or f"line {number}"
+        step_s = positive_number(row["measured_step_s"], where, "measured_step_s")
+        runs.append(run_from_plan(row, step_s, label, where, path.parent, model, cluster))
+    if not runs:
+        raise InputError(str(path), "no rows under the header")
+    return runs
+
+
+def median_iteration_s(path: Path, warmup_iters: int = WARMUP_ITERS) -> float | None:
+    """Median seconds per iteration of a Megatron-LM log, leaving out every report whose interval holds
+    one of the first `warmup_iters` iterations of the log; None when the file holds no report.
+
+    A report at iteration i covers the iterations after the previous report; the first report's interval
+    is taken to be as long as the one after it (or to start at iteration 0 when it is the only one), so
+    that a log resumed from a checkpoint counts its warm-up from where it resumed.
+    """
+    reports: list[tuple[int, float]] = []
+    for number, line in enumerate(read_text(path, LOG_LIMIT_BYTES).splitlines(), start=1):
+        if ELAPSED_MARK not in line:
+            continue
+        where = f"{path}: line {number}"
+        iteration, elapsed = _ITERATION.search(line), _ELAPSED.search(line)
+        if iteration is None or elapsed is None:  # elapsed matches any line holding ELAPSED_MARK
+            raise InputError(where, f"expected 'iteration N/ M |' before '{ELAPSED_MARK}'")
+        step_ms = positive_number(elapsed.group(1), where, "elapsed time per iteration (ms)")
+        if reports and int(iteration.group(1)) <= reports[-1][0]:
+            raise InputError(where, f"iteration {iteration.group(1)} follows iteration {reports[-1][0]}: "
+                                    "expected one training run per log file")
+        reports.append((int(iteration.group(1)), step_ms / 1e3))
+    if not reports:
+        return None
+    first = reports[0][0]
+    interval = reports[1][0] - first if len(reports) > 1 else first
+    start = max(first - interval, 0)
+    starts = [start] + [i for i, _ in reports[:-1]]
+    kept = [s for (_, s), begin in zip(reports, starts) if begin >= start + warmup_iters]
+    if not kept:
+        raise InputError(str(path), f"every iteration report (last: iteration {reports[-1][0]}) falls within the "
+                                    f"first {warmup_iters} warm-up iterations; run longer or lower the warm-up")
+    return statistics.median(kept)
+
+
+def _load_plan_json(path: Path) -> dict:
+    plan = read_json(path, PLANS_LIMIT_BYTES, "the plan object that fasop emit writes")
+    if not isinstance(plan, dict):
+        raise InputError(str(path), "expected the plan object that fasop emit writes")
+    return plan
+
+
+def read_runs_logs(folder: Path, warmup_iters: int = WARMUP_ITERS, model: str | None = None,
+                   cluster: str | None = None) -> list[MeasuredRun]:
+    """One run per training log (*.out, *.log, *.txt with iteration reports) beside each plan.json under
+    `folder`, in path order."""
+    runs = []
+    plans = sorted(folder.rglob("plan.json"))
+    if not plans:
+        raise InputError(str(folder), "no plan.json in this folder or below (expected the run folders fasop emit "
+                                      "writes, with the training logs beside plan.json)")
+    for plan_path in plans:
+        plan = _load_plan_json(plan_path)
+        logs = sorted(p for p in plan_path.parent.iterdir() if p.is_file() and p.suffix in LOG_SUFFIXES)
+        found = 0
+        for log in logs:
+            step_s = median_iteration_s(log, warmup_iters)
+            if step_s is None:
+                continue
+            found += 1
+            label = str(log.relative_to(folder))
+            runs.append(run_from_plan(plan, step_s, label, str(plan_path), plan_path.parent, model, cluster))
+        if not found:
+            raise InputError(str(plan_path.parent), f"no training log ({', '.join(LOG_SUFFIXES)}) with "
+                                                    f"'{ELAPSED_MARK}' reports beside plan.json")
+    return runs
+
+
+def read_measured(path: Path, warmup_iters: int = WARMUP_ITERS, model: str | None = None,
+                  cluster: str | None = None) -> list[MeasuredRun]:
+    """Runs of a CSV file or of a folder of Megatron-LM runs (see the module docstring)."""
+    if path.is_dir():
+        return read_runs_logs(path, warmup_iters, model, cluster)
+    if not path.exists():
+        raise InputError(f"--measured {path}", "no such file or folder")
+    return read_runs_csv(path, model, cluster)
+
+
+def input_files(path: Path) -> list[Path]:
+    """Every file a measured source consists of (never to be written over)."""
+    if path.is_dir():
+        return [p for p in path.rglob("*") if p.is_file()]
+    return [path]
+

@@ -1,0 +1,113 @@
+"""Estimates against measurements: each measured run's plan is estimated afresh (as `fasop estimate` does)
+from its model, cluster and profiles, and the estimates are scored against the measured step times."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fasop.calibration.measured import MeasuredRun
+from fasop.errors import InputError
+from fasop.inputs import bundled
+from fasop.inputs.cluster import Cluster, load_cluster
+from fasop.inputs.model import Model, load_model
+from fasop.inputs.profiles import GpuProfile, load_profiles
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a run is estimated with, and the files that hold it."""
+
+    model: Model
+    cluster: Cluster
+    profiles: dict[str, GpuProfile]
+    files: tuple[Path, Path]  # the model file and the cluster file
+
+    @property
+    def cluster_path(self) -> Path:
+        return self.files[1]
+
+    @property
+    def input_paths(self) -> list[Path]:
+        return [*self.files] + [Path(p.file) for p in self.profiles.values()]
+
+
+def load_settings(runs: list[MeasuredRun], profiles_dir: str | None) -> list[Setting]:
+    """The setting of each run; runs naming the same model and cluster share one."""
+    cache: dict[tuple[str, str], Setting] = {}
+    result = []
+    for run in runs:
+        key = (run.model, run.cluster)
+        if key not in cache:
+            try:
+                model, cluster = load_model(run.model), load_cluster(run.cluster)
+                gpus = sorted({t.gpu for t in cluster.node_types.values()})
+                profiles = load_profiles(model, gpus, profiles_dir)
+            except InputError as err:
+                raise InputError(run.where, str(err)) from None
+            files = (bundled.locate("models", run.model, ".toml", "--model")[0],
+                     bundled.locate("clusters", run.cluster, ".toml", "--cluster")[0])
+            cache[key] = Setting(model, cluster, profiles, files)
+        result.append(cache[key])
+    return result
+
+
+def predict_step_s(run: MeasuredRun, model: Model, cluster: Cluster, profiles: dict[str, GpuProfile]) -> float:
+    """The estimated step time of the run's plan."""
+    from fasop.search import estimate  # the search modules load only when a plan is estimated
+
+    try:
+        row = estimate(model, cluster, tp=run.tp, dp=run.dp, pp=run.pp, mbs=run.mbs, placement=list(run.placement),
+                       layers=list(run.layers_per_stage), gbs=run.gbs, distributed_optimizer=run.distributed_optimizer,
+                       profiles=profiles)
+    except InputError as err:
+        raise InputError(run.where, f"cannot be estimated with model {model.name} and cluster {cluster.name} ({err})") from None
+    return row["step_time_s"]
+
+
+def mape_pct(predicted_s: np.ndarray, measured_s: np.ndarray) -> float:
+    """Mean absolute percentage error of the estimates, relative to the measurements."""
+    return float(100.0 * np.mean(np.abs(predicted_s - measured_s) / measured_s))
+
+
+@dataclass(frozen=True)
+class Comparison:
+    labels: list[str]
+    predicted_s: np.ndarray
+    measured_s: np.ndarray
+    mape_pct: float
+    spearman: float | None  # rank correlation of estimates and measurements; None for fewer than 3 runs or ties all round
+    first: int  # the run fasop ranks first (lowest estimate; the first listed among equals)
+    fastest: int  # the run measured fastest
+
+    @property
+    def first_is_fastest(self) -> bool:
+        return bool(self.measured_s[self.first] == self.measured_s[self.fastest])
+
+
+def compare(runs: list[MeasuredRun], predicted_s: list[float]) -> Comparison:
+    from scipy.stats import spearmanr
+
+    predicted, measured = np.array(predicted_s, dtype=float), np.array([r.measured_step_s for r in runs])
+    rho = None
+    if len(runs) >= 3:
+        value = float(spearmanr(predicted, measured).statistic)
+        rho = value if math.isfinite(value) else None
+    return Comparison([r.label for r in runs], predicted, measured, mape_pct(predicted, measured), rho,
+                      int(np.argmin(predicted)), int(np.argmin(measured)))
+
+
+def format_comparison(c: Comparison) -> str:
+    """One line per run (estimate, measurement, error), then the scores."""
+    width = max(len("run"), *(len(label) for label in c.labels))
+    lines = [f"{'run':<{width}}  {'estimated s':>11}  {'measured s':>10}  {'error':>7}"]
+    for label, p, m in zip(c.labels, c.predicted_s, c.measured_s):
+        lines.append(f"{label:<{width}}  {p:>11.4f}  {m:>10.4f}  {100 * (p - m) / m:>+6.1f}%")
+    rho = "n/a (needs 3 runs and some spread)" if c.spearman is None else f"{c.spearman:.3f}"
+    lines.append(f"MAPE {c.mape_pct:.1f}% over {len(c.labels)} runs; Spearman rank correlation {rho}")
+    verdict = "yes" if c.first_is_fastest else f"no: {c.labels[c.fastest]} was ({c.measured_s[c.fastest]:.4f} s)"
+    lines.append(f"fasop's first plan, {c.labels[c.first]}, was the fastest measured: {verdict}")
+    return "\n".join(lines)

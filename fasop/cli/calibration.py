@@ -1,0 +1,117 @@
+"""The `fasop validate` and `fasop calibrate` commands (fasop/calibration/ does the work)."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import click
+
+from fasop.calibration.measured import WARMUP_ITERS, input_files, read_measured
+from fasop.cli.common import reports_input_errors
+from fasop.errors import InputError
+from fasop.files import write_atomically
+
+
+def _measured_options(command):
+    options = [
+        click.option("--measured", "measured", required=True, type=click.Path(path_type=Path), metavar="CSV|DIR",
+                     help="A CSV of plan columns (as in plans.csv) plus measured_step_s, or a folder of run folders "
+                          "that each hold fasop emit's plan.json and the job's Megatron-LM log (*.out, *.log, *.txt)."),
+        click.option("--warmup-iters", type=click.IntRange(min=0), default=WARMUP_ITERS, show_default=True,
+                     help="Iterations at the start of each log left out of its median step time."),
+        click.option("--model", "model_name", default=None, metavar="NAME|FILE",
+                     help="Model of every run (default: each run's model_file or model)."),
+        click.option("--cluster", "cluster_name", default=None, metavar="NAME|FILE",
+                     help="Cluster of every run (default: each run's cluster_file or cluster)."),
+        click.option("--profiles", "profiles_dir", default=None, metavar="DIR",
+                     help="Folder of <gpu>.csv profiles (default: the bundled profiles/<model>)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _runs_and_settings(measured, warmup_iters, model_name, cluster_name, profiles_dir):
+    from fasop.calibration.validate import load_settings
+
+    runs = read_measured(measured, warmup_iters, model_name, cluster_name)
+    return runs, load_settings(runs, profiles_dir)
+
+
+
+@click.command()
+@_measured_options
+@click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
+              help="Also draw estimated against measured step time (.png or .svg).")
+@reports_input_errors
+def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, chart):
+    """Compare fasop's estimates with measured step times: each run's plan is estimated afresh from its
+    model, cluster and profiles; prints estimate and measurement per run, the mean absolute percentage
+    error (MAPE), the Spearman rank correlation and whether the plan fasop ranks first was the fastest."""
+    from fasop.calibration.validate import compare, format_comparison, predict_step_s
+
+    if chart is not None and chart.suffix.lower() not in (".png", ".svg"):
+        raise InputError(f"--chart {chart}", "expected a file name ending in .png or .svg")
+    runs, settings = _runs_and_settings(measured, warmup_iters, model_name, cluster_name, profiles_dir)
+    predicted = [predict_step_s(r, s.model, s.cluster, s.profiles) for r, s in zip(runs, settings)]
+    comparison = compare(runs, predicted)
+    click.echo(format_comparison(comparison))
+    if chart is not None:
+        if chart.resolve() in {p.resolve() for p in input_files(measured)}:
+            raise InputError(f"--chart {chart}", "is one of the measured files; choose another file")
+        from fasop.plot import plot_validation
+
+        plot_validation(comparison.labels, comparison.predicted_s, comparison.measured_s, chart)
+        click.echo(f"chart written to {chart}")
+
+@click.command()
+@_measured_options
+@click.option("--out", type=click.Path(path_type=Path), required=True, metavar="FILE",
+              help="Calibrated cluster file to write (.toml): the input cluster with fitted derating.")
+@click.option("--profiles-out", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
+              help="Also write each GPU type's profile with its fitted compute_time_scale applied, as "
+                   "DIR/<gpu>.csv (use with --profiles DIR).")
+@click.option("--force", is_flag=True, help="Overwrite output files that exist (never an input).")
+@reports_input_errors
+def calibrate(measured, warmup_iters, model_name, cluster_name, profiles_dir, out, profiles_out, force):
+    """Fit compute_time_scale per GPU type and bandwidth_scale per link kind (inside a node, between nodes)
+    to measured step times by robust least squares; print the error before and after, and with
+    leave-one-out cross-validation; write the calibrated cluster file (and profiles)."""
+    from fasop.calibration import calibrate as cal
+
+    if out.suffix != ".toml":
+        raise InputError(f"--out {out}", "expected a cluster file name ending in .toml")
+    runs, settings = _runs_and_settings(measured, warmup_iters, model_name, cluster_name, profiles_dir)
+    pairs = sorted({(r.model, r.cluster) for r in runs})
+    if len({id(s) for s in settings}) > 1:
+        raise InputError(f"--measured {measured}", "calibrate fits one model on one cluster; the runs name "
+                                                   + ", ".join(f"{m} on {c}" for m, c in pairs))
+    setting = settings[0]
+    outputs = [(out, "--out")]
+    if profiles_out is not None:
+        outputs += [(profiles_out / f"{gpu}.csv", "--profiles-out") for gpu in sorted(setting.profiles)]
+    cal.check_outputs(outputs, input_files(measured) + setting.input_paths, force)
+    outcome = cal.calibrate(cal.Calibration(runs, setting))
+    for line in cal.factor_lines(outcome):
+        click.echo(line)
+    if len(runs) <= len(outcome.free):
+        click.echo(f"note: {len(runs)} runs for {len(outcome.free)} factors: the runs cannot pin the factors "
+                   "down (see the leave-one-out error); measure more plans of different shapes")
+    loo = "n/a (one run)" if outcome.mape_loo_pct is None else f"{outcome.mape_loo_pct:.1f}%"
+    click.echo(f"MAPE over {len(runs)} runs: {outcome.mape_before_pct:.1f}% before, {outcome.mape_after_pct:.1f}% "
+               f"after (fitted on all runs), {loo} leave-one-out (each run estimated by a fit on the others)")
+    today = datetime.date.today().isoformat()
+    comments = cal.provenance(outcome, str(measured), today, len(runs), setting)
+    write_atomically(out, cal.calibrated_cluster_text(setting.cluster_path, setting.cluster, outcome, comments,
+                                                      str(measured), today))
+    click.echo(f"calibrated cluster written to {out}")
+    if profiles_out is not None:
+        for gpu, profile in sorted(setting.profiles.items()):
+            scale = outcome.values[cal.Factor("compute", gpu)]
+            write_atomically(profiles_out / f"{gpu}.csv", cal.scaled_profile_text(profile, scale, comments))
+        click.echo(f"calibrated profiles written to {profiles_out}")
+    elif any(outcome.values[f] != 1.0 for f in outcome.free if f.kind == "compute"):
+        click.echo("note: the compute factors are not applied to any profile (the cluster file has them in its "
+                   "comments, and as matmul_efficiency of [[gpu]] tables for profile synth); pass "
+                   "--profiles-out DIR to write profiles with them applied")

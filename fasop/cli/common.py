@@ -1,0 +1,101 @@
+"""What every command shares: one-line input errors, the common options, the files a run reads, and the
+progress bar of long runs."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from fasop.errors import InputError
+from fasop.inputs import bundled
+from fasop.inputs.profiles import profile_paths
+
+PROGRESS_DELAY_S = 1.0  # runs shorter than this never show a bar
+
+
+def reports_input_errors(command):
+    """Bad input ends the command with one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except InputError as err:
+            click.echo(f"Error: {err}", err=True)
+            raise click.exceptions.Exit(2) from None
+
+    return wrapper
+
+
+model_option = click.option("--model", "model_name", required=True, metavar="NAME|FILE",
+                            help="A bundled model (gpt2-xl, bert, t5, ...) or a model TOML file.")
+cluster_option = click.option("--cluster", "cluster_name", required=True, metavar="NAME|FILE",
+                              help="A bundled cluster (fasop-1xA100-7xA10, ...) or a cluster TOML file.")
+gbs_option = click.option("--gbs", type=int, default=None, help="Global batch size (default: the model file's).")
+profiles_option = click.option("--profiles", "profiles_dir", default=None, metavar="DIR",
+                               help="Folder of <gpu>.csv profiles (default: the bundled profiles/<model>).")
+mismatch_option = click.option("--allow-profile-mismatch", is_flag=True,
+                                help="Use profiles whose fasop-profile header line names another model or GPU.")
+optimizer_option = click.option("--distributed-optimizer/--no-distributed-optimizer", default=True, show_default=True,
+                                help="Shard optimizer state over data parallelism (Megatron's --use-distributed-optimizer).")
+
+
+def profile_options(gpu_help: str, tp_default: str, tp_help: str, mbs_help: str):
+    """--gpu, --tp and --mbs: the GPU type and the sizes a profile command writes a profile of."""
+    options = [
+        click.option("--gpu", required=True, metavar="NAME", help=gpu_help),
+        click.option("--tp", "tp_text", default=tp_default, show_default=True, metavar="N,N,...", help=tp_help),
+        click.option("--mbs", "mbs_text", default="1,2,4,8", show_default=True, metavar="N,N,...", help=mbs_help),
+    ]
+
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def input_paths(model_name: str, cluster_name: str, model, cluster, profiles_dir: str | None) -> list[Path]:
+    """The files a search or sweep reads, which its outputs must not replace."""
+    profiles = profile_paths(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
+    return [bundled.resolve("models", model_name, ".toml"), bundled.resolve("clusters", cluster_name, ".toml"),
+            *profiles.values()]
+
+
+@contextmanager
+def progress_bar(label: str) -> Iterator[Callable[[int, int], None]]:
+    """A `progress(done, total)` callback that shows click's progress bar on stderr, only on a terminal and only
+    once the work has run for PROGRESS_DELAY_S (short runs, and output to files, stay free of it)."""
+    started = time.monotonic()
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            if time.monotonic() - started < PROGRESS_DELAY_S or not sys.stderr.isatty():
+                return
+            bar = click.progressbar(length=total, label=label, file=sys.stderr)
+        bar.update(done - bar.pos)
+
+    try:
+        yield progress
+    finally:
+        if bar is not None:
+            bar.render_finish()
+
+
+def int_list(option: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise InputError(option, f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise InputError(option, f"expected non-negative integers, got {text!r}")
+    return values

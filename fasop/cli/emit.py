@@ -1,0 +1,178 @@
+"""`fasop emit`: Slurm and Megatron-LM launch scripts for one plan of a plan list."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from fasop.cli.common import profiles_option, reports_input_errors
+from fasop.errors import InputError
+from fasop.files import check_outputs
+from fasop.inputs import bundled
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.launch.dataparallel import is_data_parallel, render_dp_plan, restate_dp_plan
+from fasop.launch.launchers import launcher_files, launcher_hint, launcher_inputs, launcher_options
+from fasop.launch.options import FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, launch_options, split_flags
+from fasop.launch.restate import restate_plan
+from fasop.launch.write import check_out_dir, render_plan, write_files
+from fasop.plans import load_plans, select_plan
+
+
+def _resolve_input(value: str, plans_path: Path) -> str:
+    """A file named in the plan list: as given if it exists, else beside the plan list, else as given (a name)."""
+    if Path(value).exists():
+        return value
+    beside = plans_path.parent / value
+    return str(beside) if beside.exists() else value
+
+
+def _type_map(values: tuple[str, ...], option: str) -> tuple[str | None, dict[str, str]]:
+    """`NAME` (every node type) and `TYPE=NAME` (one node type or GPU) -> (default, per-type map)."""
+    default, per_type = None, {}
+    for value in values:
+        key, sep, name = value.partition("=")
+        if not sep:
+            default = value
+        elif not key or not name:
+            raise InputError(f"{option} {value}", "expected NAME or TYPE=NAME")
+        else:
+            per_type[key] = name
+    return default, per_type
+
+
+_SITE_HELP = "Overrides the [launch] table of the cluster file."
+
+
+# The site options after --partition and --gres-type, in --help order: (flag, help, click keywords). Each
+# overrides the cluster file's [launch] table; its default None leaves the table's value.
+_SITE_OPTIONS: tuple[tuple[str | None, str, dict[str, Any]], ...] = (
+    ("--gpus-per-node", "GPUs per node, instead of the cluster's.", {"type": int}),
+    ("--cpus-per-task", "CPUs for the one task per node that runs torchrun and its workers.", {"type": int}),
+    ("--account", "Slurm account to charge.", {}),
+    ("--exclusive/--no-exclusive", "Ask for whole nodes (default: yes).", {}),
+    ("--job-name", "Slurm job name (default: fasop-<model>).", {}),
+    ("--time-limit", "Slurm time limit such as 01:00:00 or 1-12:00:00 (default 01:00:00).", {"metavar": "TIME"}),
+    ("--megatron-path", "Megatron-LM checkout on the nodes (default Megatron-LM, relative to the run directory; "
+                        "the MEGATRON_PATH variable overrides it at run time).", {"metavar": "DIR"}),
+    ("--entry-script", "Training script, relative to the Megatron-LM path unless absolute (default "
+                       "pretrain_gpt.py, pretrain_bert.py or pretrain_t5.py by model).", {"metavar": "FILE"}),
+    ("--data-path", "Megatron-LM --data-path (default: --mock-data).", {"metavar": "PREFIX"}),
+    ("--tokenizer-type", "Megatron-LM --tokenizer-type (default: NullTokenizer without a vocabulary file, else "
+                         "GPT2BPETokenizer or BertWordPieceLowerCase by model).", {}),
+    ("--vocab-file", "Megatron-LM --vocab-file.", {"metavar": "FILE"}),
+    ("--merge-file", "Megatron-LM --merge-file.", {"metavar": "FILE"}),
+    ("--tokenizer-model", "Megatron-LM --tokenizer-model.", {"metavar": "FILE"}),
+    ("--container-image", "Run in this enroot/pyxis container image (srun --container-image); default: no "
+                          "container.", {"metavar": "IMAGE"}),
+    ("--container-mounts", "pyxis --container-mounts besides the run directory, which is always mounted.",
+     {"metavar": "SRC:DST[,...]"}),
+    (None, "", {}),  # --extra-flags sits here: it adds to the table's flags instead of replacing them
+    ("--train-iters", "Megatron-LM --train-iters (default 50).", {"type": int}),
+    ("--master-port", "Rendezvous port on the first node (default 6000).", {"type": int}),
+    ("--megatron-flavor", "stock: Megatron-LM's own flags (default); fasop-fork: FASOP's fork with --balance.",
+     {"type": click.Choice(FLAVORS)}),
+    ("--pipeline-split", "How uneven layers per stage are passed (stock flavour): auto (default) uses "
+                         "--decoder-first/last-pipeline-num-layers when the split has that form, else "
+                         "--pipeline-model-parallel-layout; layout or first-last force one.",
+     {"type": click.Choice(PIPELINE_SPLITS)}),
+)
+
+
+def _site_options(command):
+    """The site options of _SITE_OPTIONS, with --extra-flags in its place."""
+    extra = click.option("--extra-flags", "extra_flags", multiple=True, metavar="'FLAGS'",
+                         help="More Megatron-LM flags, split as a shell would; appended last, so they win over the "
+                              "emitted ones; repeatable, added to the [launch] table's.")
+    for flag, help_text, keywords in reversed(_SITE_OPTIONS):
+        option = extra if flag is None else click.option(flag, default=None, help=f"{help_text} {_SITE_HELP}",
+                                                         **keywords)
+        command = option(command)
+    return command
+
+
+@click.command("emit")
+@click.option("--plans", "plans_file", required=True, metavar="FILE",
+              help="Plan list written by `fasop search --output plans.json`.")
+@click.option("--rank", type=int, default=1, show_default=True, help="Which plan of the list (1 = the best).")
+@click.option("--out", "out_dir", required=True, metavar="DIR",
+              help="Directory to write sbatch.sh (or launch.sh, or commands.txt), run_inter.sh and plan.json into "
+                   "(created if missing).")
+@click.option("--force", is_flag=True,
+              help="Overwrite the files of a directory that holds files already, and emit a plan whose figures "
+                   "disagree with a fresh estimate (with a warning; plan.json gets the fresh figures).")
+@click.option("--model", "model_name", default=None, metavar="NAME|FILE",
+              help="Model file (default: the plan's model_file).")
+@click.option("--cluster", "cluster_name", default=None, metavar="NAME|FILE",
+              help="Cluster file (default: the plan's cluster_file); its [launch] table gives site defaults.")
+@click.option("--partition", "partitions", multiple=True, metavar="NAME|TYPE=NAME",
+              help="Slurm partition for every node type, or TYPE=NAME for one node type or GPU; repeatable. " + _SITE_HELP)
+@click.option("--gres-type", "gres_types", multiple=True, metavar="NAME|TYPE=NAME",
+              help="GRES type (as in --gres=gpu:TYPE:N) for every node type, or TYPE=NAME for one node type or GPU; "
+                   "repeatable. Default: the node type's gres_type, else its GPU name in lower case.")
+@_site_options
+@launcher_options
+@profiles_option
+@reports_input_errors
+def emit(plans_file: str, rank: int, out_dir: str, force: bool, model_name: str | None, cluster_name: str | None,
+         partitions: tuple[str, ...], gres_types: tuple[str, ...], extra_flags: tuple[str, ...],
+         profiles_dir: str | None, **site) -> None:
+    """Write Slurm and Megatron-LM launch scripts for one plan of a plan list.
+
+    DIR gets sbatch.sh (one Slurm job, a heterogeneous-job component per run of node types in the plan's
+    placement order), run_inter.sh (torchrun and Megatron-LM flags, one per node) and plan.json (the plan and
+    its estimate). The plan is estimated afresh from the model, cluster and profiles first, and refused when
+    the figures in the plan file disagree. Submit with: cd DIR && sbatch sbatch.sh
+    """
+    written = _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions, gres_types,
+                    extra_flags, profiles_dir, site)
+    for path in written:
+        click.echo(str(path))
+    commands, hint = launcher_hint(site, out_dir)
+    if commands:
+        click.echo(commands)
+    click.echo(hint, err=True)
+
+
+def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions, gres_types, extra_flags,
+          profiles_dir, site):
+    plans_path = Path(plans_file)
+    plans = load_plans(plans_path)
+    plan = select_plan(plans, rank, plans_file)
+    out = Path(out_dir)
+    check_out_dir(out, force)
+    where = f"{plans_file}: plan {rank}"
+    for key, option in (("model_file", model_name), ("cluster_file", cluster_name)):
+        if option is None and not isinstance(plan.get(key), str):
+            raise InputError(where, f"names no {key}; give --{key.split('_')[0]}")
+    model_file = model_name or _resolve_input(plan["model_file"], plans_path)
+    cluster_file = cluster_name or _resolve_input(plan["cluster_file"], plans_path)
+    model, cluster = load_model(model_file), load_cluster(cluster_file)
+    data_parallel = is_data_parallel(plan)  # kinds ddp and zero1-3 have their own estimate and launcher
+    plan, warning = (restate_dp_plan if data_parallel else restate_plan)(plan, model, cluster, profiles_dir, force, where)
+    # A plain NAME on the command line applies to every node type, over what the cluster file says.
+    partition, partition_map = _type_map(partitions, "--partition")
+    gres_type, gres_map = _type_map(gres_types, "--gres-type")
+    for default, mapping in ((partition, partition_map), (gres_type, gres_map)):
+        for node_type in cluster.node_types.values():
+            if default is not None and node_type.name not in mapping and node_type.gpu not in mapping:
+                mapping[node_type.name] = default
+    flags = []
+    for value in extra_flags:
+        flags += split_flags(value, "--extra-flags")
+    overrides = {key: value for key, value in site.items() if key in LAUNCH_KEYS}
+    options = launch_options(
+        getattr(cluster, "launch", {}), f"{getattr(cluster, 'file', '') or cluster.name}: launch",
+        partition=partition, partitions=partition_map, gres_type=gres_type, gres_types=gres_map,
+        extra_flags=tuple(flags), **overrides)
+    files = (render_dp_plan if data_parallel else render_plan)(plan, model, cluster, options, where)
+    files = launcher_files(files, plan, out, options.master_port, site)
+    inputs = [plans_path, bundled.resolve("models", model_file, ".toml"), bundled.resolve("clusters", cluster_file, ".toml")]
+    inputs += launcher_inputs(site)
+    check_outputs([(out / name, "--out") for name in files], inputs)
+    written = write_files(out, files, force)
+    if warning:
+        click.echo(warning, err=True)
+    return written

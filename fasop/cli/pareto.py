@@ -1,0 +1,183 @@
+"""`fasop pareto` and `fasop plot`: which machines to rent, and charts of the front or of one plan's stages."""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import click
+
+from fasop.cli import common
+from fasop.cli.tables import front_table
+from fasop.cost.price import check_run_length, run_steps
+from fasop.errors import InputError
+from fasop.files import check_outputs, pending_write
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.plans import load_plans, select_plan
+
+
+def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
+    """('A100=4', 'A10=2') -> {'A100': 4, 'A10': 2}."""
+    caps: dict[str, int] = {}
+    for value in values:
+        name, sep, count = value.partition("=")
+        name, count = name.strip(), count.strip()
+        try:
+            number = int(count)
+        except ValueError:
+            number = None
+        if not sep or not name or number is None:
+            raise InputError(f"--max-nodes {value}", "expected TYPE=N, a node type and a number of nodes (for example A100=4)")
+        caps[name] = number
+    return caps
+
+
+@click.command()
+@common.model_option
+@common.cluster_option
+@common.gbs_option
+@click.option("--train-steps", type=int, default=None, help="Steps of the whole run (default 10,000 without --train-tokens).")
+@click.option("--train-tokens", type=float, default=None, help="Tokens of the whole run (instead of --train-steps).")
+@click.option("--budget", type=float, default=None, metavar="USD", help="Report the fastest run that costs at most this.")
+@click.option("--deadline", type=float, default=None, metavar="HOURS",
+              help="Report the cheapest run that ends within this (with --budget: the cheapest meeting both).")
+@click.option("--max-nodes", multiple=True, metavar="TYPE=N", help="Sweep at most N nodes of TYPE (repeatable).")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write one row per composition to front.csv.")
+@click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw cost against throughput to chart.png or chart.svg.")
+@click.option("--x", "x_axis", type=click.Choice(["throughput", "time"]), default="throughput", show_default=True,
+              help="Horizontal axis of --chart.")
+@common.profiles_option
+@common.mismatch_option
+@common.optimizer_option
+@common.reports_input_errors
+def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, deadline, max_nodes, output, chart, x_axis,
+           profiles_dir, allow_profile_mismatch, distributed_optimizer):
+    """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
+    the Pareto front; with --budget or --deadline, which mix to rent."""
+    from fasop.market.pareto import check_limits, compositions
+
+    check_limits(budget, deadline)
+    check_run_length(train_steps, train_tokens)
+    if (budget is not None or deadline is not None) and train_steps is None and train_tokens is None:
+        raise InputError("--budget" if budget is not None else "--deadline",
+                         "a budget or deadline needs the length of the run: give --train-steps or --train-tokens")
+    if output is not None and output.suffix != ".csv":
+        raise InputError(f"--output {output}", "expected a file name ending in .csv")
+    if chart is not None and chart.suffix.lower() not in (".png", ".svg"):
+        raise InputError(f"--chart {chart}", "expected a file name ending in .png or .svg")
+    model, cluster = load_model(model_name), load_cluster(cluster_name)
+    outputs = [(path, option) for path, option in ((output, "--output"), (chart, "--chart")) if path is not None]
+    check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir))
+    todo = compositions(cluster, _max_nodes(max_nodes))
+    batch = gbs or model.global_batch_size
+    caps = ", ".join(f"0-{max(c[n] for c in todo)} {n}" for n in cluster.node_types)
+    click.echo(f"{model.name} on {cluster.name}: {len(todo)} compositions of {caps} nodes ({cluster.gpus_per_node} GPUs each), "
+               f"global batch {batch}, a run of {_run_length(batch, model, train_steps, train_tokens)}")
+    from fasop.market.pareto import choose, sweep
+
+    started = time.perf_counter()
+    with common.progress_bar("sweeping") as progress:
+        records = sweep(model, cluster, todo, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
+                        profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer,
+                        allow_profile_mismatch=allow_profile_mismatch, progress=progress)
+    elapsed = time.perf_counter() - started
+    click.echo(front_table(records))
+    on_front = sum(r["on_front"] for r in records)
+    feasible = sum(r["feasible"] for r in records)
+    click.echo(f"{len(records)} compositions swept in {elapsed:.2f} s, {sum(r['plans_evaluated'] for r in records):,} plans "
+               f"evaluated; {on_front} on the Pareto front (*), {len(records) - feasible} without a plan that fits.")
+    chosen, message = choose(records, budget, deadline)
+    if message:
+        click.echo(message)
+    _write_front(records, output, chart, x_axis, budget, deadline, chosen)
+    if output is not None:
+        click.echo(f"{len(records)} compositions written to {output}")
+    if chart is not None and feasible:
+        click.echo(f"chart written to {chart}")
+    elif chart is not None:
+        click.echo("no chart: no composition has a plan that fits", err=True)
+
+
+def _run_length(batch: int, model, train_steps: int | None, train_tokens: float | None) -> str:
+    """The run as the sweep's first line states it."""
+    from fasop.market.pareto import DEFAULT_TRAIN_STEPS
+
+    if train_tokens is not None:
+        length = f"{train_tokens:,.0f} tokens"
+        if batch > 0:
+            length += f" = {run_steps(batch, model, train_tokens):,} steps"
+        return length
+    length = f"{train_steps or DEFAULT_TRAIN_STEPS:,} steps"
+    if train_steps is None:
+        length += " (default; set --train-steps or --train-tokens)"
+    return length
+
+
+def _write_front(records, output, chart, x_axis, budget, deadline, chosen) -> None:
+    """The front file and the chart; the front file is moved into place only once the chart is written."""
+    from fasop.market.frontfile import front_as_csv
+
+    with pending_write(output, front_as_csv(records), f"--output {output}") if output else nullcontext():
+        if chart is not None and any(r["feasible"] for r in records):
+            from fasop.plot import plot_front
+
+            plot_front(records, chart, x=x_axis, budget=budget, deadline=deadline, chosen=chosen)
+
+
+def _load_plan(plan_file: Path, rank: int) -> dict:
+    """Plan `rank` of a `fasop search --output plans.json` file, with the per-stage breakdown a chart needs."""
+    from fasop.plot import check_plan
+
+    plan = select_plan(load_plans(plan_file), rank, str(plan_file))
+    check_plan(plan, f"{plan_file}: plan {rank}")
+    return plan
+
+
+@click.command()
+@click.argument("front_file", required=False, type=click.Path(dir_okay=False, path_type=Path), metavar="[FRONT.csv]")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="chart.png or chart.svg")
+@click.option("--x", "x_axis", type=click.Choice(["throughput", "time"]), default=None,
+              help="Horizontal axis of a front chart: throughput (default) or time to train.")
+@click.option("--budget", type=float, default=None, metavar="USD",
+              help="Draw the budget and highlight the fastest run within it.")
+@click.option("--deadline", type=float, default=None, metavar="HOURS",
+              help="Draw the deadline and highlight the cheapest run within it.")
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Instead of a front: chart the stages of one plan of a fasop search --output plans.json file.")
+@click.option("--rank", type=int, default=None, help="Which plan of --plan (default 1, the best).")
+@common.reports_input_errors
+def plot(front_file, out, x_axis, budget, deadline, plan_file, rank):
+    """Chart a front file of fasop pareto (cost against throughput), or with --plan the compute,
+    communication and idle time of each pipeline stage of one plan."""
+    if (front_file is None) == (plan_file is None):
+        raise InputError("fasop plot", "give either a front file (FRONT.csv from fasop pareto --output) or --plan plans.json")
+    if out.suffix.lower() not in (".png", ".svg"):
+        raise InputError(f"--out {out}", "expected a file name ending in .png or .svg")
+    check_outputs([(out, "--out")], [plan_file or front_file])
+    if plan_file is not None:
+        if budget is not None or deadline is not None or x_axis is not None:
+            raise InputError("--plan", "--budget, --deadline and --x apply to a front chart, not to a plan's stages")
+        from fasop.plot import plot_stages
+
+        plan = _load_plan(plan_file, 1 if rank is None else rank)
+        plot_stages(plan, out)
+        click.echo(f"stages of plan {plan.get('rank', rank or 1)} ({plan['pp']} stages) written to {out}")
+        return
+    if rank is not None:
+        raise InputError("--rank", "applies to --plan only")
+    from fasop.market.frontfile import read_front_csv
+    from fasop.market.pareto import check_limits, choose
+    from fasop.plot import plot_front
+
+    check_limits(budget, deadline)
+    records = read_front_csv(front_file)
+    chosen, message = choose(records, budget, deadline)
+    counts = plot_front(records, out, x=x_axis or "throughput", budget=budget, deadline=deadline, chosen=chosen)
+    if message:
+        click.echo(message)
+    series = ", ".join(f"{n} {k}" for k, n in counts.items() if k not in ("front", "chosen", "not shown"))
+    click.echo(f"chart of {len(records)} compositions ({series}; {counts['front']} on the front) written to {out}")

@@ -1,0 +1,81 @@
+"""`fasop profile`: layer-time profiles for `fasop search`, synthesised (synth) or measured (layers), and the
+links between GPUs (links)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from fasop.cli import profile_layers, profile_links
+from fasop.cli.common import model_option, profile_options, reports_input_errors
+from fasop.errors import InputError
+from fasop.files import check_outputs
+from fasop.inputs import bundled
+from fasop.inputs.catalogue import catalogue_options, gpu_table_path
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+
+
+@click.group()
+def profile():
+    """Make layer-time profiles for `fasop search` (profiles/<model>/<gpu>.csv)."""
+
+
+
+@profile.command()
+@model_option
+@profile_options(gpu_help="GPU type of catalogue/gpus.toml (A100, H100, A10G, L4, ...). It is also the profile's "
+                          "file name: a cluster's node_type `gpu` field picks profiles/<model>/<gpu>.csv.",
+                 tp_default="1,2,4,8",
+                 tp_help="Tensor-parallel degrees to estimate; each must divide the model's heads, query groups and FFN.",
+                 mbs_help="Micro-batch sizes to estimate (fasop interpolates between them and scales beyond).")
+@click.option("--efficiency", type=float, default=None, metavar="F",
+              help="Achievable fraction of the dense peak FLOP/s, in (0, 1] (default: the GPU's matmul_efficiency "
+                   "in catalogue/gpus.toml). Lower it to match a measured profile of another GPU type.")
+@click.option("--link-bandwidth", default=None, metavar="BANDWIDTH",
+              help='Intra-node link per GPU, one direction, for the tensor-parallel collectives, e.g. "450 GB/s" '
+                   "(default: the GPU's intra_node_link in catalogue/gpus.toml).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, metavar="FILE",
+              help="CSV to write. As profiles/<model>/<gpu>.csv, or <gpu>.csv in a folder passed to "
+                   "`fasop search --profiles DIR`, the search uses it.")
+@click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
+@catalogue_options
+@reports_input_errors
+def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, force, catalogue, gpus_cluster):
+    """Estimate a profile of MODEL on GPU from FLOPs, bytes and the GPU spec table, for GPU types not yet
+    measured.
+
+    Each unit (embedding, transformer layer, head) takes max(FLOPs / (peak x efficiency), bytes / memory
+    bandwidth) plus its tensor-parallel all-gathers and reduce-scatters over the intra-node link; backward
+    does twice the forward FLOPs. See fasop/profile/synth.py for what is counted. Small layers run slower in practice:
+    measure a profile when you can.
+    """
+    from fasop.profile import synth as synthesis
+
+    model = load_model(model_name)
+    spec = synthesis.load_gpu_spec(gpu, catalogue, load_cluster(gpus_cluster).gpus if gpus_cluster else None)
+    tps = synthesis.parse_sizes("--tp", tp_text)
+    mbss = synthesis.parse_sizes("--mbs", mbs_text)
+    tps, mbss = synthesis.check_degrees(model, tps, mbss)
+    if out.exists() and not force:
+        raise InputError(f"--out {out}", "already exists (pass --force to overwrite it)")
+    read = [bundled.resolve("models", model_name, ".toml"), gpu_table_path()]
+    read += [Path(catalogue)] if catalogue else []
+    read += [bundled.resolve("clusters", gpus_cluster, ".toml")] if gpus_cluster else []
+    check_outputs([(out, "--out")], read)
+    rows = synthesis.synthesize(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
+    lines = synthesis.header_lines(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
+    synthesis.write_profile(out, rows, lines, force=force)
+    layer = next(r for r in rows if r.kind in model.layer_kinds)
+    click.echo(f"{len(rows)} rows of {model.name} on {spec.name} written to {out} "
+               f"(tp {','.join(map(str, tps))}; mbs {','.join(map(str, mbss))}); "
+               f"{layer.kind} at tp={layer.tp} mbs={layer.mbs}: forward {layer.forward_s * 1e3:.4g} ms, "
+               f"backward {layer.backward_s * 1e3:.4g} ms")
+    if out.name != f"{spec.name}.csv":
+        click.echo(f"note: fasop search reads <gpu>.csv; name the file {spec.name}.csv to use it for GPU {spec.name}")
+
+
+
+profile.add_command(profile_layers.layers)
+profile.add_command(profile_links.links)

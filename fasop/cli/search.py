@@ -1,0 +1,162 @@
+"""`fasop search` and `fasop estimate`: rank every plan of a model on a cluster, or break down one plan."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import click
+
+from fasop.cli import common
+from fasop.cli.tables import format_estimate, format_table, noise_report
+from fasop.cost.price import check_run_length
+from fasop.errors import InputError
+from fasop.files import check_finite, check_outputs, pending_write
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.inputs.profiles import load_profiles
+from fasop.launch.options import launch_options
+from fasop.launch.write import check_out_dir, render_plan, write_files
+from fasop.plans import plans_text
+from fasop.search.robust import CANDIDATES, check_noise
+
+
+def noise_options(command):
+    """The search command's --noise, --trials and --seed options."""
+    command = click.option("--seed", type=int, default=0, show_default=True,
+                           help="Seed of the --noise trials: the same seed gives the same report.")(command)
+    command = click.option("--trials", type=int, default=200, show_default=True,
+                           help="Perturbed re-estimates for --noise.")(command)
+    return click.option("--noise", type=float, default=None, metavar="F",
+                        help=f"Also perturb every profile time and link bandwidth by up to this fraction (0.2: "
+                             f"+-20%) in --trials trials, re-estimate the best {CANDIDATES} plans in each and "
+                             "report how often each is best and how much slower than the best it can be "
+                             "(fasop/search/robust.py).")(command)
+
+
+@click.command()
+@common.model_option
+@common.cluster_option
+@common.gbs_option
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Plans to print.")
+@click.option("--sort", type=click.Choice(["time", "cost"]), default="time", show_default=True,
+              help="Rank by step time or by dollars per step.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write every feasible plan to plans.json or plans.csv.")
+@click.option("--train-steps", type=click.IntRange(min=1), default=None,
+              help="Steps of the whole run, for its time and price.")
+@click.option("--train-tokens", type=click.FloatRange(min=1), default=None,
+              help="Tokens of the whole run (instead of --train-steps).")
+@click.option("--prune", is_flag=True,
+              help="Solve only plans that can reach the --top best (sound lower bounds skip the rest): faster on "
+                   "large clusters; --output then holds only those plans.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes to search with (default: one per core for clusters of 32 nodes or more, else one).")
+@click.option("--emit", "emit_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Also write the best plan's Slurm and Megatron-LM launch scripts into this directory "
+                   "(site options from the cluster file's [launch] table; `fasop emit` offers them all).")
+@common.profiles_option
+@common.mismatch_option
+@common.optimizer_option
+@noise_options
+@common.reports_input_errors
+def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, prune, workers, emit_dir,
+           profiles_dir, allow_profile_mismatch, distributed_optimizer, noise, trials, seed):
+    """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
+    from fasop.search import search_plans
+    from fasop.search.space import prepare
+
+    if noise is not None:
+        check_noise(noise, trials)
+    check_run_length(train_steps, train_tokens)
+    if output is not None and output.suffix not in (".json", ".csv"):
+        raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
+    model, cluster = load_model(model_name), load_cluster(cluster_name)
+    inputs = common.input_paths(model_name, cluster_name, model, cluster, profiles_dir)
+    outputs = [(output, "--output")] if output is not None else []
+    if emit_dir is not None:
+        check_out_dir(emit_dir, force=False)
+    check_outputs(outputs, inputs)
+    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
+    started = time.perf_counter()
+    with common.progress_bar("searching") as progress:
+        result = search_plans(model, cluster, gbs, profiles_dir, distributed_optimizer=distributed_optimizer,
+                              train_steps=train_steps, train_tokens=train_tokens, sort=sort, progress=progress,
+                              keep=top if prune else None, workers=workers, profiles=profiles)
+    elapsed = time.perf_counter() - started
+    plans = result.plans
+    if not plans:
+        closest = result.closest_plan
+        hint = ""
+        if closest is not None:
+            hint = (f"; the closest plan (tp={closest.tp} dp={closest.dp} pp={closest.pp} mbs={closest.mbs}) "
+                    f"needs {result.closest_memory_factor:.2f}x the GPU memory")
+        raise InputError(f"--cluster {cluster_name}", f"no plan fits in memory ({result.out_of_memory} plans tried){hint}")
+    _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs)
+    click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0]['gbs']}; "
+               f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
+               f"solved), {len(plans)} {'best kept' if prune else 'fit in memory'}, {result.out_of_memory} removed "
+               f"as out of memory.")
+    click.echo(format_table(plans, top))
+    if result.pruned:
+        click.echo(f"{result.pruned} layer partitions skipped: their lower bound cannot reach the best {top}.")
+    if any(plan["placement_search"] != "exhaustive" for plan in plans[:top]):
+        click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
+                   "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
+    if noise is not None:
+        prepared = prepare(model, cluster, plans[0]["gbs"], profiles_dir, distributed_optimizer, profiles)
+        click.echo(noise_report(prepared, plans, noise, trials, seed, sort, top))
+    if output is not None:
+        click.echo(f"{len(plans)} plans written to {output}")
+    if emit_dir is not None:
+        click.echo(f"launch scripts of plan 1 written to {emit_dir}; submit with: cd {emit_dir} && sbatch sbatch.sh")
+
+
+def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> None:
+    """The plan list and the best plan's launch scripts. Everything that can fail is done before the first file
+    is written: the plan list is moved into place only once the launch scripts are written."""
+    emitted = {}
+    if emit_dir is not None:
+        options = launch_options(cluster.launch, f"{cluster.file or cluster.name}: launch")
+        check_finite(plans[0], "--emit plan 1")
+        emitted = render_plan(plans[0], model, cluster, options, where="plan 1")
+        check_outputs(outputs + [(emit_dir / name, "--emit") for name in emitted], inputs)
+    with pending_write(output, plans_text(plans, output), f"--output {output}") if output else nullcontext():
+        if emit_dir is not None:
+            # force: the directory was empty before the search; the plan list's temporary file may be there now
+            write_files(emit_dir, emitted, force=True)
+
+
+@click.command()
+@common.model_option
+@common.cluster_option
+@click.option("--tp", type=click.IntRange(min=1), required=True, help="Tensor-parallel degree.")
+@click.option("--dp", type=click.IntRange(min=1), required=True, help="Data-parallel degree.")
+@click.option("--pp", type=click.IntRange(min=1), required=True, help="Pipeline-parallel degree.")
+@click.option("--mbs", type=click.IntRange(min=1), required=True, help="Micro-batch size.")
+@click.option("--placement", required=True, metavar="TYPE,TYPE,...", help="Node types in node-rank order.")
+@click.option("--layers", required=True, metavar="N,N,...",
+              help="Transformer layers per stage (embedding on the first stage, head on the last).")
+@common.gbs_option
+@common.profiles_option
+@common.mismatch_option
+@common.optimizer_option
+@click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
+@common.reports_input_errors
+def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, profiles_dir, allow_profile_mismatch,
+             distributed_optimizer, as_json):
+    """Break down the step time, memory and price of one explicit plan."""
+    from fasop.search import estimate as run_estimate
+
+    model, cluster = load_model(model_name), load_cluster(cluster_name)
+    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
+    row = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
+                       layers=common.int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
+                       distributed_optimizer=distributed_optimizer, profiles=profiles)
+    if as_json:
+        check_finite(row, "estimate")
+        click.echo(json.dumps(row, indent=1, allow_nan=False))
+        return
+    click.echo(format_estimate(row, model.name, cluster.name, cluster.memory_margin))

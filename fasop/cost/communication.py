@@ -1,0 +1,151 @@
+"""Communication: the links a placement gives every pipeline boundary and every all-reduce, and the seconds the
+sends, gradient all-reduces and tied-embedding all-reduce of a plan take.
+
+Megatron-LM orders ranks tensor-fastest, then data, then pipeline: rank r = t + tp*d + tp*dp*s, and torchrun
+gives node n the ranks n*M .. n*M+M-1 (M GPUs per node). So pipeline stage s owns the contiguous rank block
+[s*R, (s+1)*R) with R = tp*dp, and a placement -- the node types in node-rank order -- decides which GPU
+types host each stage and which links every pipeline boundary and every all-reduce crosses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from fasop.cost.config import Config
+from fasop.cost.memory import FP32_BYTES
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.model import Model
+
+
+def gradient_comm_bytes(model: Model) -> int:
+    """Bytes per gradient element in the data-parallel reduction: Megatron-LM reduces bf16 training's
+    gradients in fp32 (it turns on accumulate-allreduce-grads-in-fp32 for bf16) and fp16's in fp16."""
+    return FP32_BYTES if model.precision in ("bf16", "fp32") else model.precision_bytes
+
+
+def p2p_times(model: Model, geo: Geometry, config: Config, segment: np.ndarray,
+              mbs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(boundary, exchange): (K, pp-1) seconds to send one micro-batch's activation across each boundary, and
+    (K, pp) the sends and receives each stage waits for in each steady-state step."""
+    # activation sizes grow linearly with the micro-batch: compute them once for one sample
+    per_sample_bytes = np.array([model.boundary_bytes(s, 1, config.tp)
+                                 for s in range(len(model.layer_kinds))])[segment[1:]]
+    boundary = geo.boundary_s_per_byte[None, :] * per_sample_bytes[None, :] * mbs[:, None]
+    exchange = np.zeros((len(mbs), config.pp))
+    exchange[:, 1:] += boundary
+    exchange[:, :-1] += boundary
+    return boundary, exchange
+
+
+def allreduce_times(model: Model, geo: Geometry, config: Config, fixed_params: np.ndarray,
+                    layer_params: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fixed, per layer, embedding): (K, pp) data-parallel all-reduce of each stage's gradients beyond its
+    layers, (K, pp) what each layer adds, and (K,) the tied embedding's all-reduce between its stages."""
+    grad_bytes = gradient_comm_bytes(model)
+    ar_fixed = np.broadcast_to(geo.dp_allreduce_s_per_byte * grad_bytes * fixed_params, (k, config.pp))
+    ar_layer = np.broadcast_to(geo.dp_allreduce_s_per_byte * grad_bytes * layer_params, (k, config.pp))
+    emb_ar = np.full(k, geo.embedding_allreduce_s_per_byte * grad_bytes * model.padded_vocab(config.tp)
+                     * model.hidden_size / config.tp)
+    return ar_fixed, ar_layer, emb_ar
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where the ranks of a (tp, dp, pp) plan land for one placement; all times are seconds per byte."""
+
+    placement: tuple[str, ...]
+    stage_node_types: tuple[tuple[str, ...], ...]  # distinct node types hosting each stage
+    stage_nodes: tuple[tuple[int, ...], ...]  # node ranks hosting each stage
+    boundary_s_per_byte: np.ndarray  # (pp-1,): one micro-batch's send per rank across boundary j
+    dp_allreduce_s_per_byte: np.ndarray  # (pp,): all-reduce of one byte of each rank's gradients
+    node: np.ndarray  # (pp, dp, tp): node of every rank
+    embedding_allreduce_s_per_byte: float = 0.0  # all-reduce of the tied embedding between its stages
+
+
+def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp: int) -> Geometry:
+    gpn = cluster.gpus_per_node
+    links = _Links(cluster, placement)
+    per_stage = tp * dp
+    node = np.arange(per_stage * pp).reshape(pp, dp, tp) // gpn  # [stage, data index, tensor index]
+    # a stage owns a contiguous rank block, so it spans a contiguous run of nodes
+    stage_nodes = tuple(tuple(range(s * per_stage // gpn, ((s + 1) * per_stage - 1) // gpn + 1)) for s in range(pp))
+    stage_types = tuple(tuple(sorted({placement[n] for n in nodes})) for nodes in stage_nodes)
+    flat = node.reshape(pp, -1)
+    boundary = links.exchange(flat[:-1], flat[1:])
+    dp_cost = links.allreduce(node.transpose(0, 2, 1)) if dp > 1 else np.zeros(pp)  # one group per tensor index
+    return Geometry(placement, stage_types, stage_nodes, boundary, dp_cost, node)
+
+
+def with_embedding_group(cluster: Cluster, geo: Geometry, stages: tuple[int, ...]) -> Geometry:
+    """`geo` with the cost of all-reducing the tied embedding between `stages` (one group per (d, t))."""
+    if len(stages) < 2:
+        return replace(geo, embedding_allreduce_s_per_byte=0.0)
+    groups = geo.node[list(stages)].reshape(len(stages), -1).T
+    cost = _Links(cluster, geo.placement).allreduce(groups[None])[0]
+    return replace(geo, embedding_allreduce_s_per_byte=float(cost))
+
+
+class _Links:
+    """The links of one placement: per-GPU intra-node and per-node inter-node bandwidth, derated."""
+
+    def __init__(self, cluster: Cluster, placement: tuple[str, ...]):
+        types = [cluster.node_types[n] for n in placement]
+        self.intra = np.array([t.intra_node_bytes_per_s for t in types])
+        self.inter = np.array([t.inter_node_bytes_per_s for t in types])
+        self.derating = cluster.derating
+
+    def _per_node(self, sets: np.ndarray, nodes: np.ndarray, weight) -> np.ndarray:
+        """(S, N): for each set s, the sum of `weight` over its entries on each node."""
+        out = np.zeros((len(sets), len(self.inter)))
+        np.add.at(out, (np.broadcast_to(sets, nodes.shape), nodes), weight)
+        return out
+
+    def exchange(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """(J,) seconds per byte: across each boundary j every rank of one stage sends the same bytes to its
+        partner in the next stage (rows of src and dst), all at once.
+
+        Pairs inside a node use the per-GPU intra-node link; pairs across nodes share the network interface
+        of their sending and of their receiving node, so the busiest interface sets the time.
+        """
+        der = self.derating
+        boundary = np.arange(len(src))[:, None]
+        local = src == dst
+        intra = np.where(local, der.p2p_intra_node / self.intra[src], 0.0).max(axis=1, initial=0.0)
+        crossing = (~local).astype(float)
+        sends = self._per_node(boundary, src, crossing)
+        receives = self._per_node(boundary, dst, crossing)
+        inter = (np.maximum(sends, receives) * der.p2p_inter_node / self.inter).max(axis=1, initial=0.0)
+        return np.maximum(intra, inter)
+
+    def allreduce(self, groups: np.ndarray) -> np.ndarray:
+        """(S,) seconds per gradient byte: for each set s, all-reduces run at once, one per row of groups[s]
+        (the nodes of its members); the slowest counts.
+
+        A group inside one node runs a ring over the intra-node links: 2(n-1)/n bytes per byte. A group across
+        k nodes runs hierarchically: reduce-scatter and all-gather inside each node over its g local members
+        (2(g-1)/g), and an all-reduce between the k nodes (2(k-1)/k) whose traffic every group of the set with
+        members on a node pushes through that node's one interface.
+        """
+        der = self.derating
+        sets, rows, _ = groups.shape
+        nodes = len(self.inter)
+        # the distinct (group, node) pairs and how many members each holds: sparse, since a group spans few
+        # of the nodes and there can be thousands of both
+        pairs, members = np.unique((np.arange(sets * rows)[:, None] * nodes + groups.reshape(sets * rows, -1)).ravel(),
+                                   return_counts=True)
+        group, node = pairs // nodes, pairs % nodes
+        k = np.bincount(group, minlength=sets * rows)
+        g = np.zeros(sets * rows, dtype=members.dtype)
+        np.maximum.at(g, group, members)
+        slowest_intra = np.full(sets * rows, np.inf)
+        np.minimum.at(slowest_intra, group, self.intra[node])
+        intra_part = np.where(g > 1, 2 * (g - 1) / g * der.collective_intra_node / slowest_intra, 0.0)
+        spanning = k > 1
+        set_node = group // rows * nodes + node
+        nic_load = np.bincount(set_node, weights=spanning[group], minlength=sets * nodes)
+        busiest = np.zeros(sets * rows)
+        np.maximum.at(busiest, group, nic_load[set_node] / self.inter[node])
+        inter_part = np.where(spanning, 2 * (k - 1) / np.maximum(k, 1) * der.collective_inter_node * busiest, 0.0)
+        return (intra_part + inter_part).reshape(sets, rows).max(axis=1)

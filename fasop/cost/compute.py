@@ -1,0 +1,48 @@
+"""Compute: forward and backward seconds of each stage's units for one micro-batch, from the profiles of the
+GPU types hosting the stage (the slowest sets the pace)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fasop.cost.config import Config
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.model import Model
+from fasop.inputs.profiles import GpuProfile
+
+
+@dataclass(frozen=True)
+class StageCompute:
+    gpu: tuple[str, ...]  # GPU types hosting each stage, '+'-joined when a stage spans two types
+    layer_s: np.ndarray  # (K, pp) one transformer layer of the stage's segment
+    fixed_s: np.ndarray  # (K, pp) the embedding and head units on the stage (everything when pp = 1)
+
+
+def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
+                  stage_node_types: tuple[tuple[str, ...], ...], config: Config, sizes: tuple[int, ...],
+                  segment: np.ndarray) -> StageCompute:
+    """Compute of each stage for each micro-batch size in `sizes`."""
+    tp, pp, whole = config.tp, config.pp, config.pp == 1
+    stage_gpus = [tuple(sorted({cluster.node_types[n].gpu for n in names})) for names in stage_node_types]
+    gpu_sets = sorted(set(stage_gpus))
+    stage_set = np.array([gpu_sets.index(g) for g in stage_gpus])
+
+    def unit_s(kind: str) -> np.ndarray:
+        """(K, pp): forward + backward of one unit of `kind` for one micro-batch on each stage."""
+        per_set = np.array([np.max([profiles[g].step_s(tp, kind, sizes) for g in gpus], axis=0) for gpus in gpu_sets])
+        return per_set[stage_set].T
+
+    kinds = model.layer_kinds
+    layer_by_kind = [unit_s(kind) for kind in kinds]
+    layer_s = np.choose(segment, layer_by_kind) if len(kinds) > 1 else layer_by_kind[0]
+    first_decoder = min(config.encoder_stages, pp - 1)
+    fixed_s = np.zeros((len(sizes), pp))
+    fixed_s[:, 0] += unit_s("embedding")[:, 0]
+    fixed_s[:, -1] += unit_s("head")[:, -1]
+    if model.is_encoder_decoder:
+        fixed_s[:, first_decoder] += unit_s("decoder_embedding")[:, first_decoder]
+    if whole:
+        fixed_s[:, 0] += sum(n * t[:, 0] for n, t in zip(model.segment_layers, layer_by_kind))
+    return StageCompute(tuple("+".join(g) for g in stage_gpus), layer_s, fixed_s)

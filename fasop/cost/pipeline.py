@@ -1,0 +1,28 @@
+"""The pipeline schedule, Megatron-LM's 1F1B: how many micro-batches each stage holds, and the time of the
+pipeline from per-stage compute and sends (docs/cost-model.md section 4; fasop.cost.simulate runs the same
+schedule event by event)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def in_flight(pp: int, num_microbatches: np.ndarray) -> np.ndarray:
+    """(K, pp): micro-batches whose activations stage s holds at once under 1F1B, min(pp - s, m)."""
+    return np.minimum(pp - np.arange(pp)[None, :], num_microbatches[:, None])
+
+
+def pipeline_terms(compute_s: np.ndarray, exchange_s: np.ndarray, boundary_s: np.ndarray,
+                   num_microbatches: np.ndarray) -> dict[str, np.ndarray]:
+    """(K,) pipeline time, its bubble and its point-to-point part: every micro-batch passes every stage once,
+    and the m - 1 others follow at the pace of the slowest stage's steady-state period (compute and sends)."""
+    m = num_microbatches
+    period = compute_s + exchange_s
+    boundary = 2 * boundary_s.sum(-1)
+    bottleneck = period.argmax(-1)
+    pipeline = compute_s.sum(-1) + boundary + (m - 1) * period.max(-1)
+    return {
+        "pipeline_time_s": pipeline,
+        "bubble_s": pipeline - m * compute_s.max(-1),
+        "p2p_s": boundary + (m - 1) * np.take_along_axis(exchange_s, bottleneck[:, None], -1)[:, 0],
+    }

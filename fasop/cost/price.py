@@ -1,0 +1,45 @@
+"""Price of a plan and the length of a run: dollars per hour and per step, and the steps, hours and dollars of
+a whole run given in steps or in tokens."""
+
+from __future__ import annotations
+
+import math
+
+from fasop.errors import InputError
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.model import Model
+
+
+def price_per_hour_usd(cluster: Cluster, placement: tuple[str, ...] | list[str]) -> float:
+    """Dollars per hour of the nodes of a placement."""
+    return sum(cluster.node_types[n].price_per_hour_usd for n in placement)
+
+
+def check_run_length(train_steps: int | None, train_tokens: float | None) -> None:
+    """A run is given in steps or in tokens, not both, and is positive and finite."""
+    if train_steps is not None and train_tokens is not None:
+        raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
+    if train_steps is not None and train_steps < 1:
+        raise InputError("--train-steps", f"expected a positive number of steps, got {train_steps}")
+    if train_tokens is not None and not math.isfinite(train_tokens):
+        raise InputError("--train-tokens", f"expected a finite number of tokens, got {train_tokens}")
+    if train_tokens is not None and not train_tokens > 0:
+        raise InputError("--train-tokens", f"expected a positive number of tokens, got {train_tokens:g}")
+
+
+def run_steps(gbs: int, model: Model, train_tokens: float) -> int:
+    """Steps of a run of `train_tokens` tokens, rounded up."""
+    return math.ceil(train_tokens / (gbs * model.seq_length))
+
+
+def add_training_run(row: dict, model: Model, train_steps: int | None, train_tokens: float | None) -> None:
+    """Steps, hours and dollars of the whole run, from a step count or a token count."""
+    if train_steps is not None:
+        steps = train_steps
+    elif train_tokens is not None:
+        steps = run_steps(row["gbs"], model, train_tokens)
+    else:
+        return
+    row["train_steps"] = int(steps)
+    row["train_hours"] = row["step_time_s"] * steps / 3600.0
+    row["train_cost_usd"] = row["cost_per_step_usd"] * steps

@@ -1,0 +1,96 @@
+"""The step time, memory and price of one plan, assembled from its parts (docs/cost-model.md has every formula).
+
+A plan fixes the tensor, data and pipeline degrees, the micro-batch size, the placement and, for
+encoder-decoder models, how many stages hold the encoder. `stage_costs` turns it into per-stage
+quantities that are affine in the number of layers each stage holds; fasop.search.partition then
+picks the layer counts, and `breakdown` reports every term of the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fasop.cost.communication import Geometry, allreduce_times, p2p_times
+from fasop.cost.compute import stage_compute
+from fasop.cost.config import Config, segments
+from fasop.cost.memory import layers_that_fit, stage_capacity_gib, stage_memory_gib, stage_params
+from fasop.cost.pipeline import pipeline_terms
+from fasop.cost.problem import PartitionBatch
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.model import Model
+from fasop.inputs.profiles import GpuProfile
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Everything the partition and the breakdown need for one placement and split of a (tp, dp, pp)
+    plan, for several micro-batch sizes at once: per-stage arrays are (K, pp), one row per size."""
+
+    mbs: np.ndarray  # (K,)
+    problem: PartitionBatch
+    gpu: tuple[str, ...]  # GPU types hosting each stage, '+'-joined when a stage spans two types
+    fixed_s: np.ndarray  # compute of the embedding/head units on the stage, one micro-batch
+    boundary_s: np.ndarray  # (K, pp-1) send of one micro-batch's activation across each boundary
+    exchange_s: np.ndarray  # sends and receives a stage waits for in each steady-state step
+    mem_fixed_gib: np.ndarray
+    mem_layer_gib: np.ndarray
+    capacity_gib: np.ndarray  # (pp,) memory of the smallest GPU on the stage
+    embedding_allreduce_s: np.ndarray  # (K,)
+    fixed_layers: np.ndarray  # (pp,) layers that are not partitioned (one stage holds the whole model)
+
+
+def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
+                config: Config, mbs_values: list[int]) -> StageCosts:
+    """Per-stage costs of `config` (its mbs is ignored) on `geo`, for each micro-batch size in mbs_values."""
+    pp, whole = config.pp, config.pp == 1
+    mbs = np.array(mbs_values)
+    k = len(mbs)
+    m = config.gbs // (config.dp * mbs)
+    segment, segment_layers = segments(model, config)
+    compute = stage_compute(model, cluster, profiles, geo.stage_node_types, config,
+                            tuple(int(b) for b in mbs_values), segment)
+    fixed_layers = np.zeros(pp, dtype=int)
+    if whole:
+        fixed_layers[0] = model.num_layers
+    boundary, exchange = p2p_times(model, geo, config, segment, mbs)
+    params = stage_params(model, config, segment)
+    ar_fixed, ar_layer, emb_ar = allreduce_times(model, geo, config, *params, k)
+    capacity = stage_capacity_gib(cluster, geo.stage_node_types)
+    mem_fixed, mem_layer = stage_memory_gib(model, config, segment, params, mbs, m)
+    hi = layers_that_fit(mem_fixed, mem_layer, capacity, cluster.memory_margin, whole)
+    lo = np.ones(pp, dtype=int)
+    if whole:
+        lo[:] = 0
+    elif not model.is_encoder_decoder:
+        lo[0] = lo[-1] = 0  # a first stage may hold only the embedding, a last one only the head
+    fixed_s = compute.fixed_s
+    problem = PartitionBatch(
+        segment_of_stage=segment, segment_layers=segment_layers, lo=np.broadcast_to(lo, (k, pp)), hi=hi,
+        layer_s=compute.layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=ar_fixed, ar_layer_s=ar_layer,
+        num_microbatches=m, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
+    )
+    return StageCosts(mbs, problem, compute.gpu, fixed_s, boundary, exchange, mem_fixed, mem_layer, capacity,
+                      emb_ar, fixed_layers)
+
+
+def breakdown(costs: StageCosts, counts: np.ndarray) -> dict[str, np.ndarray]:
+    """Every term of the step time and memory of each row for the layer counts `counts` (K, pp)."""
+    p = costs.problem
+    n = np.asarray(counts, dtype=float)
+    compute = costs.fixed_s + p.layer_s * n
+    allreduce = p.ar_fixed_s + p.ar_layer_s * n
+    pipeline = pipeline_terms(compute, costs.exchange_s, costs.boundary_s, p.num_microbatches)
+    memory = costs.mem_fixed_gib + costs.mem_layer_gib * n
+    return {
+        "step_time_s": pipeline["pipeline_time_s"] + allreduce.max(-1) + costs.embedding_allreduce_s,
+        **pipeline,
+        "dp_allreduce_s": allreduce.max(-1),
+        "embedding_allreduce_s": costs.embedding_allreduce_s,
+        "stage_compute_s": compute,
+        "stage_p2p_s": costs.exchange_s,
+        "stage_allreduce_s": allreduce,
+        "stage_memory_gib": memory,
+        "stage_capacity_gib": np.broadcast_to(costs.capacity_gib, memory.shape),
+    }

@@ -1,0 +1,37 @@
+"""Where the bundled models, profiles, clusters and catalogue live: `fasop/data/<kind>/`, package data found
+with importlib.resources, so that an installed wheel finds them wherever it is installed."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from fasop.errors import InputError
+
+
+def data_dir(kind: str) -> Path:
+    """The bundled folder `kind` (models, profiles, clusters or catalogue)."""
+    # fasop is installed as plain files (never zipped: its data is read by path), so this is a real folder
+    return Path(str(resources.files("fasop") / "data" / kind))
+
+
+def resolve(kind: str, name_or_path: str, suffix: str) -> Path:
+    """A path as given if it exists or looks like a path, else the bundled `kind/<name><suffix>`."""
+    path = Path(name_or_path)
+    if path.exists() or path.suffix == suffix or len(path.parts) > 1:
+        return path
+    return data_dir(kind) / f"{name_or_path}{suffix}"
+
+
+def locate(kind: str, name_or_path: str, suffix: str, option: str) -> tuple[Path, bool]:
+    """(path, is_bundled) of a file given by path or by bundled name; an unknown name lists the known ones."""
+    path = resolve(kind, name_or_path, suffix)
+    is_bundled = path.parent == data_dir(kind)
+    if is_bundled and not path.exists():
+        known = ", ".join(names(kind, suffix))
+        raise InputError(f"{option} {name_or_path}", f"no such file or bundled {kind[:-1]} (bundled: {known})")
+    return path, is_bundled
+
+
+def names(kind: str, suffix: str) -> list[str]:
+    return sorted(p.stem for p in data_dir(kind).glob(f"*{suffix}"))

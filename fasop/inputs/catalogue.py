@@ -1,0 +1,137 @@
+"""GPU specification tables: the bundled catalogue/gpus.toml, with the user's own GPUs merged over it.
+
+A user's GPUs come from `[[gpu]]` tables in a file passed with `--catalogue FILE`, or in the cluster file
+itself; either adds GPUs or replaces a bundled GPU of the same name whole. Every table, bundled or not, is
+read with the same rules: known fields only, names in the character set of fasop.names, and numbers finite
+and within the bounds below (wide enough for any GPU sold, narrow enough to catch a figure in the wrong unit,
+such as FLOP/s for TFLOP/s or bytes for GiB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import click
+from pydantic import BeforeValidator, Field
+
+from fasop.inputs import bundled
+from fasop.inputs.cluster import bandwidth_bytes_per_s
+from fasop.errors import InputError
+from fasop.inputs.names import Name
+from fasop.inputs.tomlfile import Range, Table, Text, read_toml, validated
+
+GPU_TABLE = "gpus.toml"
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One [[gpu]] table."""
+
+    name: str
+    dense_fp16_tflops: float
+    dense_bf16_tflops: float
+    memory_gib: float
+    memory_bandwidth_gb_per_s: float
+    intra_node_link: str
+    link_bytes_per_s: float
+    matmul_efficiency: float
+    source: str
+    date: str
+    file: str = ""
+
+    def peak_flops(self, precision: str, model_name: str = "") -> float:
+        """Dense tensor-core FLOP/s for a model trained in `precision`."""
+        if precision == "fp32":
+            raise InputError(f"model {model_name}".strip(),
+                             "precision fp32: the GPU table gives only fp16 and bf16 tensor-core peaks")
+        tflops = self.dense_bf16_tflops if precision == "bf16" else self.dense_fp16_tflops
+        if tflops <= 0:
+            raise InputError(f"--gpu {self.name}",
+                             f"has no {precision} peak in {self.file} (dense_{precision}_tflops = 0); "
+                             f"model {model_name} trains in {precision}")
+        return tflops * 1e12
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        return self.memory_bandwidth_gb_per_s * 1e9
+
+
+def _link(text: Any) -> Any:
+    bandwidth_bytes_per_s(text)  # refuses what is not a bandwidth
+    return text
+
+
+class GpuTable(Table):
+    """One [[gpu]] table."""
+
+    name: Name
+    dense_fp16_tflops: Annotated[float, Range(0.0, 1e4, low_allowed=False)]
+    dense_bf16_tflops: Annotated[float, Range(0.0, 1e4)]  # 0 means "no bf16"
+    memory_gib: Annotated[float, Range(0.0, 1024.0, low_allowed=False)]
+    memory_bandwidth_gb_per_s: Annotated[float, Range(0.0, 1e5, low_allowed=False)]
+    intra_node_link: Annotated[str, BeforeValidator(_link)]
+    matmul_efficiency: Annotated[float, Range(0.0, 1.0, low_allowed=False)]
+    source: Text = ""
+    date: Text = ""
+
+
+class GpuFile(Table):
+    gpu: list[GpuTable] = Field(min_length=1)
+
+
+def gpu_tables(entries: Any, file: str) -> dict[str, GpuSpec]:
+    """The [[gpu]] tables of one file (`entries`, the value of its `gpu` key), by name."""
+    return _specs(validated(GpuFile, {"gpu": entries}, file), file)
+
+
+def _specs(tables: GpuFile, file: str) -> dict[str, GpuSpec]:
+    specs: dict[str, GpuSpec] = {}
+    for table in tables.gpu:
+        if table.name in specs:
+            raise InputError(f"{file}: gpu.{table.name}.name", f"GPU {table.name!r} is listed twice")
+        specs[table.name] = GpuSpec(**dict(table), link_bytes_per_s=bandwidth_bytes_per_s(table.intra_node_link),
+                                    file=file)
+    return specs
+
+
+def gpu_table_path() -> Path:
+    return bundled.data_dir("catalogue") / GPU_TABLE
+
+
+def load_gpu_specs(path: Path | None = None) -> dict[str, GpuSpec]:
+    """Every GPU of a spec file (default: the bundled catalogue/gpus.toml), by name."""
+    path = Path(path) if path is not None else gpu_table_path()
+    shown = f"catalogue/{GPU_TABLE}" if path == gpu_table_path() else str(path)
+    return _specs(validated(GpuFile, read_toml(path), shown), shown)
+
+
+def merged_specs(catalogue: Path | None = None, own: dict[str, GpuSpec] | None = None) -> dict[str, GpuSpec]:
+    """The bundled GPUs, then those of a --catalogue file, then `own` (a cluster file's), later ones winning."""
+    specs = load_gpu_specs()
+    if catalogue is not None:
+        specs.update(load_gpu_specs(catalogue))
+    specs.update(own or {})
+    return specs
+
+
+def load_gpu_spec(name: str, catalogue: Path | None = None, own: dict[str, GpuSpec] | None = None) -> GpuSpec:
+    """The spec of GPU `name`; an unknown name is refused with the list of known ones."""
+    specs = merged_specs(catalogue, own)
+    if name not in specs:
+        hint = [known for known in specs if known.lower() == name.lower()]
+        did_you_mean = f"; did you mean {hint[0]}?" if hint else ""
+        where = "the bundled catalogue/gpus.toml" + (f", {catalogue}" if catalogue else "") + \
+                (" or the cluster file" if own else "")
+        raise InputError(f"--gpu {name}", f"not in {where} (known: {', '.join(specs)}){did_you_mean}")
+    return specs[name]
+
+
+def catalogue_options(command):
+    """--catalogue FILE and --cluster FILE, for commands that read GPU figures."""
+    command = click.option("--cluster", "gpus_cluster", default=None, metavar="NAME|FILE",
+                           help="A cluster file whose [[gpu]] tables add or replace GPUs (over --catalogue).")(command)
+    return click.option("--catalogue", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                        metavar="FILE", help="Your own [[gpu]] tables (catalogue/gpus.toml's format), merged over "
+                                             "the bundled catalogue: they add GPUs or replace one of the same name.")(command)

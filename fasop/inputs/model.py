@@ -1,0 +1,313 @@
+"""The model description: shape, parameter counts and activation sizes of one Transformer.
+
+Parameter and activation counts follow Megatron-LM's layer structure. Activation bytes generalise the
+per-layer formula of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", Table 2: 34*s*b*h + 5*a*s^2*b bytes) to other attention widths, grouped-query attention, SwiGLU,
+flash attention and models without dropout; docs/cost-model.md derives every term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Annotated, Literal, Optional
+
+from fasop.errors import InputError
+from fasop.inputs import bundled
+from fasop.inputs.names import Name
+from fasop.inputs.tomlfile import Flag, Range, Table, Text, read_toml, validated
+
+PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+DROPOUT_MASK_BYTES = 1
+# Ranges of the shape fields of a model file (docs/formats.md): beyond any trained Transformer, small enough
+# that parameter, activation and FLOP counts stay finite.
+MAX_LAYERS = 10_000
+MAX_WIDTH = 2**20  # hidden_size, kv_channels (ffn_hidden_size: 4x)
+MAX_HEADS = 2**16
+MAX_SEQ_LENGTH = 2**24
+MAX_VOCAB = 2**24
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    architecture: str
+    encoder_num_layers: int  # transformer layers of the encoder (0 for decoder-only models)
+    decoder_num_layers: int  # transformer layers of the decoder (0 for encoder-only models)
+    hidden_size: int
+    num_attention_heads: int
+    kv_channels: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    encoder_seq_length: int
+    decoder_seq_length: int
+    vocab_size: int
+    tie_embeddings: bool = True
+    position_embedding: str = "learned"
+    normalization: str = "layernorm"
+    ffn_activation: str = "gelu"
+    flash_attention: bool = False
+    dropout: bool = True
+    linear_bias: bool = True
+    precision: str = "fp16"
+    global_batch_size: int = 1
+    make_vocab_size_divisible_by: int = 128
+    source: str = ""
+    file: str = field(default="", compare=False)
+
+    def __hash__(self) -> int:  # cheap: the cached methods below hash the model on every call
+        return hash((self.name, self.hidden_size, self.encoder_num_layers, self.decoder_num_layers))
+
+    # -- shape -------------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.encoder_num_layers + self.decoder_num_layers
+
+    @property
+    def seq_length(self) -> int:
+        """Tokens per sample that count as training tokens (the decoder's, or the encoder's alone)."""
+        return self.decoder_seq_length or self.encoder_seq_length
+
+    @property
+    def input_seq_length(self) -> int:
+        """Tokens per sample entering the first stage (the encoder's, or the only sequence)."""
+        return self.encoder_seq_length or self.decoder_seq_length
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.architecture == "encoder-decoder"
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Profile kinds of the transformer layers, one per segment in pipeline order."""
+        return ("encoder", "decoder") if self.is_encoder_decoder else ("layer",)
+
+    @property
+    def segment_layers(self) -> tuple[int, ...]:
+        if self.is_encoder_decoder:
+            return (self.encoder_num_layers, self.decoder_num_layers)
+        return (self.num_layers,)
+
+    @property
+    def precision_bytes(self) -> int:
+        return PRECISION_BYTES[self.precision]
+
+    @property
+    def attention_width(self) -> int:
+        return self.num_attention_heads * self.kv_channels
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_query_groups * self.kv_channels
+
+    @lru_cache(maxsize=None)
+    def padded_vocab(self, tp: int) -> int:
+        """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp."""
+        unit = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // unit) * unit
+
+    # -- parameters (counts, whole model; a tensor-parallel rank holds 1/tp of each) ----------------
+    def _norm_params(self) -> int:
+        return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
+
+    def _attention_params(self) -> int:
+        h, qa, kv = self.hidden_size, self.attention_width, self.kv_width
+        bias = (qa + 2 * kv + h) if self.linear_bias else 0
+        return h * qa + 2 * h * kv + qa * h + bias
+
+    def _mlp_params(self) -> int:
+        h, f = self.hidden_size, self.ffn_hidden_size
+        if self.ffn_activation == "swiglu":
+            return 3 * h * f + ((2 * f + h) if self.linear_bias else 0)
+        return 2 * h * f + ((f + h) if self.linear_bias else 0)
+
+    @lru_cache(maxsize=None)
+    def layer_params(self, kind: str) -> int:
+        """Parameters of one transformer layer of profile kind `kind`."""
+        params = self._attention_params() + self._mlp_params() + 2 * self._norm_params()
+        if kind == "decoder" and self.is_encoder_decoder:  # cross-attention and its norm
+            params += self._attention_params() + self._norm_params()
+        return params
+
+    @lru_cache(maxsize=None)
+    def embedding_params(self, tp: int) -> float:
+        """Per tensor-parallel rank: the vocabulary-parallel word embedding and learned positions."""
+        positions = self.input_seq_length if self.position_embedding == "learned" else 0
+        return self.padded_vocab(tp) * self.hidden_size / tp + positions * self.hidden_size
+
+    @lru_cache(maxsize=None)
+    def decoder_embedding_params(self, tp: int) -> float:
+        """Per rank, encoder-decoder models: the decoder's copy of the shared word embedding."""
+        positions = self.decoder_seq_length if self.position_embedding == "learned" else 0
+        return self.padded_vocab(tp) * self.hidden_size / tp + positions * self.hidden_size
+
+    @lru_cache(maxsize=None)
+    def head_params(self, tp: int, shares_stage_with_embedding: bool) -> float:
+        """Per rank: final norm, output projection (a copy when tied and on another stage), BERT heads."""
+        h = self.hidden_size
+        params = float(self._norm_params())
+        if not self.tie_embeddings or not shares_stage_with_embedding:
+            params += self.padded_vocab(tp) * h / tp
+        if self.architecture == "encoder":  # Megatron BERT: LM transform, output bias, pooler, binary head
+            params += (h * h + h + self._norm_params()) + self.padded_vocab(tp) / tp + (h * h + h) + (2 * h + 2)
+        return params
+
+    def total_params(self) -> float:
+        layers = sum(n * self.layer_params(k) for n, k in zip(self.segment_layers, self.layer_kinds))
+        embeddings = self.embedding_params(1)
+        if self.is_encoder_decoder and self.position_embedding == "learned":
+            embeddings += self.decoder_seq_length * self.hidden_size
+        return layers + embeddings + self.head_params(1, shares_stage_with_embedding=True)
+
+    # -- activations (bytes held for one micro-batch, per GPU, sequence parallelism when tp > 1) ------
+    def _attention_activation(self, q_seq: int, kv_seq: int, mbs: int, cross: bool) -> float:
+        h, qa, kv, a = self.hidden_size, self.attention_width, self.kv_width, self.num_attention_heads
+        p, mask = self.precision_bytes, DROPOUT_MASK_BYTES if self.dropout else 0
+        b = mbs
+        # input of the norm and of the Q(KV) projection, Q, K, V, input of the output projection, dropout mask
+        kv_input = 0 if cross else p * q_seq * b * h  # cross-attention K/V read the shared encoder output
+        sbh = p * q_seq * b * h + kv_input + p * q_seq * b * qa + 2 * p * kv_seq * b * kv
+        sbh += p * q_seq * b * qa + mask * q_seq * b * h
+        if self.flash_attention:
+            scores = 0.0
+        else:  # softmax output, and with dropout its mask and output
+            scores = a * q_seq * kv_seq * b * (p + (mask + p if self.dropout else 0))
+        return sbh + scores
+
+    def _mlp_activation(self, seq: int, mbs: int) -> float:
+        h, f, p = self.hidden_size, self.ffn_hidden_size, self.precision_bytes
+        mask = DROPOUT_MASK_BYTES if self.dropout else 0
+        hidden = (3 if self.ffn_activation == "swiglu" else 2) * p * seq * mbs * f
+        return p * seq * mbs * h + hidden + mask * seq * mbs * h + p * seq * mbs * h  # + norm input
+
+    @lru_cache(maxsize=None)
+    def layer_activation_bytes(self, kind: str, mbs: int, tp: int) -> float:
+        """Activation bytes one layer keeps for one micro-batch until its backward pass, per GPU."""
+        if kind == "decoder" and self.is_encoder_decoder:
+            s, s_enc = self.decoder_seq_length, self.encoder_seq_length
+            total = self._attention_activation(s, s, mbs, cross=False)
+            total += self._attention_activation(s, s_enc, mbs, cross=True)
+            total += self.precision_bytes * s * mbs * self.hidden_size  # the cross-attention norm's input
+        else:
+            s = self.encoder_seq_length if kind == "encoder" else self.seq_length
+            total = self._attention_activation(s, s, mbs, cross=False)
+        return (total + self._mlp_activation(s, mbs)) / tp
+
+    @lru_cache(maxsize=None)
+    def embedding_activation_bytes(self, mbs: int, tp: int) -> float:
+        mask = DROPOUT_MASK_BYTES if self.dropout else 0
+        return mask * self.input_seq_length * mbs * self.hidden_size / tp
+
+    @lru_cache(maxsize=None)
+    def head_activation_bytes(self, mbs: int, tp: int) -> float:
+        """Final norm and output-layer inputs, and the fp32 logits that the cross-entropy loss keeps."""
+        s, h = self.seq_length, self.hidden_size
+        return (2 * self.precision_bytes * s * mbs * h + 4 * s * mbs * self.padded_vocab(tp)) / tp
+
+    @lru_cache(maxsize=None)
+    def boundary_bytes(self, segment: int, mbs: int, tp: int) -> float:
+        """Bytes one tensor-parallel rank sends across a pipeline boundary for one micro-batch.
+
+        Megatron scatters the activation over the tensor-parallel group (sequence parallelism), so each
+        rank sends 1/tp. Decoder stages of encoder-decoder models also pass the encoder output along.
+        """
+        tokens = self.input_seq_length if segment == 0 else self.decoder_seq_length + self.encoder_seq_length
+        return self.precision_bytes * tokens * mbs * self.hidden_size / tp
+
+
+Layers = Annotated[int, Range(1, MAX_LAYERS)]
+Width = Annotated[int, Range(1, MAX_WIDTH)]
+Heads = Annotated[int, Range(1, MAX_HEADS)]
+SeqLength = Annotated[int, Range(1, MAX_SEQ_LENGTH)]
+
+
+class ModelTable(Table):
+    """The [model] table of a model file (docs/formats.md); absent optional fields are None."""
+
+    name: Name
+    source: Text = ""
+    architecture: Literal["decoder", "encoder", "encoder-decoder"]
+    num_layers: Optional[Layers] = None  # decoder and encoder architectures
+    encoder_num_layers: Optional[Layers] = None  # encoder-decoder only, as the three below
+    decoder_num_layers: Optional[Layers] = None
+    seq_length: Optional[SeqLength] = None
+    encoder_seq_length: Optional[SeqLength] = None
+    decoder_seq_length: Optional[SeqLength] = None
+    hidden_size: Width
+    num_attention_heads: Heads
+    kv_channels: Optional[Width] = None  # default hidden_size / num_attention_heads
+    num_query_groups: Optional[Heads] = None  # default num_attention_heads
+    ffn_hidden_size: Optional[Annotated[int, Range(1, 4 * MAX_WIDTH)]] = None  # default 4 * hidden_size
+    vocab_size: Annotated[int, Range(1, MAX_VOCAB)]
+    tie_embeddings: Flag = True
+    position_embedding: Literal["learned", "rope", "relative"] = "learned"
+    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    ffn_activation: Literal["gelu", "swiglu"] = "gelu"
+    flash_attention: Flag = False
+    dropout: Flag = True
+    linear_bias: Flag = True
+    precision: Literal["fp16", "bf16", "fp32"] = "bf16"
+    global_batch_size: Annotated[int, Range(1, 2**31 - 1)]
+    make_vocab_size_divisible_by: Width = 128
+
+
+class ModelFile(Table):
+    model: ModelTable
+
+
+_ONE_SEGMENT = ("num_layers", "seq_length")
+_TWO_SEGMENTS = ("encoder_num_layers", "decoder_num_layers", "encoder_seq_length", "decoder_seq_length")
+
+
+def _segments(table: ModelTable, where: str) -> tuple[int, int, int, int]:
+    """(encoder layers, decoder layers, encoder sequence length, decoder sequence length)."""
+    two = table.architecture == "encoder-decoder"
+    wanted, refused = (_TWO_SEGMENTS, _ONE_SEGMENT) if two else (_ONE_SEGMENT, _TWO_SEGMENTS)
+    for key in refused:
+        if getattr(table, key) is not None:
+            raise InputError(f"{where}.{key}", f"{table.architecture} models give {', '.join(wanted)} instead")
+    given = {key: getattr(table, key) for key in wanted}
+    for key, value in given.items():
+        if value is None:
+            raise InputError(f"{where}.{key}", "missing")
+    if two:
+        enc_layers, dec_layers, enc_seq, dec_seq = (given[key] for key in _TWO_SEGMENTS)
+        return enc_layers, dec_layers, enc_seq, dec_seq
+    if table.architecture == "encoder":
+        return given["num_layers"], 0, given["seq_length"], 0
+    return 0, given["num_layers"], 0, given["seq_length"]
+
+
+def load_model(name_or_path: str) -> Model:
+    """Load a model by bundled name (`gpt2-xl`, `bert`, `t5`, ...) or from a TOML file."""
+    path, is_bundled = bundled.locate("models", name_or_path, ".toml", "--model")
+    table = validated(ModelFile, read_toml(path), str(path)).model
+    where = f"{path}: model"
+    enc_layers, dec_layers, enc_seq, dec_seq = _segments(table, where)
+    hidden, heads = table.hidden_size, table.num_attention_heads
+    if table.kv_channels is None and hidden % heads:
+        raise InputError(f"{where}.num_attention_heads", f"must divide hidden_size {hidden} (or give kv_channels)")
+    groups = heads if table.num_query_groups is None else table.num_query_groups
+    if heads % groups:
+        raise InputError(f"{where}.num_query_groups", f"must divide num_attention_heads {heads}")
+    return Model(
+        name=table.name, architecture=table.architecture,
+        encoder_num_layers=enc_layers, decoder_num_layers=dec_layers,
+        hidden_size=hidden, num_attention_heads=heads,
+        kv_channels=hidden // heads if table.kv_channels is None else table.kv_channels, num_query_groups=groups,
+        ffn_hidden_size=4 * hidden if table.ffn_hidden_size is None else table.ffn_hidden_size,
+        encoder_seq_length=enc_seq, decoder_seq_length=dec_seq,
+        vocab_size=table.vocab_size,
+        tie_embeddings=table.tie_embeddings,
+        position_embedding=table.position_embedding,
+        normalization=table.normalization,
+        ffn_activation=table.ffn_activation,
+        flash_attention=table.flash_attention,
+        dropout=table.dropout,
+        linear_bias=table.linear_bias,
+        precision=table.precision,
+        global_batch_size=table.global_batch_size,
+        make_vocab_size_divisible_by=table.make_vocab_size_divisible_by,
+        source=table.source,
+        file=name_or_path if is_bundled else str(path),
+    )

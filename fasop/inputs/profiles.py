@@ -1,0 +1,172 @@
+"""Layer-wise time profiles: seconds per unit (embedding, transformer layer, head) per GPU type, tensor
+degree and micro-batch size, read from `profiles/<model>/<gpu>.csv`.
+
+Between profiled micro-batch sizes times are interpolated linearly; beyond the largest (and below the
+smallest) profiled size the nearest profiled time is scaled per sample.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fasop.errors import InputError
+from fasop.files import CSV_LIMIT_BYTES, read_text
+from fasop.inputs import bundled
+from fasop.inputs.model import Model
+
+COLUMNS = ("tp", "mbs", "kind", "forward_s", "backward_s")
+MEMORY_COLUMN = "peak_memory_bytes"  # optional last column of measured profiles; the search does not read it
+IDENTITY_PREFIX = "# fasop-profile:"
+# Ranges of a profile row (docs/formats.md).
+MAX_DEGREE = 2**16  # tp and mbs
+MAX_UNIT_TIME_S = 3600.0  # one unit, one micro-batch
+MAX_MEMORY_BYTES = 2**50  # one unit's peak memory
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Times of one (GPU, tensor degree, kind) at the profiled micro-batch sizes, ascending."""
+
+    mbs: np.ndarray
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+
+    def at(self, mbs: int) -> tuple[float, float]:
+        """(forward_s, backward_s) of one micro-batch of size `mbs`."""
+        lo, hi = self.mbs[0], self.mbs[-1]
+        if mbs <= lo or mbs >= hi:
+            edge = 0 if mbs <= lo else -1
+            scale = mbs / self.mbs[edge]
+            return float(self.forward_s[edge] * scale), float(self.backward_s[edge] * scale)
+        return (float(np.interp(mbs, self.mbs, self.forward_s)), float(np.interp(mbs, self.mbs, self.backward_s)))
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    gpu: str
+    file: str
+    curves: dict[tuple[int, str], Curve]
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def tensor_degrees(self) -> tuple[int, ...]:
+        return tuple(sorted({tp for tp, _ in self.curves}))
+
+    def time(self, tp: int, kind: str, mbs: int) -> tuple[float, float]:
+        curve = self.curves.get((tp, kind))
+        if curve is None:
+            raise InputError(self.file, f"no rows for tp={tp} kind={kind}")
+        return curve.at(mbs)
+
+    def step_s(self, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
+        """Forward + backward seconds of one unit for each micro-batch size (memoised: searches ask often)."""
+        key = (tp, kind, mbs_values)
+        if key not in self._memo:
+            self._memo[key] = np.array([sum(self.time(tp, kind, b)) for b in mbs_values])
+        return self._memo[key]
+
+
+def required_kinds(model: Model) -> tuple[str, ...]:
+    if model.is_encoder_decoder:
+        return ("embedding", "encoder", "decoder_embedding", "decoder", "head")
+    return ("embedding", "layer", "head")
+
+
+def identity_line(model_name: str, gpu: str) -> str:
+    """The comment line that says which model and GPU a profile was made for (read back by read_profile)."""
+    return f"{IDENTITY_PREFIX} model={model_name} gpu={gpu}"
+
+
+def _identity(line: str, where: str) -> dict[str, str]:
+    fields = dict(item.partition("=")[::2] for item in line[len(IDENTITY_PREFIX):].split())
+    if set(fields) != {"model", "gpu"} or not all(fields.values()):
+        raise InputError(where, f"expected '{identity_line('MODEL', 'GPU')}', got {line.strip()!r}")
+    return fields
+
+
+# Long: every check of one file, in the order the file is read, each with its own one-line error.
+def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = False) -> GpuProfile:
+    """The profile of `model` on `gpu`; a header line naming another model or GPU is refused unless
+    `allow_mismatch`."""
+    file = str(path)
+    text = read_text(path, CSV_LIMIT_BYTES, missing=f"no profile for GPU type {gpu} of model {model.name}")
+    numbered = []  # (line number, text) of the data lines
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.startswith(IDENTITY_PREFIX):
+            made_for = _identity(line, f"{file}: line {number}")
+            wanted = {"model": model.name, "gpu": gpu}
+            for key in ("model", "gpu"):
+                if made_for[key] != wanted[key] and not allow_mismatch:
+                    raise InputError(f"{file}: line {number}: {key}",
+                                     f"the profile was made for {key} {made_for[key]}, not {wanted[key]} "
+                                     "(pass --allow-profile-mismatch to use it anyway)")
+        elif line.strip() and not line.lstrip().startswith("#"):
+            numbered.append((number, line))
+    reader = csv.reader(line for _, line in numbered)
+    header = next(reader, [])
+    if tuple(header) not in (COLUMNS, COLUMNS + (MEMORY_COLUMN,)):
+        raise InputError(file, f"expected the header {','.join(COLUMNS)}[,{MEMORY_COLUMN}], got {','.join(header)}")
+    kinds = required_kinds(model)
+    rows: dict[tuple[int, str], list[tuple[int, float, float]]] = {}
+    for (number, _), cells in zip(numbered[1:], reader):
+        where = f"{file}: line {number}"
+        if len(cells) != len(header):
+            raise InputError(where, f"expected {len(header)} cells ({','.join(header)}), got {len(cells)}")
+        row = dict(zip(header, cells))
+        for key in ("tp", "mbs"):
+            try:
+                degree = int(row[key])
+            except ValueError:
+                degree = 0
+            if not 1 <= degree <= MAX_DEGREE:
+                raise InputError(f"{where}: {key}", f"expected an integer from 1 to {MAX_DEGREE}, got {row[key]!r}")
+        for key in ("forward_s", "backward_s"):
+            try:
+                seconds = float(row[key])
+            except ValueError:
+                seconds = math.nan
+            if not 0 < seconds <= MAX_UNIT_TIME_S:  # also refuses NaN
+                raise InputError(f"{where}: {key}", f"expected seconds > 0 and <= {MAX_UNIT_TIME_S:g}, got {row[key]!r}")
+        memory = row.get(MEMORY_COLUMN)
+        if memory is not None and not (memory.isascii() and memory.isdigit() and int(memory) <= MAX_MEMORY_BYTES):
+            raise InputError(f"{where}: {MEMORY_COLUMN}", f"expected bytes from 0 to 2**50, got {row[MEMORY_COLUMN]!r}")
+        tp, mbs, forward, backward = int(row["tp"]), int(row["mbs"]), float(row["forward_s"]), float(row["backward_s"])
+        if row["kind"] not in kinds:
+            raise InputError(f"{where}: kind", f"{row['kind']!r} is not one of {', '.join(kinds)} ({model.architecture} model)")
+        rows.setdefault((tp, row["kind"]), []).append((mbs, forward, backward))
+    curves: dict[tuple[int, str], Curve] = {}
+    for (tp, kind), entries in rows.items():
+        entries.sort()
+        sizes = [e[0] for e in entries]
+        if len(set(sizes)) != len(sizes):
+            raise InputError(file, f"micro-batch size listed twice for tp={tp} kind={kind}")
+        table = np.array(entries, dtype=float)
+        curves[(tp, kind)] = Curve(table[:, 0], table[:, 1], table[:, 2])
+    for tp in sorted({tp for tp, _ in curves}):
+        missing = [k for k in kinds if (tp, k) not in curves]
+        if missing:
+            raise InputError(file, f"tp={tp} has no rows for kind {', '.join(missing)}")
+    if not curves:
+        raise InputError(file, "no profile rows")
+    return GpuProfile(gpu, file, curves)
+
+
+def profile_paths(model: Model, gpus, directory: str | None = None) -> dict[str, Path]:
+    """Where the profile of `model` on each GPU type is read from (default: the bundled profiles/<model>)."""
+    folder = Path(directory) if directory else bundled.data_dir("profiles") / model.name
+    if not folder.is_dir():
+        where = f"--profiles {directory}" if directory else f"model {model.name}"
+        raise InputError(where, f"no profile directory {folder} (expected one <gpu>.csv per GPU type)")
+    return {gpu: folder / f"{gpu}.csv" for gpu in sorted(set(gpus))}
+
+
+def load_profiles(model: Model, gpus: list[str], directory: str | None = None,
+                  allow_mismatch: bool = False) -> dict[str, GpuProfile]:
+    """Profiles of `model` for each GPU type, from `directory` (default: the bundled profiles/<model>)."""
+    return {gpu: read_profile(path, model, gpu, allow_mismatch)
+            for gpu, path in profile_paths(model, gpus, directory).items()}

@@ -1,0 +1,1 @@
+"""`fasop emit`: Slurm and Megatron-LM launch scripts for one plan (see fasop.launch.write for the files)."""

@@ -1,0 +1,116 @@
+"""`fasop emit` for data-parallel plans (kinds ddp, zero1, zero2, zero3): the same Slurm job as for 3D plans
+(fasop/emit.py's sbatch.sh: one heterogeneous-job component per run of node types, one task per node), whose
+per-node run_inter.sh starts torchrun with the user's training script and `--plan plan.json`; the script reads
+its batch split with fasop.runtime (docs/uneven-ddp.md)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any, Mapping
+
+from fasop.errors import InputError
+from fasop.inputs.profiles import load_profiles
+from fasop.launch.checked import LaunchPlan
+from fasop.launch.options import LaunchOptions, check_options
+from fasop.launch.restate import disagreements
+from fasop.launch.shell import bash_array, comment, group_flags, quote
+from fasop.launch.slurm import sbatch_script
+from fasop.launch.startup import startup_lines
+from fasop.runtime import check_plan
+from fasop.search.dataparallel import KINDS, NoPlan, plan_row
+
+DEFAULT_ENTRY_SCRIPT = "train.py"  # beside sbatch.sh unless --entry-script names another
+_NOT_FIGURES = ("model", "model_file", "cluster", "cluster_file")
+
+
+def is_data_parallel(plan: Mapping[str, Any]) -> bool:
+    return plan.get("kind") in KINDS
+
+
+def _checked(plan: Mapping[str, Any], cluster: Any, where: str) -> None:
+    check_plan(dict(plan), where)
+    have = Counter({name: t.count for name, t in cluster.node_types.items()})
+    if Counter(plan["placement"]) != have or plan["gpus_per_node"] != cluster.gpus_per_node:
+        raise InputError(f"{where}: placement", f"a {plan['kind']} plan uses every node of its cluster; cluster "
+                                                f"{cluster.name} has {dict(have)} nodes of {cluster.gpus_per_node} GPUs")
+
+
+def restate_dp_plan(plan: Mapping[str, Any], model: Any, cluster: Any, profiles_dir: str | None = None,
+                    force: bool = False, where: str | None = None) -> tuple[dict, str | None]:
+    """As emit.restate_plan for data-parallel plans: the plan's split estimated afresh; a plan whose figures
+    disagree is refused, or with `force` returned with the fresh figures and a warning."""
+    where = where or f"plan {plan.get('rank', '?')}"
+    _checked(plan, cluster, where)
+    samples = {item["node_type"]: item["samples_per_gpu"] for item in plan["per_type"]}
+    try:
+        profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
+        fresh = plan_row(model, cluster, profiles, plan["kind"], plan["gbs"], plan.get("batch_split") == "even",
+                         samples)
+    except (InputError, NoPlan) as err:
+        raise InputError(where, f"cannot be estimated afresh from model {model.name} and cluster {cluster.name} "
+                                f"({err})") from None
+    figures = {key: value for key, value in fresh.items() if key not in _NOT_FIGURES}
+    stale = disagreements(plan, figures, "")
+    if not stale:
+        return {**figures, **plan}, None
+    key, given, value = stale[0]
+    message = f"stale plan: {key} is {given!r} in the plan file but {value!r} estimated afresh"
+    if not force:
+        raise InputError(where, f"{message}; compare again (with the same --profiles), or pass --force to emit it "
+                                "with the fresh figures")
+    return {**plan, **figures}, f"warning: {where}: {message}; emitted with the fresh figures (--force)"
+
+
+def _run_inter(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions) -> str:
+    entry = f'"$RUN_DIR"/{quote(DEFAULT_ENTRY_SCRIPT)}' if opts.entry_script is None else quote(opts.entry_script)
+    split = ", ".join(f"{t['node_type']} {t['samples_per_gpu']} samples per GPU" for t in plan["per_type"])
+    lines = [
+        "#!/usr/bin/env bash",
+        comment(f"fasop plan {p.rank}: {model.name} on {cluster.name}, {plan['kind']} over {p.dp} GPUs, "
+                 f"global batch {p.gbs}: {split}."),
+        "# Per-node launcher, started once per node by sbatch.sh; by hand: NODE_RANK=r MASTER_ADDR=host bash run_inter.sh",
+        "set -euo pipefail",
+        "",
+        'RUN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+        f"NNODES={len(p.placement)}",
+        f"GPUS_PER_NODE={p.gpus_per_node}",
+        'NODE_RANK="${SLURM_PROCID:-${NODE_RANK:-}}"',
+        'if [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then',
+        '    echo "run_inter.sh: node rank \'$NODE_RANK\' is not 0 to $((NNODES - 1)); start under srun or set NODE_RANK" >&2',
+        "    exit 1",
+        "fi",
+        *startup_lines([cluster.node_types[name].gpu for name in p.placement], opts.master_port),
+        f"ENTRY_SCRIPT={entry}",
+        "",
+        "DISTRIBUTED_ARGS=(",
+        '    --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --node_rank "$NODE_RANK"',
+        '    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"',
+        ")",
+        bash_array("EXTRA_ARGS", group_flags(opts.extra_flags)),
+        "",
+        "# Every rank reads its samples per step, micro-batches and loss weight from the plan (fasop.runtime).",
+        'exec torchrun "${DISTRIBUTED_ARGS[@]}" "$ENTRY_SCRIPT" --plan "$RUN_DIR/plan.json" "${EXTRA_ARGS[@]}"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def render_dp_plan(plan: Mapping[str, Any], model: Any, cluster: Any, options: LaunchOptions | None = None,
+                   where: str | None = None) -> dict[str, str]:
+    """sbatch.sh, run_inter.sh and plan.json of a data-parallel plan, without writing anything."""
+    opts = options or LaunchOptions()
+    check_options(opts, "--")
+    where = where or f"plan {plan.get('rank', '?')}"
+    _checked(plan, cluster, where)
+    if opts.gpus_per_node not in (None, plan["gpus_per_node"]):
+        raise InputError("--gpus-per-node", f"the plan splits its batch over {plan['gpus_per_node']} GPUs per node")
+    world = len(plan["placement"]) * plan["gpus_per_node"]
+    p = LaunchPlan(tp=1, dp=world, pp=1, mbs=plan["mbs"], gbs=plan["gbs"], placement=tuple(plan["placement"]),
+                   layers_per_stage=(model.num_layers,), distributed_optimizer=plan["kind"] != "ddp",
+                   rank=plan.get("rank", 1), encoder_stages=0, gpus_per_node=plan["gpus_per_node"])
+    return {
+        "sbatch.sh": sbatch_script(plan, model, cluster, p, opts),
+        "run_inter.sh": _run_inter(plan, model, cluster, p, opts),
+        "plan.json": json.dumps(plan, indent=2, sort_keys=True) + "\n",
+    }

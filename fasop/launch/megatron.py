@@ -1,0 +1,222 @@
+"""Megatron-LM flags of a plan: parallelism, how its layers are split over the pipeline stages, the model's
+shape, training and data.
+
+How the plan's per-stage layer counts reach Megatron-LM (stock flavour):
+
+* even split: no flag (Megatron-LM's default split);
+* otherwise, with `pipeline_split = "auto"`: `--decoder-first-pipeline-num-layers` /
+  `--decoder-last-pipeline-num-layers` when the split has that shape (all middle stages equal, first and/or
+  last different; Megatron core >= 0.9), else `--pipeline-model-parallel-layout` (Megatron core >= 0.13);
+* encoder-decoder models: `--pipeline-model-parallel-split-rank` (Megatron-LM versions that still train
+  encoder-decoder models with pipeline parallelism), which needs the encoder's layers split evenly over the
+  encoder stages and the decoder's over the decoder stages; other splits are refused.
+
+The `fasop-fork` flavour writes FASOP's `--balance k0-k1-...` (transformer layers per stage) instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fasop.errors import InputError
+from fasop.launch.checked import LaunchPlan
+from fasop.launch.options import LaunchOptions
+
+ENTRY_SCRIPTS = {"decoder": "pretrain_gpt.py", "encoder": "pretrain_bert.py", "encoder-decoder": "pretrain_t5.py"}
+
+
+_WORDPIECE = ("BertWordPieceLowerCase", "BertWordPieceCase")
+
+
+def pipeline_layout(layers: Sequence[int]) -> str:
+    """Megatron core's `--pipeline-model-parallel-layout` for transformer layers per stage.
+
+    Stages are separated by `|`; `E` is the embedding (first stage), `t` a transformer layer (`t*N` repeats
+    it), `L` the loss (last stage); commas are cosmetic. [13, 5, 5, 1] -> "Et*13|t*5|t*5|t,L".
+    """
+    stages = []
+    for index, count in enumerate(layers):
+        text = "E" if index == 0 else ""
+        if count == 1:
+            text += "t"
+        elif count > 1:
+            text += f"t*{count}"
+        if index == len(layers) - 1:
+            text += ",L" if text else "L"
+        stages.append(text)
+    return "|".join(stages)
+
+
+def first_last_split(layers: Sequence[int]) -> tuple[int | None, int | None] | None:
+    """(first, last) for `--decoder-first/last-pipeline-num-layers` when the split has that form, else None.
+
+    Megatron core gives the stages between the first and the last an equal share of the remaining layers and
+    needs at least one layer on every stage it is told about; None in the pair: that flag is not needed.
+    """
+    if len(layers) < 2 or len(set(layers)) == 1:
+        return None
+    middle = layers[1:-1]
+    share = middle[0] if middle else None
+    if share is not None and (share < 1 or any(n != share for n in middle)):
+        return None
+    first = layers[0] if layers[0] != share else None
+    last = layers[-1] if layers[-1] != share else None
+    if (first is not None and first < 1) or (last is not None and last < 1):
+        return None
+    return first, last
+
+
+def fasop_units_to_layers(units: Sequence[int], architecture: str, encoder_stages: int = 0) -> list[int]:
+    """FASOP's partition units per stage -> transformer layers per stage (what `--balance` takes).
+
+    FASOP counts the embedding as a unit of the first stage and the output head as a unit of the last stage
+    (GPT, BERT); for T5 the second embedding unit is the decoder embedding, which sits in the first decoder
+    stage (stage `encoder_stages`), and there is no head unit.
+    """
+    layers = list(units)
+    if not layers:
+        raise InputError("units", "expected at least one stage")
+    if architecture == "encoder-decoder":
+        if not 1 <= encoder_stages < len(layers) and len(layers) > 1:
+            raise InputError("encoder_stages", f"expected 1 to {len(layers) - 1}, got {encoder_stages}")
+        layers[0] -= 1
+        layers[encoder_stages if len(layers) > 1 else 0] -= 1
+    else:
+        layers[0] -= 1
+        layers[-1] -= 1
+    if any(n < 0 for n in layers):
+        raise InputError("units", f"{list(units)} leaves a stage with fewer than 0 transformer layers")
+    return layers
+
+
+def split_layer_flags(p: LaunchPlan, model: Any, opts: LaunchOptions, where: str) -> list[tuple[str, ...]]:
+    """The flags that tell Megatron-LM how many layers each pipeline stage holds."""
+    if p.pp == 1:
+        return []
+    layers = list(p.layers_per_stage)
+    if opts.megatron_flavor == "fasop-fork":
+        flags: list[tuple[str, ...]] = [("--balance", "-".join(str(n) for n in layers))]
+        if model.architecture == "encoder-decoder":
+            flags.append(("--pipeline-model-parallel-split-rank", str(p.encoder_stages)))
+        return flags
+    if model.architecture == "encoder-decoder":
+        if opts.pipeline_split != "auto":
+            raise InputError("--pipeline-split", f"{opts.pipeline_split} applies to decoder and encoder models only; "
+                             "encoder-decoder plans use --pipeline-model-parallel-split-rank")
+        encoder, decoder = layers[:p.encoder_stages], layers[p.encoder_stages:]
+        if len(set(encoder)) > 1 or len(set(decoder)) > 1:
+            raise InputError(f"{where}: layers_per_stage",
+                             f"encoder-decoder split {layers} (encoder stages {encoder}, decoder stages {decoder}) cannot be "
+                             "run by stock Megatron-LM: --pipeline-model-parallel-split-rank splits the encoder's layers "
+                             "evenly over the encoder stages and the decoder's over the rest, and the pipeline layout "
+                             "has no encoder layers; use an even split or --megatron-flavor fasop-fork")
+        return [("--pipeline-model-parallel-split-rank", str(p.encoder_stages))]
+    if opts.pipeline_split == "layout":
+        return [("--pipeline-model-parallel-layout", pipeline_layout(layers))]
+    if len(set(layers)) == 1:
+        return []
+    first_last = first_last_split(layers)
+    if first_last is not None:
+        flags = []  # of the same type as the fork's flags above
+        if first_last[0] is not None:
+            flags.append(("--decoder-first-pipeline-num-layers", str(first_last[0])))
+        if first_last[1] is not None:
+            flags.append(("--decoder-last-pipeline-num-layers", str(first_last[1])))
+        return flags
+    if opts.pipeline_split == "first-last":
+        raise InputError("--pipeline-split first-last",
+                         f"split {layers} does not have that form (equal middle stages, first/last stages of >= 1 layer); "
+                         "use --pipeline-split layout")
+    return [("--pipeline-model-parallel-layout", pipeline_layout(layers))]
+
+
+def model_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
+    flags: list[tuple[str, ...]] = []
+    if model.architecture == "encoder-decoder":
+        flags += [("--encoder-num-layers", str(model.encoder_num_layers)),
+                  ("--decoder-num-layers", str(model.decoder_num_layers))]
+    else:
+        flags.append(("--num-layers", str(model.encoder_num_layers + model.decoder_num_layers)))
+    flags += [
+        ("--hidden-size", str(model.hidden_size)),
+        ("--num-attention-heads", str(model.num_attention_heads)),
+        ("--kv-channels", str(model.kv_channels)),
+        ("--ffn-hidden-size", str(model.ffn_hidden_size)),
+    ]
+    if model.architecture == "encoder-decoder":
+        flags += [("--encoder-seq-length", str(model.encoder_seq_length)),
+                  ("--decoder-seq-length", str(model.decoder_seq_length))]
+        positions = max(model.encoder_seq_length, model.decoder_seq_length)
+    else:
+        positions = model.encoder_seq_length or model.decoder_seq_length
+        flags.append(("--seq-length", str(positions)))
+    flags.append(("--max-position-embeddings", str(positions)))
+    newer: list[tuple[str, ...]] = []  # flags that Megatron-LM gained after the FASOP fork was made
+    if model.num_query_groups != model.num_attention_heads:
+        newer.append(("--group-query-attention",))
+        newer.append(("--num-query-groups", str(model.num_query_groups)))
+    if model.ffn_activation == "swiglu":
+        newer.append(("--swiglu",))
+    if model.normalization == "rmsnorm":
+        newer.append(("--normalization", "RMSNorm"))
+    if model.position_embedding == "rope":
+        newer.append(("--position-embedding-type", "rope"))
+    elif model.position_embedding == "relative":
+        newer.append(("--position-embedding-type", "relative"))
+    if not model.tie_embeddings:
+        newer.append(("--untie-embeddings-and-output-weights",))
+    if not getattr(model, "linear_bias", True):
+        newer.append(("--disable-bias-linear",))
+    if newer and opts.megatron_flavor == "fasop-fork":
+        names = ", ".join(f[0] for f in newer)
+        raise InputError("--megatron-flavor fasop-fork",
+                         f"model {model.name} needs {names}, which the FASOP fork (Megatron-LM of early 2023) lacks; use stock")
+    flags += newer
+    divisible = getattr(model, "make_vocab_size_divisible_by", 128)
+    if divisible != 128:
+        flags.append(("--make-vocab-size-divisible-by", str(divisible)))
+    if not model.dropout:
+        flags += [("--attention-dropout", "0"), ("--hidden-dropout", "0")]
+    if model.precision in ("fp16", "bf16"):
+        flags.append((f"--{model.precision}",))
+    return flags
+
+
+def training_flags(opts: LaunchOptions) -> list[tuple[str, ...]]:
+    return [
+        ("--train-iters", str(opts.train_iters)),
+        ("--lr", "0.00015"),
+        ("--min-lr", "1.0e-5"),
+        ("--lr-decay-style", "cosine"),
+        ("--lr-warmup-fraction", "0.01"),
+        ("--weight-decay", "0.01"),
+        ("--clip-grad", "1.0"),
+        ("--log-interval", "10"),
+        ("--eval-iters", "0"),
+    ]
+
+
+def data_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
+    fork = opts.megatron_flavor == "fasop-fork"
+    if fork and (opts.data_path is None or (opts.vocab_file is None and opts.tokenizer_model is None)):
+        raise InputError("--megatron-flavor fasop-fork",
+                         "needs --data-path and --vocab-file (that Megatron-LM has no mock data and no null tokenizer)")
+    flags: list[tuple[str, ...]] = []
+    flags.append(("--data-path", opts.data_path) if opts.data_path else ("--mock-data",))
+    tokenizer = opts.tokenizer_type
+    if tokenizer is None and opts.vocab_file is not None:
+        tokenizer = "GPT2BPETokenizer" if model.architecture == "decoder" else "BertWordPieceLowerCase"
+    if tokenizer is None and opts.tokenizer_model is None:
+        # NullTokenizer adds one end-of-document id to --vocab-size.
+        flags += [("--tokenizer-type", "NullTokenizer"), ("--vocab-size", str(model.vocab_size - 1))]
+        return flags
+    if tokenizer is not None:
+        flags.append(("--tokenizer-type", tokenizer))
+    for flag, value in (("--vocab-file", opts.vocab_file), ("--merge-file", opts.merge_file),
+                        ("--tokenizer-model", opts.tokenizer_model)):
+        if value is not None:
+            flags.append((flag, value))
+    if model.architecture == "encoder-decoder" and tokenizer in _WORDPIECE:
+        flags.append(("--vocab-extra-ids", "100"))  # T5's sentinel tokens
+    return flags

@@ -1,0 +1,39 @@
+"""Shell text: words quoted so that nothing expands at run time, bash arrays of flags, safe comments."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterable, Sequence
+
+
+def quote(text: str) -> str:
+    """One shell word holding exactly `text` (no expansion at run time)."""
+    text = str(text)
+    if "$" in text or "`" in text:  # double quotes with escapes read more plainly than '...$...' to linters
+        return '"' + re.sub(r'([\\"$`])', r"\\\1", text) + '"'
+    return shlex.quote(text)
+
+
+def bash_array(name: str, flags: Iterable[Sequence[str]]) -> str:
+    lines = [f"{name}=("]
+    lines += ["    " + " ".join(quote(part) for part in flag) for flag in flags]
+    lines.append(")")
+    return "\n".join(lines)
+
+
+def group_flags(tokens: Sequence[str]) -> list[tuple[str, ...]]:
+    """["--a", "1", "--b"] -> [("--a", "1"), ("--b",)]: one flag and its values per line."""
+    groups: list[list[str]] = []
+    for token in tokens:
+        if not groups or token.startswith("-"):
+            groups.append([token])
+        else:
+            groups[-1].append(token)
+    return [tuple(g) for g in groups]
+
+
+def comment(text: str) -> str:
+    """`text` made safe for a `# ...` line: a newline would end the comment and start a command (and end the
+    #SBATCH directives), so it and every other unprintable character are written as escapes."""
+    return "# " + "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -1,0 +1,114 @@
+"""`sbatch.sh`: one Slurm job for the whole plan.
+
+Nodes are requested per node type with their GRES type; when the placement mixes node types, every run of
+consecutive nodes of one type becomes one component of a heterogeneous job (`#SBATCH hetjob`), in placement
+order. Slurm numbers the tasks of `srun --het-group=0-K` component by component, so the global task id
+(`SLURM_PROCID`) of the one task per node is the node's position in the plan's placement, and it becomes the
+torchrun node rank. The first node of component 0 is the rendezvous.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from fasop.errors import InputError
+from fasop.launch.checked import LaunchPlan
+from fasop.launch.options import SLURM_LIST, SLURM_NAME, LaunchOptions
+from fasop.launch.shell import comment, quote
+from fasop.plans import placement_runs
+
+
+def _first(*values: str | None) -> str | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _gres_type(node_type: Any, opts: LaunchOptions) -> str:
+    """The node type's GRES type; "" asks for untyped GPUs (--gres=gpu:N)."""
+    gres = _first(opts.gres_types.get(node_type.name), opts.gres_types.get(node_type.gpu),
+                  getattr(node_type, "gres_type", None), opts.gres_type,
+                  re.sub(r"[^a-z0-9_.+-]", "_", node_type.gpu.lower()))
+    if gres and not SLURM_NAME.fullmatch(gres):
+        raise InputError(f"node_type.{node_type.name}: gres_type", f"expected a Slurm name, got {gres!r}")
+    return gres or ""
+
+
+def _partition(node_type: Any, opts: LaunchOptions) -> str | None:
+    part = _first(opts.partitions.get(node_type.name), opts.partitions.get(node_type.gpu),
+                  getattr(node_type, "slurm_partition", None), opts.partition)
+    if part is not None and not SLURM_LIST.fullmatch(part):
+        raise InputError(f"node_type.{node_type.name}: slurm_partition", f"expected a Slurm name, got {part!r}")
+    return part
+
+
+def describe_plan(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPlan) -> str:
+    return comment(f"fasop plan {p.rank}: {model.name} on {cluster.name}, tp={p.tp} dp={p.dp} pp={p.pp} "
+                    f"mbs={p.mbs} gbs={p.gbs}, layers per stage {'-'.join(str(n) for n in p.layers_per_stage)}.")
+
+
+# Long: the script's lines in the order they run, one template read top to bottom.
+def sbatch_script(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions) -> str:
+    runs = placement_runs(p.placement)
+    het = len(runs) > 1
+    job_name = opts.job_name or re.sub(r"[^A-Za-z0-9_.+-]", "_", f"fasop-{model.name}")
+    lines = [
+        "#!/usr/bin/env bash",
+        describe_plan(plan, model, cluster, p),
+        comment(f"Node ranks 0-{len(p.placement) - 1} in placement order: {' '.join(p.placement)}."),
+    ]
+    if het:
+        lines.append("# One heterogeneous-job component per run of nodes of one type, in that order.")
+    lines.append("# Submit from this directory: sbatch sbatch.sh (or: sbatch --chdir=DIR DIR/sbatch.sh).")
+    for index, (name, count) in enumerate(runs):
+        node_type = cluster.node_types[name]
+        if index > 0:
+            lines.append("#SBATCH hetjob")
+        else:
+            lines += [f"#SBATCH --job-name={job_name}", "#SBATCH --output=fasop-%j.out", "#SBATCH --error=fasop-%j.err"]
+        lines.append(f"#SBATCH --time={opts.time_limit}")
+        if opts.account:
+            lines.append(f"#SBATCH --account={opts.account}")
+        partition, gres = _partition(node_type, opts), _gres_type(node_type, opts)
+        if partition:
+            lines.append(f"#SBATCH --partition={partition}")
+        lines += [f"#SBATCH --nodes={count}", "#SBATCH --ntasks-per-node=1",
+                  f"#SBATCH --gres=gpu:{gres + ':' if gres else ''}{p.gpus_per_node}"]
+        if opts.cpus_per_task:
+            lines.append(f"#SBATCH --cpus-per-task={opts.cpus_per_task}")
+        if opts.exclusive:
+            lines.append("#SBATCH --exclusive")
+    nodelist = "SLURM_JOB_NODELIST_HET_GROUP_0" if het else "SLURM_JOB_NODELIST"
+    srun_args = ["--kill-on-bad-exit=1"]
+    if het:
+        srun_args.insert(0, f"--het-group=0-{len(runs) - 1}")
+    lines += [
+        "",
+        "set -euo pipefail",
+        "",
+        'RUN_DIR="$PWD"',
+        'if [[ ! -f "$RUN_DIR/run_inter.sh" ]]; then',
+        '    echo "sbatch.sh: no run_inter.sh in $RUN_DIR; submit from the directory fasop emit wrote" >&2',
+        "    exit 1",
+        "fi",
+        "",
+        "# Rendezvous: the first node of the first component, which gets node rank 0.",
+        f'MASTER_NODE="$(scontrol show hostnames "${nodelist}" | sed -n 1p)"',
+        'MASTER_ADDR="$(scontrol -o show node "$MASTER_NODE" 2>/dev/null | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\' || true)"',
+        'export MASTER_ADDR="${MASTER_ADDR:-$MASTER_NODE}"',
+        f'export MASTER_PORT="${{MASTER_PORT:-{opts.master_port}}}"',
+    ]
+    if opts.cpus_per_task:
+        lines.append(f"export SRUN_CPUS_PER_TASK={opts.cpus_per_task}")
+    lines += ["", "# One task per node; its global task id (SLURM_PROCID) is its node rank.",
+              "SRUN_ARGS=(" + " ".join(quote(a) for a in srun_args) + ")"]
+    if opts.container_image:
+        mounts = '"$RUN_DIR:$RUN_DIR"' + (f",{quote(opts.container_mounts)}" if opts.container_mounts else "")
+        lines += [
+            f"CONTAINER_IMAGE={quote(opts.container_image)}",
+            f"CONTAINER_MOUNTS={mounts}",
+            'SRUN_ARGS+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$CONTAINER_MOUNTS" '
+            '--container-workdir="$RUN_DIR")',
+        ]
+    lines += ['srun "${SRUN_ARGS[@]}" bash "$RUN_DIR/run_inter.sh"', ""]
+    return "\n".join(lines)

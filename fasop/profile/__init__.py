@@ -1,0 +1,1 @@
+"""Layer-time profiles and link bandwidths: synthesised from FLOPs and bytes, or measured with PyTorch."""

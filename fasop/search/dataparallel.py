@@ -1,0 +1,229 @@
+"""Data-parallel plans: every GPU of the cluster trains the whole model on its own share of the global batch.
+
+Four kinds (docs/cost-model.md section 9): `ddp` (PyTorch DistributedDataParallel: every GPU holds all model
+state) and ZeRO stages 1, 2 and 3 (optimizer state, then gradients, then parameters sharded over all GPUs;
+`zero3` is what FSDP's full sharding does). The global batch may be split unevenly: each node type gets its own
+samples per GPU, micro-batch size and gradient-accumulation count, chosen so that the slowest GPU finishes
+first (`best_split`, an exact integer optimisation), or evenly (every GPU the same samples) for comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fasop.cost.communication import geometry
+from fasop.cost.memory import GIB
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.model import Model
+from fasop.inputs.profiles import GpuProfile
+from fasop.search.placement import type_order
+
+KINDS = ("ddp", "zero1", "zero2", "zero3")
+# Rajbhandari et al. 2020 ("ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", section 3.1):
+# mixed-precision Adam keeps K = 12 bytes of optimizer state per parameter (fp32 master weights, momentum and
+# variance); fp32 training keeps only the two moments.
+MIXED_OPTIMIZER_BYTES = 12
+FP32_OPTIMIZER_BYTES = 8
+# What each kind shards over the data-parallel group: optimizer state, gradients, parameters.
+SHARDED = {"ddp": (False, False, False), "zero1": (True, False, False), "zero2": (True, True, False),
+           "zero3": (True, True, True)}
+
+
+TIE_TOLERANCE = 1e-9  # relative: step times closer than this are equal when choosing a micro-batch size
+
+
+class NoPlan(Exception):
+    """Why a kind has no plan on a cluster (out of memory, batch too small or not divisible, no profile)."""
+
+
+def optimizer_bytes(model: Model) -> int:
+    return FP32_OPTIMIZER_BYTES if model.precision == "fp32" else MIXED_OPTIMIZER_BYTES
+
+
+def state_bytes(model: Model, kind: str, world: int) -> float:
+    """Model state per GPU: parameters and gradients in the model's precision (2 + 2 bytes under mixed
+    precision) and the optimizer state, each divided by the data-parallel degree where `kind` shards it."""
+    params = model.total_params()
+    p = model.precision_bytes
+    shard_optimizer, shard_grads, shard_params = SHARDED[kind]
+    per_param = (p / (world if shard_params else 1) + p / (world if shard_grads else 1)
+                 + optimizer_bytes(model) / (world if shard_optimizer else 1))
+    return params * per_param
+
+
+def gather_buffer_bytes(model: Model, kind: str) -> float:
+    """zero3 gathers each unit's full parameters before using it: the largest unit held whole at one time."""
+    if kind != "zero3":
+        return 0.0
+    units = [model.embedding_params(1), model.head_params(1, shares_stage_with_embedding=True)]
+    units += [model.layer_params(k) for k in model.layer_kinds]
+    if model.is_encoder_decoder:
+        units.append(model.decoder_embedding_params(1))
+    return max(units) * model.precision_bytes
+
+
+def activation_bytes_per_sample(model: Model) -> float:
+    """Activations one sample keeps until its backward pass on a GPU holding the whole model (section 8)."""
+    layers = sum(n * model.layer_activation_bytes(k, 1, 1) for n, k in zip(model.segment_layers, model.layer_kinds))
+    return layers + model.embedding_activation_bytes(1, 1) + model.head_activation_bytes(1, 1)
+
+
+def traffic_factor(model: Model, kind: str) -> float:
+    """Bytes each GPU moves per parameter, in units of one all-reduce of one byte (2 (n-1)/n bytes per byte):
+    ddp all-reduces the gradients; zero1/2 reduce-scatter the gradients and all-gather the updated parameters
+    (half an all-reduce each); zero3 also all-gathers the parameters in the forward and again in the backward,
+    instead of after the step: 1.5 times ddp when parameters and gradients have the same size."""
+    p = model.precision_bytes
+    if kind == "ddp":
+        return p
+    return (p + p) / 2 if kind in ("zero1", "zero2") else (p + 2 * p) / 2
+
+
+def step_times(unit_s: np.ndarray, max_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """(time, micro-batch size) of one GPU for 0 .. max_samples samples per step.
+
+    unit_s[b] is the forward and backward time of one micro-batch of b samples (unit_s[0] = 0), for every
+    size b that fits memory. s samples run as ceil(s / b) micro-batches of b, the last one holding the rest;
+    the best b is kept, the smallest among those within TIE_TOLERANCE of it (profiles interpolate linearly, so
+    sizes often tie up to rounding, and a smaller one needs less memory)."""
+    sizes = np.arange(1, len(unit_s))
+    s = np.arange(max_samples + 1)[:, None]
+    total = (s // sizes) * unit_s[sizes] + unit_s[s % sizes]
+    best = np.argmax(total <= total.min(axis=1, keepdims=True) * (1 + TIE_TOLERANCE), axis=1)
+    return total[np.arange(len(s)), best], sizes[best]
+
+
+def best_split(times: list[np.ndarray], counts: list[int], batch: int) -> tuple[float, list[int]] | None:
+    """The exact minimum over integers s_t >= 1 with sum_t counts[t] * s_t = batch of max_t times[t][s_t], and
+    the s_t reaching it; None when no such s exists.
+
+    A makespan T is reachable when some s_t with times[t][s_t] <= T sum to the batch (a reachability table over
+    the sums 0..batch); that only grows with T, so a binary search over the values times[t][s] finds the
+    smallest. Among the splits of that makespan, later groups take as many samples as they can."""
+    def table(limit: float) -> list[np.ndarray]:
+        reach = [np.zeros(batch + 1, dtype=bool)]
+        reach[0][0] = True
+        for t, n in zip(times, counts):
+            new = np.zeros(batch + 1, dtype=bool)
+            for s in np.flatnonzero(t[1:] <= limit) + 1:
+                if n * s > batch:
+                    break
+                new[n * s:] |= reach[-1][:batch + 1 - n * s]
+            reach.append(new)
+        return reach
+
+    candidates = np.unique(np.concatenate([t[1:] for t in times]))
+    if not table(candidates[-1])[-1][batch]:
+        return None
+    low, high = 0, len(candidates) - 1
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if table(candidates[mid])[-1][batch] else (mid + 1, high)
+    limit = float(candidates[low])
+    reach = table(limit)
+    split, left = [0] * len(times), batch
+    for i in range(len(times) - 1, -1, -1):
+        n = counts[i]
+        s = next(s for s in range(left // n, 0, -1) if times[i][s] <= limit and reach[i][left - n * s])
+        split[i], left = s, left - n * s
+    return limit, split
+
+
+@dataclass(frozen=True)
+class Group:
+    """The GPUs of one node type: how many, how fast at each micro-batch size, how much memory."""
+
+    node_type: str
+    gpu: str
+    gpus: int
+    capacity_gib: float
+    unit_s: np.ndarray  # forward + backward of the whole model for b = 0 .. largest size that fits
+    memory_fixed_bytes: float  # model state and gather buffer
+    activation_bytes_per_sample: float
+
+
+def whole_model_s(model: Model, profile: GpuProfile, sizes: tuple[int, ...]) -> np.ndarray:
+    """Forward + backward seconds of every unit of the model on one GPU (tp = 1), for each micro-batch size."""
+    total = profile.step_s(1, "embedding", sizes) + profile.step_s(1, "head", sizes)
+    if model.is_encoder_decoder:
+        total = total + profile.step_s(1, "decoder_embedding", sizes)
+    for n, kind in zip(model.segment_layers, model.layer_kinds):
+        total = total + n * profile.step_s(1, kind, sizes)
+    return total
+
+
+def groups(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind: str, batch: int) -> list[Group]:
+    """One group per node type, fastest network first; raises NoPlan when a GPU type cannot train at all."""
+    world = cluster.num_gpus
+    fixed = state_bytes(model, kind, world) + gather_buffer_bytes(model, kind)
+    per_sample = activation_bytes_per_sample(model)
+    result = []
+    for name in type_order(cluster):
+        node = cluster.node_types[name]
+        profile = profiles[node.gpu]
+        if 1 not in profile.tensor_degrees:
+            raise NoPlan(f"no tp=1 profile for {node.gpu}")
+        usable = node.gpu_memory_gib * GIB / cluster.memory_margin
+        largest = int(min((usable - fixed) // per_sample, batch)) if usable >= fixed + per_sample else 0
+        if largest < 1:
+            need = (fixed + per_sample) * cluster.memory_margin / GIB
+            raise NoPlan(f"out of memory on {node.gpu}: {need:.1f} of {node.gpu_memory_gib:.1f} GiB for one sample")
+        sizes = tuple(range(1, largest + 1))
+        unit_s = np.concatenate([[0.0], whole_model_s(model, profile, sizes)])
+        result.append(Group(name, node.gpu, node.count * cluster.gpus_per_node, node.gpu_memory_gib, unit_s,
+                            fixed, per_sample))
+    return result
+
+
+def allreduce_s_per_byte(cluster: Cluster) -> float:
+    """One all-reduce of one byte per GPU over every GPU of the cluster (ring in a node, hierarchical across
+    nodes, section 5), the cluster's own links."""
+    placement = tuple(name for name in type_order(cluster) for _ in range(cluster.node_types[name].count))
+    return float(geometry(cluster, placement, 1, cluster.num_gpus, 1).dp_allreduce_s_per_byte[0])
+
+
+def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind: str, batch: int,
+             even: bool = False, samples: dict[str, int] | None = None) -> dict:
+    """The best plan of `kind` (or with `even`, every GPU the same samples; or with `samples`, the given
+    samples per GPU of each node type) as a plan row; raises NoPlan with the reason when there is none."""
+    world = cluster.num_gpus
+    if batch < world:
+        raise NoPlan(f"global batch {batch} < {world} GPUs")
+    if even and batch % world:
+        raise NoPlan(f"global batch {batch} not divisible by {world} GPUs")
+    members = groups(model, cluster, profiles, kind, batch)
+    counts = [g.gpus for g in members]
+    tables = [step_times(g.unit_s, batch // g.gpus) for g in members]
+    if samples is not None or even:
+        split = [samples[g.node_type] for g in members] if samples else [batch // world] * len(members)
+        compute = max(t[0][s] for t, s in zip(tables, split))
+    else:
+        best = best_split([t[0] for t in tables], counts, batch)
+        if best is None:  # every s_t is possible (micro-batches down to 1 fit): only divisibility can fail
+            raise NoPlan(f"global batch {batch} not a sum of per-type batches over {', '.join(map(str, counts))} GPUs")
+        compute, split = best
+    comm = allreduce_s_per_byte(cluster) * traffic_factor(model, kind) * model.total_params()
+    step = float(compute) + comm
+    price = cluster.price_per_hour_usd
+    per_type = []
+    for g, (time_s, mbs_of), s in zip(members, tables, split):
+        mbs = int(mbs_of[s])
+        memory = (g.memory_fixed_bytes + g.activation_bytes_per_sample * mbs) / GIB
+        per_type.append({"node_type": g.node_type, "gpu": g.gpu, "gpus": g.gpus, "samples_per_gpu": int(s),
+                         "micro_batch_size": mbs, "accumulation_steps": -(-int(s) // mbs),
+                         "compute_s": float(time_s[s]), "memory_gib": memory, "memory_capacity_gib": g.capacity_gib})
+    worst = max(per_type, key=lambda t: t["memory_gib"] / t["memory_capacity_gib"])
+    placement = [name for name in type_order(cluster) for _ in range(cluster.node_types[name].count)]
+    return {
+        "model": model.name, "model_file": model.file, "cluster": cluster.name, "cluster_file": cluster.file,
+        "kind": kind, "batch_split": "even" if even else "uneven",
+        "gbs": batch, "mbs": min(t["micro_batch_size"] for t in per_type), "tp": 1, "dp": world, "pp": 1,
+        "placement": placement, "gpus_per_node": cluster.gpus_per_node, "layers_per_stage": [model.num_layers],
+        "step_time_s": step, "throughput_samples_per_s": batch / step, "tokens_per_s": batch * model.seq_length / step,
+        "compute_s": float(compute), "dp_allreduce_s": comm,
+        "peak_memory_gib": worst["memory_gib"], "memory_capacity_gib": worst["memory_capacity_gib"],
+        "cost_per_hour_usd": price, "cost_per_step_usd": price * step / 3600.0,
+        "per_type": per_type,
+    }

@@ -1,0 +1,59 @@
+"""The estimate of one explicit plan: the same cost model and record as the search, for a plan given by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fasop.cost.communication import geometry, with_embedding_group
+from fasop.cost.config import Config, embedding_stages
+from fasop.cost.step import stage_costs
+from fasop.errors import InputError
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.model import Model
+from fasop.inputs.profiles import GpuProfile
+from fasop.search.record import plan_rows
+from fasop.search.space import prepare, tensor_degrees
+
+
+def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: int, placement: list[str],
+             layers: list[int], gbs: int | None = None, profiles_dir: str | None = None,
+             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None) -> dict:
+    """The full breakdown of one explicit plan; `layers` lists transformer layers per stage; `profiles`: already
+    loaded profiles (by GPU type) instead of reading profiles_dir."""
+    used = {name: placement.count(name) for name in placement}
+    for name, count in used.items():
+        if name not in cluster.node_types:
+            raise InputError("--placement", f"unknown node type {name!r} (cluster has {', '.join(cluster.node_types)})")
+        if count > cluster.node_types[name].count:
+            raise InputError("--placement", f"{count} nodes of type {name} but the cluster has {cluster.node_types[name].count}")
+    sub = cluster.with_counts(used)
+    inputs = prepare(model, sub, gbs, profiles_dir, distributed_optimizer, profiles)
+    gpn = cluster.gpus_per_node
+    if gpn % tp or tp not in tensor_degrees(inputs):
+        raise InputError("--tp", f"expected a divisor of {gpn} GPUs per node that divides the attention heads and "
+                                 f"query groups and that every GPU type's profile has, got {tp}")
+    if tp * dp * pp != len(placement) * gpn:
+        raise InputError("--placement", f"tp*dp*pp = {tp * dp * pp} GPUs but the placement's {len(placement)} nodes "
+                                        f"hold {len(placement) * gpn}")
+    if inputs.gbs % (dp * mbs):
+        raise InputError("--mbs", f"dp * mbs = {dp * mbs} must divide the global batch size {inputs.gbs}")
+    if len(layers) != pp or sum(layers) != model.num_layers:
+        raise InputError("--layers", f"expected {pp} stage counts summing to {model.num_layers} layers, "
+                                     f"got {','.join(map(str, layers))}")
+    split = 0
+    if model.is_encoder_decoder and pp > 1:
+        prefix = np.cumsum(layers)
+        if model.encoder_num_layers not in prefix[:-1]:
+            raise InputError("--layers", f"no stage boundary falls after the {model.encoder_num_layers} encoder layers")
+        split = int(np.searchsorted(prefix, model.encoder_num_layers)) + 1
+    config = Config(tp, dp, pp, mbs, inputs.gbs, split, distributed_optimizer)
+    geo = with_embedding_group(sub, geometry(sub, tuple(placement), tp, dp, pp), embedding_stages(model, config))
+    costs = stage_costs(model, sub, inputs.profiles, geo, config, [mbs])
+    counts = np.array(layers) - costs.fixed_layers
+    if (counts < costs.problem.lo[0]).any():
+        raise InputError("--layers", "every stage needs at least one layer (the first may hold only the embedding, "
+                                     "the last only the head)")
+    row = plan_rows(inputs, config, geo, costs, counts[None, :], np.array([True]), True)[0]
+    usable = np.array([s["memory_capacity_gib"] for s in row["stages"]]) / cluster.memory_margin
+    row["fits_memory"] = bool(all(s["memory_gib"] <= u for s, u in zip(row["stages"], usable)))
+    return row

@@ -1,0 +1,249 @@
+"""The exact layer partition: how many transformer layers each pipeline stage gets.
+
+Every layer of a segment (the decoder-only stack, or the encoder and the decoder of an encoder-decoder model)
+costs the same on a given stage, so a partition is a vector of layer counts n, and every per-stage quantity
+is affine in n_i. The step time of docs/cost-model.md is
+
+    F(n) = base + sum_i layer_s[i] n_i + (m - 1) max_i period_i(n_i) + max_i allreduce_i(n_i)
+
+with period_i = period_fixed_s[i] + layer_s[i] n_i and allreduce_i = ar_fixed_s[i] + ar_layer_s[i] n_i,
+subject to lo_i <= n_i <= hi_i (hi from memory) and the layers of each segment summing to its count.
+
+Under thresholds X >= max period and Y >= max all-reduce each stage may hold at most cap_i(X, Y) layers,
+and the cheapest layer sum under those caps is a greedy fill (the stages with the cheapest layers first).
+So F* = min over (X, Y) of base + fill(X, Y) + (m - 1) X + Y, where X and Y range over the values periods
+and all-reduces can take: the optimal partition's own maxima are among them, and no pair can undercut it.
+A known solution bounds how far above their smallest feasible values X and Y can usefully go, which keeps
+the grid small. Everything runs on a batch of problems of the same shape at once; tests compare the result
+with brute force over every partition.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fasop.cost.problem import PartitionBatch, segment_sums
+
+_EPS = 1e-9
+_GRID_ELEMENTS = 4_000_000  # grid cells (problems x X x Y x stages) evaluated at once
+
+
+class _Filler:
+    """Cheapest placement of each segment's layers under per-stage caps, for many cap vectors at once."""
+
+    def __init__(self, batch: PartitionBatch):
+        self.lo = batch.lo
+        b, p = batch.lo.shape
+        seg = np.broadcast_to(batch.segment_of_stage, (b, p))
+        # within each segment, cheapest layer first (ties: earlier stage first)
+        self.order = np.lexsort((np.broadcast_to(np.arange(p), (b, p)), batch.layer_s, seg), axis=-1)
+        self.seg_sorted = np.take_along_axis(seg, self.order, axis=-1)
+        self.remaining = batch.segment_layers[None, :] - segment_sums(batch.lo, seg, len(batch.segment_layers))
+
+    def fill(self, caps: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """caps (B', ..., P) for the problems `rows` (default all) -> (counts, feasible (B', ...))."""
+        index: slice | np.ndarray = slice(None) if rows is None else rows
+        lo, order, remaining, seg = self.lo[index], self.order[index], self.remaining[index], self.seg_sorted[index]
+        expand = (slice(None),) + (None,) * (caps.ndim - 2)
+        lo_b, order_b, seg_b = lo[expand], np.broadcast_to(order[expand], caps.shape), seg[expand]
+        extra = np.take_along_axis(np.clip(caps - lo_b, 0, None), order_b, axis=-1)
+        ok = (caps >= lo_b).all(axis=-1)
+        taken = np.zeros(caps.shape)
+        for s in range(remaining.shape[1]):
+            need = remaining[:, s][expand]
+            mine = seg_b == s
+            avail = np.where(mine, extra, 0.0)
+            before = np.cumsum(avail, axis=-1) - avail  # a segment's stages are contiguous once sorted
+            taken += np.where(mine, np.clip(need[..., None] - before, 0, avail), 0.0)
+            ok &= avail.sum(axis=-1) >= need
+        counts = np.empty_like(taken)
+        np.put_along_axis(counts, order_b, taken, axis=-1)
+        return counts + lo_b, np.asarray(ok)
+
+
+def _caps(threshold: np.ndarray, fixed: np.ndarray, per_layer: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Most layers per stage (at most hi, -1 for none) whose value fixed + per_layer * n is <= threshold;
+    threshold (B, K) -> caps (B, K, P).
+
+    Values are compared exactly as `_values` and `PartitionBatch.objective` compute them, so a threshold
+    taken from `_values` admits every count whose value it is: a tolerance here would either admit a count
+    whose value exceeds the threshold or refuse the count that defines it."""
+    x, f, r, top = threshold[:, :, None], fixed[:, None, :], per_layer[:, None, :], hi[:, None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        guess = np.floor((x - f) / r)
+    caps = np.clip(np.where(r > 0, guess, np.where(f <= x, top, -1)), -1, top)
+    for _ in range(2):  # the rounded quotient can be one off either way: settle it on the values themselves
+        caps = caps + ((r > 0) & (caps + 1 <= top) & (f + r * (caps + 1) <= x))
+        caps = caps - ((r > 0) & (caps >= 0) & (f + r * caps > x))
+    return caps
+
+
+def _values(fixed: np.ndarray, per_layer: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """(B, V): the distinct values fixed_i + per_layer_i n takes for lo_i <= n <= hi_i, ascending, +inf padded.
+
+    Only exact repeats are merged: the optimum's own maxima must stay candidates, however close another
+    value comes."""
+    span = max(int((hi - lo).max()) + 1, 1)
+    n = lo[:, :, None] + np.arange(span)
+    values = np.where(n <= hi[:, :, None], fixed[:, :, None] + per_layer[:, :, None] * n, np.inf)
+    values = np.sort(values.reshape(len(lo), -1), axis=-1)
+    repeat = np.zeros(values.shape, dtype=bool)
+    repeat[:, 1:] = values[:, 1:] == values[:, :-1]
+    return _compact(values, ~repeat)
+
+
+def _compact(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Keep the marked entries of each row, ascending, +inf padded to the longest row."""
+    kept = np.sort(np.where(keep, values, np.inf), axis=-1)
+    width = max(int(np.isfinite(kept).sum(-1).max()), 1)
+    return kept[:, :width]
+
+
+def _first_feasible(values: np.ndarray, caps_of, filler: _Filler) -> np.ndarray:
+    """Index of the smallest value whose caps admit a partition (feasibility grows with the threshold)."""
+    low = np.zeros(len(values), dtype=int)
+    high = np.full(len(values), values.shape[1] - 1)
+    while (low < high).any():
+        mid = (low + high) // 2
+        ok = filler.fill(caps_of(values[np.arange(len(values)), mid][:, None]))[1][:, 0]
+        high = np.where(ok, mid, high)
+        low = np.where(ok, low, mid + 1)
+    return low
+
+
+def _clipped_hi(p: PartitionBatch) -> np.ndarray:
+    """No stage can take more layers than its segment leaves it after the other stages' minimum."""
+    seg = np.broadcast_to(p.segment_of_stage, p.lo.shape)
+    lo_sum = np.take_along_axis(segment_sums(p.lo, seg, len(p.segment_layers)), seg, axis=-1)
+    return np.minimum(p.hi, p.segment_layers[seg] - (lo_sum - p.lo)).astype(float)
+
+
+def admits(batch: PartitionBatch, caps: np.ndarray) -> np.ndarray:
+    """(B,): whether each problem has a partition with at most caps (B, P) layers per stage."""
+    return _Filler(batch).fill(caps[:, None, :])[1][:, 0]
+
+
+def lower_bounds(batch: PartitionBatch) -> np.ndarray:
+    """(B,) a bound no partition of each problem can beat (inf when none fits), for pruning searches.
+
+    The cheapest layer sum any partition can have, plus (m - 1) times the larger of the smallest possible
+    stage period and the average period, plus the smallest possible all-reduce."""
+    p = batch
+    hi = _clipped_hi(p)
+    widest, feasible = _Filler(p).fill(hi[:, None, :])
+    widest, feasible = widest[:, 0], feasible[:, 0] & (hi >= p.lo).all(-1)
+    layer_sum = (p.layer_s * widest).sum(-1)
+    stages = p.lo.shape[1]
+    period = np.maximum((p.period_fixed_s + p.layer_s * p.lo).max(-1), (p.period_fixed_s.sum(-1) + layer_sum) / stages)
+    allreduce = (p.ar_fixed_s + p.ar_layer_s * p.lo).max(-1)
+    bound = p.base_s + layer_sum + (p.num_microbatches - 1) * period + allreduce
+    return np.where(feasible, bound, np.inf)
+
+
+def optimal_partitions(batch: PartitionBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(counts (B, P), step time (B,), feasible (B,)): the optimal layer counts of every problem."""
+    p = batch
+    hi = _clipped_hi(p)
+    widest, feasible = _Filler(p).fill(hi[:, None, :])
+    widest, feasible = widest[:, 0], feasible[:, 0] & (hi >= p.lo).all(-1)
+    counts = np.where(feasible[:, None], widest, p.lo).astype(float)
+    value = np.full(len(p), np.inf)
+    rows = np.flatnonzero(feasible)
+    if len(rows):
+        counts[rows], value[rows] = _Search(p.take(rows), hi[rows], widest[rows]).run()
+    return np.rint(counts).astype(int), value, feasible
+
+
+class _Search:
+    """The threshold search of the module docstring for feasible problems."""
+
+    def __init__(self, p: PartitionBatch, hi: np.ndarray, widest: np.ndarray):
+        self.p, self.hi, self.filler = p, hi, _Filler(p)
+        self.m1 = p.num_microbatches - 1
+        self.widest = widest
+        self.sum_lb = (p.layer_s * widest).sum(-1)  # the cheapest layer sum any partition can have
+
+    def caps_x(self, x: np.ndarray, rows=slice(None)) -> np.ndarray:
+        return _caps(x, self.p.period_fixed_s[rows], self.p.layer_s[rows], self.hi[rows])
+
+    def caps_y(self, y: np.ndarray, rows=slice(None)) -> np.ndarray:
+        return _caps(y, self.p.ar_fixed_s[rows], self.p.ar_layer_s[rows], self.hi[rows])
+
+    def run(self) -> tuple[np.ndarray, np.ndarray]:
+        p, m1 = self.p, self.m1
+        xs = _values(p.period_fixed_s, p.layer_s, p.lo, self.hi)
+        xs[m1 == 0] = np.inf  # one micro-batch: the period does not count, nothing caps the layers
+        ys = _values(p.ar_fixed_s, p.ar_layer_s, p.lo, self.hi)
+        index = np.arange(len(p))
+        x_min = xs[index, _first_feasible(xs, self.caps_x, self.filler)]
+        y_min = ys[index, _first_feasible(ys, self.caps_y, self.filler)]
+        # a first solution: the widest fill (feasible), or one from either smallest threshold alone when it fits
+        best, best_counts = p.objective(self.widest), self.widest.copy()
+        for caps in (self.caps_x(x_min[:, None]), self.caps_y(y_min[:, None])):
+            counts, ok = self.filler.fill(caps)
+            value = np.where(ok[:, 0], p.objective(counts[:, 0]), np.inf)
+            better = value < best
+            best, best_counts = np.where(better, value, best), np.where(better[:, None], counts[:, 0], best_counts)
+        # how far above their smallest values the thresholds can rise and still beat it
+        slack = _EPS * (1 + np.abs(best))
+        budget = best - p.base_s - self.sum_lb + slack
+        x_cost = m1 * np.where(m1 > 0, x_min, 0.0)  # (m - 1) X at its smallest; nothing with one micro-batch
+        x_bound = np.where(m1 > 0, x_min + (budget - x_cost - y_min) / np.maximum(m1, 1), np.inf)
+        y_bound = budget - x_cost
+        xs = _compact(xs, (xs >= x_min[:, None]) & (xs <= x_bound[:, None]) | (m1[:, None] == 0) & (xs == x_min[:, None]))
+        ys = _compact(ys, (ys >= y_min[:, None]) & (ys <= y_bound[:, None]))
+        nx, ny = np.maximum(np.isfinite(xs).sum(-1), 1), np.maximum(np.isfinite(ys).sum(-1), 1)
+        wide = np.flatnonzero(nx * ny > 2 * (nx + ny))
+        if len(wide):
+            xs, ys = self.screen(wide, xs, ys, x_min, y_min, x_bound, y_bound, x_cost, best + slack)
+            nx, ny = np.maximum(np.isfinite(xs).sum(-1), 1), np.maximum(np.isfinite(ys).sum(-1), 1)
+        for chunk in _chunks(nx, ny, p.lo.shape[1]):
+            kx, ky = int(nx[chunk].max()), int(ny[chunk].max())
+            x_vals, y_vals = xs[chunk, :kx], ys[chunk, :ky]
+            grid = np.minimum(self.caps_x(x_vals, chunk)[:, :, None, :], self.caps_y(y_vals, chunk)[:, None, :, :])
+            grid_counts, grid_ok = self.filler.fill(grid, chunk)
+            x_term = np.where(m1[chunk, None] > 0, m1[chunk, None] * np.where(np.isfinite(x_vals), x_vals, 0.0), 0.0)
+            # a plain product and sum along the stages: a row's scores do not depend on the chunk's shape
+            score = p.base_s[chunk, None, None] + (grid_counts * p.layer_s[chunk, None, None, :]).sum(-1)
+            score = score + x_term[:, :, None] + y_vals[:, None, :]
+            x_real = np.isfinite(x_vals) | (m1[chunk, None] == 0)
+            score = np.where(grid_ok & x_real[:, :, None] & np.isfinite(y_vals)[:, None, :], score, np.inf)
+            flat = score.reshape(len(chunk), -1).argmin(-1)
+            found = np.isfinite(score.reshape(len(chunk), -1)[np.arange(len(chunk)), flat])
+            pick = grid_counts.reshape(len(chunk), -1, p.lo.shape[1])[np.arange(len(chunk)), flat]
+            pick_value = p.take(chunk).objective(pick)
+            better = found & (pick_value < best[chunk])
+            best[chunk] = np.where(better, pick_value, best[chunk])
+            best_counts[chunk] = np.where(better[:, None], pick, best_counts[chunk])
+        return best_counts, best
+
+    def screen(self, rows, xs, ys, x_min, y_min, x_bound, y_bound, x_cost, limit):
+        """Drop thresholds that cannot win even with the other threshold at its bound (for `rows`)."""
+        p = self.p
+        x_vals, y_vals = xs[rows], ys[rows]
+        y_top = self.caps_y(y_bound[rows][:, None], rows)
+        x_top = self.caps_x(x_bound[rows][:, None], rows)
+        fill_x, ok_x = self.filler.fill(np.minimum(self.caps_x(x_vals, rows), y_top), rows)
+        fill_y, ok_y = self.filler.fill(np.minimum(self.caps_y(y_vals, rows), x_top), rows)
+        m1 = self.m1[rows, None]
+        x_term = np.where(m1 > 0, m1 * np.where(np.isfinite(x_vals), x_vals, 0.0), 0.0)
+        layer_s = p.layer_s[rows][:, None, :]
+        x_lb = p.base_s[rows, None] + (fill_x * layer_s).sum(-1) + x_term + y_min[rows, None]
+        y_lb = p.base_s[rows, None] + (fill_y * layer_s).sum(-1) + x_cost[rows, None] + y_vals
+        keep_x = ok_x & (x_lb < limit[rows, None]) & (np.isfinite(x_vals) | (m1 == 0))
+        keep_y = ok_y & (y_lb < limit[rows, None]) & np.isfinite(y_vals)
+        xs, ys = xs.copy(), ys.copy()
+        xs[rows] = np.sort(np.where(keep_x, x_vals, np.inf), axis=-1)
+        ys[rows] = np.sort(np.where(keep_y, y_vals, np.inf), axis=-1)
+        return xs, ys
+
+
+def _chunks(nx: np.ndarray, ny: np.ndarray, stages: int):
+    """Groups of problems with grids of similar shape (padding wastes at most 4x) within the element budget."""
+    shape = np.stack([np.ceil(np.log2(nx)), np.ceil(np.log2(ny))], axis=-1).astype(int)
+    for key in np.unique(shape, axis=0):
+        rows = np.flatnonzero((shape == key).all(-1))
+        per_problem = int(nx[rows].max() * ny[rows].max() * stages)
+        step = max(1, _GRID_ELEMENTS // per_problem)
+        for start in range(0, len(rows), step):
+            yield rows[start:start + step]

@@ -1,0 +1,55 @@
+"""The plan record: one plan of a search or an estimate with every term of its step time, memory and price,
+as plan files hold it (docs/formats.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fasop.cost.communication import Geometry
+from fasop.cost.config import Config
+from fasop.cost.price import price_per_hour_usd
+from fasop.cost.step import StageCosts, breakdown
+from fasop.search.space import Inputs
+
+
+def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, counts: np.ndarray,
+              keep: np.ndarray, exhaustive: bool) -> list[dict]:
+    """One row per kept micro-batch size of `costs`, with the layer counts `counts` (K, pp)."""
+    model, cluster = inputs.model, inputs.cluster
+    terms = breakdown(costs, counts)
+    layers = (counts + costs.fixed_layers).astype(int)
+    price = price_per_hour_usd(cluster, geo.placement)
+    load = terms["stage_memory_gib"] / terms["stage_capacity_gib"]
+    rows = []
+    for k in np.flatnonzero(keep):
+        worst = int(np.argmax(load[k]))
+        step = float(terms["step_time_s"][k])
+        mbs = int(costs.mbs[k])
+        columns = zip(range(config.pp), costs.gpu, geo.stage_nodes, layers[k].tolist(), terms["stage_compute_s"][k].tolist(),
+                      terms["stage_p2p_s"][k].tolist(), terms["stage_allreduce_s"][k].tolist(),
+                      terms["stage_memory_gib"][k].tolist(), terms["stage_capacity_gib"][k].tolist())
+        stages = [
+            {"stage": s, "gpu": gpu, "nodes": list(nodes), "layers": n, "compute_s": compute, "p2p_s": p2p,
+             "dp_allreduce_s": allreduce, "memory_gib": memory, "memory_capacity_gib": capacity}
+            for s, gpu, nodes, n, compute, p2p, allreduce, memory, capacity in columns
+        ]
+        rows.append({
+            "model": model.name, "model_file": model.file, "cluster": cluster.name, "cluster_file": cluster.file,
+            "kind": "3d",
+            "gbs": config.gbs, "mbs": mbs, "tp": config.tp, "dp": config.dp, "pp": config.pp,
+            "num_microbatches": config.gbs // (config.dp * mbs),
+            "placement": list(geo.placement), "layers_per_stage": layers[k].tolist(),
+            "encoder_stages": config.encoder_stages, "distributed_optimizer": config.distributed_optimizer,
+            "step_time_s": step,
+            "throughput_samples_per_s": config.gbs / step,
+            "tokens_per_s": config.gbs * model.seq_length / step,
+            "pipeline_time_s": float(terms["pipeline_time_s"][k]), "bubble_s": float(terms["bubble_s"][k]),
+            "p2p_s": float(terms["p2p_s"][k]), "dp_allreduce_s": float(terms["dp_allreduce_s"][k]),
+            "embedding_allreduce_s": float(terms["embedding_allreduce_s"][k]),
+            "peak_memory_gib": float(terms["stage_memory_gib"][k, worst]),
+            "memory_capacity_gib": float(terms["stage_capacity_gib"][k, worst]),
+            "cost_per_hour_usd": price, "cost_per_step_usd": price * step / 3600.0,
+            "placement_search": "exhaustive" if exhaustive else "type-blocks",
+            "stages": stages,
+        })
+    return rows

@@ -1,0 +1,110 @@
+"""Plans under profiling error: `fasop search --noise F --trials N --seed S`.
+
+Every measured input of the cost model is uncertain: the profile times and the link bandwidths. Each trial
+draws one multiplicative factor, uniform in [1 - F, 1 + F], for
+
+  - every (GPU type, unit kind): all profile times of that unit on that GPU type, at every tensor degree and
+    micro-batch size, forward and backward alike (a profile error is mostly systematic: a clock, a kernel
+    choice, a different software stack), and
+  - every (node type, link): the transfer times over its intra-node and over its inter-node link (the
+    bandwidth is divided by the factor),
+
+in that order (GPU types and node types sorted by name) from numpy.random.default_rng(S), so a seed gives the
+same report on every machine. The factors are independent: a plan whose step time is the maximum of several
+independently perturbed terms (a balanced pipeline over two GPU types, an all-reduce through several nodes'
+interfaces) is slowed by almost any perturbation, while a plan bound by one term only moves with it.
+
+Only the best CANDIDATES plans of the exact search are re-estimated, each with its own layer partition, as
+`fasop estimate` would estimate it; "the best of a trial" is the best of those candidates in that trial (a
+plan ranked lower could win a trial, but only by more than the gap that kept it out, which the noise rarely
+covers). For each candidate the report gives the fraction of trials in which it is best, and its mean and
+worst slowdown against each trial's best (step time, or dollars per step when the search sorts by cost).
+The robust ranking orders candidates by mean slowdown.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from fasop.cost.communication import geometry, with_embedding_group
+from fasop.cost.config import Config, embedding_stages
+from fasop.cost.step import breakdown, stage_costs
+from fasop.errors import InputError
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.model import Model
+from fasop.inputs.profiles import Curve, GpuProfile, required_kinds
+
+CANDIDATES = 20
+
+
+@dataclass(frozen=True)
+class Robustness:
+    exact_rank: int
+    best_fraction: float  # trials in which the plan is the best candidate
+    mean_slowdown: float  # mean over trials of metric / best metric - 1
+    worst_slowdown: float
+
+
+def check_noise(noise: float, trials: int) -> None:
+    if not (math.isfinite(noise) and 0 < noise < 1):
+        raise InputError(f"--noise {noise}", "expected a fraction in (0, 1), such as 0.2 for +-20%")
+    if trials < 1:
+        raise InputError(f"--trials {trials}", "expected a positive number of trials")
+
+
+def factor_keys(cluster: Cluster, model: Model) -> list[tuple[str, str, str]]:
+    """What each trial's factors apply to, in the order they are drawn."""
+    gpus = sorted({t.gpu for t in cluster.node_types.values()})
+    units = [("unit", gpu, kind) for gpu in gpus for kind in required_kinds(model)]
+    return units + [("link", name, link) for name in sorted(cluster.node_types) for link in ("intra", "inter")]
+
+
+def perturbed(cluster: Cluster, profiles: dict[str, GpuProfile], factors: dict[tuple, float]):
+    """(cluster, profiles) with every unit time and link time multiplied by its factor."""
+    scaled = {
+        gpu: GpuProfile(gpu, profile.file, {
+            (tp, kind): Curve(c.mbs, c.forward_s * factors["unit", gpu, kind], c.backward_s * factors["unit", gpu, kind])
+            for (tp, kind), c in profile.curves.items()})
+        for gpu, profile in profiles.items()
+    }
+    types = {name: replace(t, intra_node_bytes_per_s=t.intra_node_bytes_per_s / factors["link", name, "intra"],
+                           inter_node_bytes_per_s=t.inter_node_bytes_per_s / factors["link", name, "inter"])
+             for name, t in cluster.node_types.items()}
+    return replace(cluster, node_types=types), scaled
+
+
+def plan_metric(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plan: dict, sort: str) -> float:
+    """Step time (sort "time") or dollars per step (sort "cost") of a search row, its partition kept."""
+    config = Config(plan["tp"], plan["dp"], plan["pp"], plan["mbs"], plan["gbs"], plan["encoder_stages"],
+                    plan["distributed_optimizer"])
+    placement = tuple(plan["placement"])
+    geo = with_embedding_group(cluster, geometry(cluster, placement, config.tp, config.dp, config.pp),
+                               embedding_stages(model, config))
+    costs = stage_costs(model, cluster, profiles, geo, config, [config.mbs])
+    counts = np.array(plan["layers_per_stage"]) - costs.fixed_layers
+    step = float(breakdown(costs, counts[None, :])["step_time_s"][0])
+    if sort == "cost":
+        return step * sum(cluster.node_types[n].price_per_hour_usd for n in placement) / 3600.0
+    return step
+
+
+def robustness(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plans: list[dict], noise: float,
+               trials: int, seed: int, sort: str = "time") -> list[Robustness]:
+    """Robustness of each of `plans` (best first, at most CANDIDATES of them), in robust order."""
+    check_noise(noise, trials)
+    keys = factor_keys(cluster, model)
+    rng = np.random.default_rng(seed)
+    draws = rng.uniform(1 - noise, 1 + noise, size=(trials, len(keys)))
+    metric = np.empty((trials, len(plans)))
+    for trial, row in enumerate(draws):
+        trial_cluster, trial_profiles = perturbed(cluster, profiles, dict(zip(keys, row)))
+        metric[trial] = [plan_metric(model, trial_cluster, trial_profiles, plan, sort) for plan in plans]
+    slowdown = metric / metric.min(axis=1, keepdims=True) - 1
+    best = np.bincount(metric.argmin(axis=1), minlength=len(plans)) / trials  # ties go to the better exact rank
+    result = [Robustness(plan["rank"], float(best[i]), float(slowdown[:, i].mean()), float(slowdown[:, i].max()))
+              for i, plan in enumerate(plans)]
+    # rounded: plans with equal costs would otherwise be ordered by the last bits of their sums
+    return sorted(result, key=lambda r: (round(r.mean_slowdown, 12), -r.best_fraction, r.exact_rank))

@@ -1,0 +1,70 @@
+"""The package's shape: docs/architecture.md lists every module, and imports flow one way, from the inputs
+through the cost model and the search to the market, the launchers, the charts and the command line."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "fasop"
+# Each name's layer: a module may import from its own layer's package or from lower layers only.
+LAYERS = {
+    "fasop.errors": 0, "fasop.files": 1, "fasop.plans": 2,
+    "fasop.inputs": 3, "fasop.runtime": 3,
+    "fasop.cost": 4, "fasop.profile": 4,
+    "fasop.search": 5,
+    "fasop.market": 6, "fasop.launch": 6, "fasop.calibration": 6,
+    "fasop.plot": 7, "fasop.timeline": 8,
+    "fasop.cli": 9, "fasop": 10, "fasop.__main__": 10,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def home(name: str) -> str:
+    """The LAYERS key that holds module `name`: the longest prefix listed."""
+    parts = name.split(".")
+    return next(".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in LAYERS)
+
+
+def fasop_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "fasop")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fasop":
+            # `from fasop.inputs import bundled` imports the module fasop.inputs.bundled
+            found.update(f"{node.module}.{alias.name}" if (PACKAGE.parent / node.module.replace(".", "/")
+                                                            / f"{alias.name}.py").exists() else node.module
+                         for alias in node.names)
+    return found
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_layers_cover_every_module():
+    assert MODULES and all(home(module_name(path)) in LAYERS for path in MODULES)
+
+
+def test_imports_flow_one_way():
+    wrong = []
+    for path in MODULES:
+        importer = home(module_name(path))
+        for imported in fasop_imports(path):
+            target = home(imported)
+            if target != importer and LAYERS[target] >= LAYERS[importer]:
+                wrong.append(f"{module_name(path)} imports {imported}")
+    assert not wrong
+
+
+def test_architecture_page_lists_every_module_and_nothing_else():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    listed = set(re.findall(r"`(fasop/[\w/]+\.py)`", text))
+    present = {str(path.relative_to(ROOT)) for path in MODULES if path.name != "__init__.py"}
+    assert listed == present
