@@ -87,7 +87,9 @@ def _solve(batch: PartitionBatch, bound: np.ndarray, keep: int | None, keys: lis
     counts = np.zeros(batch.lo.shape, dtype=int)
     value = np.full(len(batch), np.inf)
     solved = np.zeros(len(batch), dtype=bool)
-    ranking_bound = bound * weight
+    ranking_bound = np.full(len(bound), np.inf)  # inf: no partition fits, also for a plan that costs nothing
+    fits = np.isfinite(bound)
+    ranking_bound[fits] = bound[fits] * weight[fits]
     order = np.argsort(ranking_bound, kind="stable")
     step = PRUNE_CHUNK if keep else len(order)
     for start in range(0, len(order), step):
