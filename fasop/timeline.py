@@ -8,13 +8,13 @@ The times come from fasop.schedule.op_times; matplotlib is imported only when a 
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
+from fasop.cost.schedule import OpTimes
 from fasop.files import check_outputs
 from fasop.plot import _check_out, _figure, _save
-from fasop.cost.schedule import OpTimes
 
 # (label, face colour, hatch) of each kind of segment, in legend order
 STYLE = {

@@ -13,13 +13,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from conftest import toml_table
 from hypothesis import strategies as st
 
-from conftest import toml_table
 from fasop.inputs import bundled
+from fasop.inputs.catalogue import load_gpu_specs
 from fasop.inputs.cluster import Cluster, load_cluster
 from fasop.inputs.model import Model, load_model
-from fasop.inputs.catalogue import load_gpu_specs
 from fasop.profile.synth import format_profile, header_lines, synthesize
 
 if sys.version_info >= (3, 11):

@@ -2,19 +2,21 @@
 
 import itertools
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from fasop.search import dataparallel as dpl
 from fasop.cli import main
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.plans import load_plans
 from fasop.inputs.profiles import load_profiles
+from fasop.plans import load_plans
+from fasop.search import dataparallel as dpl
 
 
 def _brute_force(times, counts, batch):
@@ -152,7 +154,7 @@ def test_compare_bert_on_three_types_with_synthesised_profiles(tmp_path):
         result = runner.invoke(main, ["profile", "synth", "--model", "bert", "--gpu", gpu, "--tp", "1,2,4,8",
                                       "--out", str(tmp_path / f"{gpu}.csv")])
         assert result.exit_code == 0, result.output
-    (tmp_path / "A100.csv").write_text(open(load_profiles(load_model("bert"), ["A100"])["A100"].file).read())
+    (tmp_path / "A100.csv").write_text(Path(load_profiles(load_model("bert"), ["A100"])["A100"].file).read_text())
     result = runner.invoke(main, ["compare", "--model", "bert", "--cluster", "h100-a100-a10g", "--gbs", "4096",
                                   "--profiles", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -194,7 +196,7 @@ def test_emit_launches_a_data_parallel_plan_and_refuses_a_stale_one(tmp_path):
     result = runner.invoke(main, ["emit", "--plans", str(plans_file), "--rank", str(rank), "--out", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
     run_inter = (tmp_path / "run" / "run_inter.sh").read_text()
-    assert 'torchrun "${DISTRIBUTED_ARGS[@]}" "$ENTRY_SCRIPT" --plan "$RUN_DIR/plan.json"' in run_inter
+    assert 'torchrun "${DISTRIBUTED_ARGS[@]}" "$ENTRY_SCRIPT" \\\n    --plan "$RUN_DIR/plan.json"' in run_inter
     sbatch = (tmp_path / "run" / "sbatch.sh").read_text()
     assert "#SBATCH hetjob" in sbatch and "--gres=gpu:a100:4" in sbatch
     plan = runtime.load_plan(tmp_path / "run" / "plan.json")

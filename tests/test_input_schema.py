@@ -6,14 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from fasop.inputs.catalogue import GpuTable, load_gpu_specs
-from fasop.cli import main
-from fasop.inputs.cluster import ClusterHead, DeratingTable, NodeTypeTable, load_cluster
-from fasop.errors import InputError
-from fasop.inputs.model import ModelTable, load_model
-
 from conftest import TINY_CLUSTER, TINY_NODE_TYPES, cluster_toml, model_toml, toml_table
+
+from fasop.cli import main
+from fasop.errors import InputError
+from fasop.inputs.catalogue import GpuTable, load_gpu_specs
+from fasop.inputs.cluster import ClusterHead, DeratingTable, NodeTypeTable, load_cluster
+from fasop.inputs.model import ModelTable, load_model
 
 MY_GPU = {"name": "MyGPU", "dense_fp16_tflops": 100.0, "dense_bf16_tflops": 100.0, "memory_gib": 24.0,
           "memory_bandwidth_gb_per_s": 1000.0, "intra_node_link": "25 GB/s", "matmul_efficiency": 0.5}

@@ -10,6 +10,7 @@ its rank, node rank and host.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,9 +25,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_emit import fresh_plan, write_cluster
 
 from fasop.cli import main
-from test_emit import fresh_plan, write_cluster
 
 SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
 if SSHD is None or shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
@@ -221,10 +222,8 @@ class Run:
 
     def cleanup(self) -> None:
         for pid in run_processes(self.run_id):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         wait_until_gone(self.run_id, 10)
 
 

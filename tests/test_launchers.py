@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_emit import cluster, fake_torchrun, fresh_plan, gpt2, make_plan, write_cluster  # noqa: F401 (fixtures)
 
 from fasop.cli import main
-from fasop.launch.write import render_plan
 from fasop.errors import InputError
 from fasop.launch.launchers import read_hosts
-from test_emit import cluster, fake_torchrun, fresh_plan, gpt2, make_plan, write_cluster  # noqa: F401 (fixtures)
+from fasop.launch.write import render_plan
 
 
 def run_inter(tmp_path: Path, cluster, gpt2, **env: str) -> subprocess.CompletedProcess:

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from strategies import Spec, Written, specs, write
 
 from fasop.cli import main
 from fasop.plans import CSV_LIST_SEPARATOR, load_plans, write_plans
 from fasop.search import estimate, search_plans
 from fasop.search.engine import SORT_KEYS
-from strategies import Spec, Written, specs, write
 
 RELATIVE_TOLERANCE = 1e-9  # figures recomputed along another path may differ in the last bits
 ESTIMATED_PLANS = 100  # plans of one search re-estimated (evenly spread over the ranking when there are more)

@@ -7,20 +7,24 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fasop.cost.schedule as schedule
-from fasop.errors import InputError
 from fasop.cost.schedule import interleaving_error, makespan_s, op_times, stage_program
 from fasop.cost.simulate import simulate_1f1b, simulate_interleaved_1f1b
+from fasop.errors import InputError
 from fasop.timeline import plot_timeline
 
 seconds = st.floats(1.0, 3.0)  # stage times spread 3x
 sends = st.one_of(st.just(0.0), st.floats(0.0, 1.0))
 
 
+STAGES = st.integers(1, 8)
+
+
 @st.composite
-def stage_sets(draw, stages=st.integers(1, 8)):
+def stage_sets(draw, stages=STAGES):
     p = draw(stages)
     forward = draw(st.lists(seconds, min_size=p, max_size=p))
     backward = draw(st.lists(seconds, min_size=p, max_size=p))

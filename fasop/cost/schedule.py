@@ -8,9 +8,10 @@ previous operation of its stage's program has ended and the operation it depends
 
 A forward waits for the forward of the same micro-batch one virtual stage up, a backward for the backward one
 virtual stage down (the very last virtual stage's backward for its own forward); a backward may first
-recompute its forward (activation recomputation). Sends are blocking, as in fasop/simulate.py: a stage is
-busy while it sends what it produced, and the receiver may start once the send has ended. The programs are Megatron's (docs/cost-model.md section 4.1). The step's pipeline time is the
-makespan, when the first stage ends its last backward.
+recompute its forward (activation recomputation). Sends are blocking, as in fasop/cost/simulate.py: a stage
+is busy while it sends what it produced, and the receiver may start once the send has ended. The programs are
+Megatron's (docs/cost-model.md section 4.1). The step's pipeline time is the makespan, when the first stage
+ends its last backward.
 
 The dependency graph depends only on (stages, virtual stages, micro-batches, group size), so it is built once,
 cut into levels (operations whose inputs lie in earlier levels) and evaluated level by level in numpy over
@@ -229,13 +230,13 @@ def _evaluate(prog: Program, forward, backward, recompute, links, keep: bool):
     compute = np.concatenate([forward.T, recompute.T + backward.T])  # (2 p v, plans): forwards, then backwards
     send = links.T
     end = np.zeros((prog.ops + 1, forward.shape[0]))
-    start = np.empty_like(end) if keep else None
+    start = np.empty_like(end)
     for ops in prog.levels:
         begin = np.maximum(end[prog.previous[ops]], end[prog.waits_for[ops]])
         end[ops] = begin + compute[slot[ops]] + send[prog.link[ops]]
         if keep:
             start[ops] = begin
-    return end, start
+    return end, (start if keep else None)
 
 
 def makespan_s(forward_s, backward_s, send_s, num_microbatches, *, virtual_stages: int = 1, wrap_send_s=None,

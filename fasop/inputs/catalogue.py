@@ -16,9 +16,9 @@ from typing import Annotated, Any
 import click
 from pydantic import BeforeValidator, Field
 
+from fasop.errors import InputError
 from fasop.inputs import bundled
 from fasop.inputs.cluster import bandwidth_bytes_per_s
-from fasop.errors import InputError
 from fasop.inputs.names import Name
 from fasop.inputs.tomlfile import Range, Table, Text, read_toml, validated
 

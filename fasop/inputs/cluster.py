@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
 
@@ -102,7 +103,7 @@ class Cluster:
     def price_per_hour_usd(self) -> float:
         return sum(t.count * t.price_per_hour_usd for t in self.node_types.values())
 
-    def with_counts(self, counts: dict[str, int]) -> "Cluster":
+    def with_counts(self, counts: dict[str, int]) -> Cluster:
         """The same cluster with other node counts (node types at 0 are dropped)."""
         types = {n: replace(t, count=counts[n]) for n, t in self.node_types.items() if counts.get(n, 0) > 0}
         return replace(self, node_types=types)
@@ -124,15 +125,15 @@ class NodeTypeTable(Table):
     gpu: Name  # also names the GPU's profile files
     instance: Text = ""
     gpus_per_node: Annotated[int, Range(1, MAX_GPUS_PER_NODE)]
-    gpu_memory_gib: Optional[Annotated[float, Range(0.0, MAX_GPU_MEMORY_GIB, low_allowed=False)]] = None
+    gpu_memory_gib: Annotated[float, Range(0.0, MAX_GPU_MEMORY_GIB, low_allowed=False)] | None = None
     intra_node_bandwidth: Bandwidth
     inter_node_bandwidth: Bandwidth
     price_per_hour_usd: Annotated[float, Range(0.0, MAX_PRICE_PER_HOUR_USD)]
     price_source: Text = ""
     price_date: Text = ""
     count: Annotated[int, Range(0, MAX_NODES_PER_TYPE)]
-    slurm_partition: Optional[Text] = None
-    gres_type: Optional[Text] = None
+    slurm_partition: Text | None = None
+    gres_type: Text | None = None
 
 
 Ratio = Annotated[float, Range(0.0, MAX_DERATING, low_allowed=False)]
@@ -206,7 +207,8 @@ def load_cluster(name_or_path: str) -> Cluster:
     sizes = {t.gpus_per_node for t in types.values()}
     if len(sizes) > 1:
         raise InputError(f"{file}: node_type.gpus_per_node",
-                         f"all node types need the same GPUs per node (Megatron-LM gives every node the same number of ranks), got {sorted(sizes)}")
+                         "all node types need the same GPUs per node (Megatron-LM gives every node the same number "
+                         f"of ranks), got {sorted(sizes)}")
     if all(t.count == 0 for t in types.values()):
         raise InputError(f"{file}: node_type.count", "expected at least one available node")
     head = cluster.cluster

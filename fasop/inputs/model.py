@@ -9,8 +9,8 @@ flash attention and models without dropout; docs/cost-model.md derives every ter
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Annotated, Literal, Optional
+from functools import cache
+from typing import Annotated, Literal
 
 from fasop.errors import InputError
 from fasop.inputs import bundled
@@ -100,7 +100,7 @@ class Model:
     def kv_width(self) -> int:
         return self.num_query_groups * self.kv_channels
 
-    @lru_cache(maxsize=None)
+    @cache
     def padded_vocab(self, tp: int) -> int:
         """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * tp."""
         unit = self.make_vocab_size_divisible_by * tp
@@ -121,7 +121,7 @@ class Model:
             return 3 * h * f + ((2 * f + h) if self.linear_bias else 0)
         return 2 * h * f + ((f + h) if self.linear_bias else 0)
 
-    @lru_cache(maxsize=None)
+    @cache
     def layer_params(self, kind: str) -> int:
         """Parameters of one transformer layer of profile kind `kind`."""
         params = self._attention_params() + self._mlp_params() + 2 * self._norm_params()
@@ -129,19 +129,19 @@ class Model:
             params += self._attention_params() + self._norm_params()
         return params
 
-    @lru_cache(maxsize=None)
+    @cache
     def embedding_params(self, tp: int) -> float:
         """Per tensor-parallel rank: the vocabulary-parallel word embedding and learned positions."""
         positions = self.input_seq_length if self.position_embedding == "learned" else 0
         return self.padded_vocab(tp) * self.hidden_size / tp + positions * self.hidden_size
 
-    @lru_cache(maxsize=None)
+    @cache
     def decoder_embedding_params(self, tp: int) -> float:
         """Per rank, encoder-decoder models: the decoder's copy of the shared word embedding."""
         positions = self.decoder_seq_length if self.position_embedding == "learned" else 0
         return self.padded_vocab(tp) * self.hidden_size / tp + positions * self.hidden_size
 
-    @lru_cache(maxsize=None)
+    @cache
     def head_params(self, tp: int, shares_stage_with_embedding: bool) -> float:
         """Per rank: final norm, output projection (a copy when tied and on another stage), BERT heads."""
         h = self.hidden_size
@@ -180,7 +180,7 @@ class Model:
         hidden = (3 if self.ffn_activation == "swiglu" else 2) * p * seq * mbs * f
         return p * seq * mbs * h + hidden + mask * seq * mbs * h + p * seq * mbs * h  # + norm input
 
-    @lru_cache(maxsize=None)
+    @cache
     def layer_activation_bytes(self, kind: str, mbs: int, tp: int) -> float:
         """Activation bytes one layer keeps for one micro-batch until its backward pass, per GPU."""
         if kind == "decoder" and self.is_encoder_decoder:
@@ -193,18 +193,18 @@ class Model:
             total = self._attention_activation(s, s, mbs, cross=False)
         return (total + self._mlp_activation(s, mbs)) / tp
 
-    @lru_cache(maxsize=None)
+    @cache
     def embedding_activation_bytes(self, mbs: int, tp: int) -> float:
         mask = DROPOUT_MASK_BYTES if self.dropout else 0
         return mask * self.input_seq_length * mbs * self.hidden_size / tp
 
-    @lru_cache(maxsize=None)
+    @cache
     def head_activation_bytes(self, mbs: int, tp: int) -> float:
         """Final norm and output-layer inputs, and the fp32 logits that the cross-entropy loss keeps."""
         s, h = self.seq_length, self.hidden_size
         return (2 * self.precision_bytes * s * mbs * h + 4 * s * mbs * self.padded_vocab(tp)) / tp
 
-    @lru_cache(maxsize=None)
+    @cache
     def boundary_bytes(self, segment: int, mbs: int, tp: int) -> float:
         """Bytes one tensor-parallel rank sends across a pipeline boundary for one micro-batch.
 
@@ -227,17 +227,17 @@ class ModelTable(Table):
     name: Name
     source: Text = ""
     architecture: Literal["decoder", "encoder", "encoder-decoder"]
-    num_layers: Optional[Layers] = None  # decoder and encoder architectures
-    encoder_num_layers: Optional[Layers] = None  # encoder-decoder only, as the three below
-    decoder_num_layers: Optional[Layers] = None
-    seq_length: Optional[SeqLength] = None
-    encoder_seq_length: Optional[SeqLength] = None
-    decoder_seq_length: Optional[SeqLength] = None
+    num_layers: Layers | None = None  # decoder and encoder architectures
+    encoder_num_layers: Layers | None = None  # encoder-decoder only, as the three below
+    decoder_num_layers: Layers | None = None
+    seq_length: SeqLength | None = None
+    encoder_seq_length: SeqLength | None = None
+    decoder_seq_length: SeqLength | None = None
     hidden_size: Width
     num_attention_heads: Heads
-    kv_channels: Optional[Width] = None  # default hidden_size / num_attention_heads
-    num_query_groups: Optional[Heads] = None  # default num_attention_heads
-    ffn_hidden_size: Optional[Annotated[int, Range(1, 4 * MAX_WIDTH)]] = None  # default 4 * hidden_size
+    kv_channels: Width | None = None  # default hidden_size / num_attention_heads
+    num_query_groups: Heads | None = None  # default num_attention_heads
+    ffn_hidden_size: Annotated[int, Range(1, 4 * MAX_WIDTH)] | None = None  # default 4 * hidden_size
     vocab_size: Annotated[int, Range(1, MAX_VOCAB)]
     tie_embeddings: Flag = True
     position_embedding: Literal["learned", "rope", "relative"] = "learned"

@@ -4,10 +4,11 @@ the file, the field and what was expected."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Any, Callable, TypeVar, get_args
+from typing import Annotated, Any, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, ValidationError, WrapValidator
 from pydantic_core import core_schema

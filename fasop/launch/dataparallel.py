@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from fasop.errors import InputError
 from fasop.inputs.profiles import load_profiles
 from fasop.launch.checked import LaunchPlan
 from fasop.launch.options import LaunchOptions, check_options
 from fasop.launch.restate import disagreements
-from fasop.launch.shell import bash_array, comment, group_flags, quote
+from fasop.launch.shell import comment, group_flags, quote
 from fasop.launch.slurm import sbatch_script
-from fasop.launch.startup import startup_lines
+from fasop.launch.startup import startup_lines, torchrun_lines
 from fasop.runtime import check_plan
 from fasop.search.dataparallel import KINDS, NoPlan, plan_row
 
@@ -73,25 +74,12 @@ def _run_inter(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPlan,
         "set -euo pipefail",
         "",
         'RUN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
-        f"NNODES={len(p.placement)}",
-        f"GPUS_PER_NODE={p.gpus_per_node}",
-        'NODE_RANK="${SLURM_PROCID:-${NODE_RANK:-}}"',
-        'if [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then',
-        '    echo "run_inter.sh: node rank \'$NODE_RANK\' is not 0 to $((NNODES - 1)); start under srun or set NODE_RANK" >&2',
-        "    exit 1",
-        "fi",
-        *startup_lines([cluster.node_types[name].gpu for name in p.placement], opts.master_port),
+        *startup_lines(p.placement, [cluster.node_types[name].gpu for name in p.placement], p.gpus_per_node,
+                       opts.master_port),
         f"ENTRY_SCRIPT={entry}",
         "",
-        "DISTRIBUTED_ARGS=(",
-        '    --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --node_rank "$NODE_RANK"',
-        '    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"',
-        ")",
-        bash_array("EXTRA_ARGS", group_flags(opts.extra_flags)),
-        "",
         "# Every rank reads its samples per step, micro-batches and loss weight from the plan (fasop.runtime).",
-        'exec torchrun "${DISTRIBUTED_ARGS[@]}" "$ENTRY_SCRIPT" --plan "$RUN_DIR/plan.json" "${EXTRA_ARGS[@]}"',
-        "",
+        *torchrun_lines([("EXTRA_ARGS", group_flags(opts.extra_flags))], '--plan "$RUN_DIR/plan.json"'),
     ]
     return "\n".join(lines)
 

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import click
 
 from fasop.errors import InputError
-from fasop.launch.shell import quote
 from fasop.files import TOML_LIMIT_BYTES, read_text
+from fasop.launch.shell import quote
 
 LAUNCHERS = ("slurm", "ssh", "manual")
 RENDEZVOUS = ("tcp", "file")
@@ -161,7 +162,8 @@ def _launch_sh(plan: Mapping[str, Any], description: str, master_port: int, rend
         "# included: sh -c \"$SIGNAL_RUN\" sh SIGNAL RUN_ID [NODE_RANK] signals them on one host.",
         "# shellcheck disable=SC2016  # a script for the hosts' shells, expanded there",
         "SIGNAL_RUN='for p in /proc/[0-9]*; do if grep -qzxF \"FASOP_RUN_ID=$2\" \"$p/environ\" 2>/dev/null && '\\",
-        "'{ [ -z \"${3:-}\" ] || grep -qzxF \"NODE_RANK=$3\" \"$p/environ\" 2>/dev/null; }; then kill -s \"$1\" \"${p#/proc/}\" 2>/dev/null; '\\",
+        "'{ [ -z \"${3:-}\" ] || grep -qzxF \"NODE_RANK=$3\" \"$p/environ\" 2>/dev/null; }; '\\",
+        "'then kill -s \"$1\" \"${p#/proc/}\" 2>/dev/null; '\\",
         "'fi; done; true'",
         "",
         "node_command() {  # node_command RANK: what node RANK's host runs",
@@ -241,11 +243,12 @@ def _commands_txt(plan: Mapping[str, Any], description: str, run_dir: Path, host
              "# One command per node, in node-rank order: run each in a shell on a node of its type"
              + (" (node rank 0 first)." if rendezvous != "tcp" else "."),
              f"# {run_dir} must be at that path on every node (a shared file system, or copied there)."]
+    master = hosts[0].split("@")[-1] if hosts else ""  # a TCP rendezvous needs --hosts (checked with the options)
     for rank, node_type in enumerate(placement):
         on = f" on {hosts[rank]}" if hosts else ""
         env = [f"NODE_RANK={rank}", f"MASTER_PORT={master_port}"]
         if rendezvous == "tcp":
-            env.append(f"MASTER_ADDR={hosts[0].split('@')[-1]}")
+            env.append(f"MASTER_ADDR={master}")
         else:
             env.append(f"FASOP_RENDEZVOUS={rendezvous}")
         lines += [f"# node rank {rank}: {node_type}{on}",

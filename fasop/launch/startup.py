@@ -17,16 +17,26 @@ The same run_inter.sh serves the Slurm, SSH and manual launchers, so both steps 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Iterable, Sequence
 
-from fasop.launch.shell import quote
+from fasop.launch.shell import bash_array, quote
 
 RENDEZVOUS_TIMEOUT_S = 600  # how long nodes other than rank 0 wait for the rendezvous file
 
 
-def startup_lines(node_gpus: Sequence[str], master_port: int) -> list[str]:
-    """run_inter.sh lines after NODE_RANK is checked: they check the GPU type and set MASTER_ADDR/PORT."""
+def startup_lines(node_types: Sequence[str], node_gpus: Sequence[str], gpus_per_node: int,
+                  master_port: int) -> list[str]:
+    """run_inter.sh's lines before torchrun: the node count, this node's rank (checked), the GPU type check
+    and MASTER_ADDR/PORT; `node_types` and `node_gpus` are the plan's node type and GPU of each node rank."""
     return [
+        f"NNODES={len(node_gpus)}",
+        "NODE_TYPES=(" + " ".join(quote(n) for n in node_types) + ")",
+        f"GPUS_PER_NODE={gpus_per_node}",
+        'NODE_RANK="${SLURM_PROCID:-${NODE_RANK:-}}"',
+        'if [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then',
+        '    echo "run_inter.sh: node rank \'$NODE_RANK\' is not 0 to $((NNODES - 1)); start under srun or set NODE_RANK" >&2',
+        "    exit 1",
+        "fi",
         "NODE_GPUS=(" + " ".join(quote(gpu) for gpu in node_gpus) + ")",
         "",
         "# The node must carry the GPU type the plan gives its node rank (a host list in the wrong order stops here).",
@@ -99,4 +109,21 @@ def startup_lines(node_gpus: Sequence[str], master_port: int) -> list[str]:
         '    echo "run_inter.sh: rendezvous \'$MASTER_ADDR:$MASTER_PORT\' is not an address and a port" >&2',
         "    exit 1",
         "fi",
+    ]
+
+
+def torchrun_lines(arrays: Sequence[tuple[str, Iterable[Sequence[str]]]], *leading: str) -> list[str]:
+    """The torchrun call after startup_lines: every node meets at MASTER_ADDR:MASTER_PORT as node rank
+    NODE_RANK; the entry script gets the `leading` words, then each (name, flags) bash array in order."""
+    words = [*leading, *(f'"${{{name}[@]}}"' for name, _ in arrays)]
+    return [
+        "DISTRIBUTED_ARGS=(",
+        '    --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --node_rank "$NODE_RANK"',
+        '    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"',
+        ")",
+        *(bash_array(name, flags) for name, flags in arrays),
+        "",
+        'exec torchrun "${DISTRIBUTED_ARGS[@]}" "$ENTRY_SCRIPT" \\',
+        "    " + " ".join(words),
+        "",
     ]

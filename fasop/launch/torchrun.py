@@ -9,9 +9,9 @@ from typing import Any
 from fasop.launch.checked import LaunchPlan
 from fasop.launch.megatron import ENTRY_SCRIPTS, data_flags, model_flags, split_layer_flags, training_flags
 from fasop.launch.options import LaunchOptions
-from fasop.launch.shell import bash_array, group_flags, quote
+from fasop.launch.shell import group_flags, quote
 from fasop.launch.slurm import describe_plan
-from fasop.launch.startup import startup_lines
+from fasop.launch.startup import startup_lines, torchrun_lines
 
 
 def run_inter_script(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions, where: str) -> str:
@@ -24,9 +24,6 @@ def run_inter_script(plan: Mapping[str, Any], model: Any, cluster: Any, p: Launc
     if p.distributed_optimizer:
         parallel.append(("--use-distributed-optimizer",))
     parallel += [("--micro-batch-size", str(p.mbs)), ("--global-batch-size", str(p.gbs))]
-    distributed = [("--nnodes", '"$NNODES"'), ("--nproc_per_node", '"$GPUS_PER_NODE"'),
-                   ("--node_rank", '"$NODE_RANK"'), ("--master_addr", '"$MASTER_ADDR"'),
-                   ("--master_port", '"$MASTER_PORT"')]
     lines = [
         "#!/usr/bin/env bash",
         describe_plan(plan, model, cluster, p),
@@ -34,15 +31,8 @@ def run_inter_script(plan: Mapping[str, Any], model: Any, cluster: Any, p: Launc
         "NODE_RANK=r MASTER_ADDR=host bash run_inter.sh",
         "set -euo pipefail",
         "",
-        f"NNODES={len(p.placement)}",
-        f"GPUS_PER_NODE={p.gpus_per_node}",
-        "NODE_TYPES=(" + " ".join(quote(n) for n in p.placement) + ")",
-        'NODE_RANK="${SLURM_PROCID:-${NODE_RANK:-}}"',
-        'if [[ ! "$NODE_RANK" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then',
-        '    echo "run_inter.sh: node rank \'$NODE_RANK\' is not 0 to $((NNODES - 1)); start under srun or set NODE_RANK" >&2',
-        "    exit 1",
-        "fi",
-        *startup_lines([cluster.node_types[name].gpu for name in p.placement], opts.master_port),
+        *startup_lines(p.placement, [cluster.node_types[name].gpu for name in p.placement], p.gpus_per_node,
+                       opts.master_port),
         f"DEFAULT_MEGATRON_PATH={quote(opts.megatron_path)}",
         'MEGATRON_PATH="${MEGATRON_PATH:-$DEFAULT_MEGATRON_PATH}"',
         f"ENTRY_SCRIPT={entry_value}",
@@ -51,17 +41,8 @@ def run_inter_script(plan: Mapping[str, Any], model: Any, cluster: Any, p: Launc
         "",
         "export CUDA_DEVICE_MAX_CONNECTIONS=1",
         "",
-        "DISTRIBUTED_ARGS=(",
-        *[f"    {flag} {value}" for flag, value in distributed],
-        ")",
-        bash_array("PARALLEL_ARGS", parallel),
-        bash_array("MODEL_ARGS", model_flags(model, opts)),
-        bash_array("TRAINING_ARGS", training_flags(opts)),
-        bash_array("DATA_ARGS", data_flags(model, opts)),
-        bash_array("EXTRA_ARGS", group_flags(opts.extra_flags)),
-        "",
-        'exec torchrun "${DISTRIBUTED_ARGS[@]}" "$ENTRY_SCRIPT" \\',
-        '    "${PARALLEL_ARGS[@]}" "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${EXTRA_ARGS[@]}"',
-        "",
+        *torchrun_lines([("PARALLEL_ARGS", parallel), ("MODEL_ARGS", model_flags(model, opts)),
+                         ("TRAINING_ARGS", training_flags(opts)), ("DATA_ARGS", data_flags(model, opts)),
+                         ("EXTRA_ARGS", group_flags(opts.extra_flags))]),
     ]
     return "\n".join(lines)

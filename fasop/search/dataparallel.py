@@ -10,6 +10,7 @@ first (`best_split`, an exact integer optimisation), or evenly (every GPU the sa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -207,7 +208,7 @@ def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], ki
     comm = allreduce_s_per_byte(cluster) * traffic_factor(model, kind) * model.total_params()
     step = float(compute) + comm
     price = cluster.price_per_hour_usd
-    per_type = []
+    per_type: list[dict[str, Any]] = []
     for g, (time_s, mbs_of), s in zip(members, tables, split):
         mbs = int(mbs_of[s])
         memory = (g.memory_fixed_bytes + g.activation_bytes_per_sample * mbs) / GIB
