@@ -25,7 +25,8 @@ for model in gpt2-xl llama2-7b; do
         measured="fasop/data/profiles/$model/$GPU-measured.csv"
     fi
     echo "== $model on $GPU: measuring into $measured"
-    "$PYTHON" -m fasop profile layers --model "$model" --gpu "$GPU" --tp 1 --mbs 1,2,4,8 --device cuda \
+    # the measured profile is its own GPU type, <GPU>-measured, beside the bundled <GPU>.csv
+    "$PYTHON" -m fasop profile layers --model "$model" --gpu "$GPU-measured" --tp 1 --mbs 1,2,4,8 --device cuda \
         --repeat "${REPEAT:-20}" --warmup "${WARMUP:-5}" --out "$measured" --force
     cat "$measured"
     synth="$synth_dir/$model.csv"
@@ -42,7 +43,7 @@ from fasop.inputs.profiles import read_profile, required_kinds
 
 model_name, gpu, measured_path, synth_path = sys.argv[1:]
 model = load_model(model_name)
-measured, synth = read_profile(measured_path, model, gpu), read_profile(synth_path, model, gpu)
+measured, synth = read_profile(measured_path, model, f"{gpu}-measured"), read_profile(synth_path, model, gpu)
 print(f"{'kind':>10} {'mbs':>4} {'fwd meas':>10} {'fwd synth':>10} {'bwd meas':>10} {'bwd synth':>10} {'meas/synth':>10}")
 for tp in measured.tensor_degrees:
     for kind in required_kinds(model):

@@ -250,7 +250,7 @@ def test_bad_requests_get_one_line(runner, tiny, tmp_path):
     assert not (tmp_path / "a.csv").exists() and not (tmp_path / "b.csv").exists()
 
 
-@pytest.mark.parametrize("model_name", ["gpt2-xl", "llama2-7b"])
+@pytest.mark.parametrize("model_name", ["gpt2-xl", "llama2-7b", "bert", "t5"])
 def test_bundled_measured_profiles_load(model_name):
     """The H100 profiles measured with `fasop profile layers` carry a memory column and load like any other."""
     from fasop.inputs.bundled import data_dir
