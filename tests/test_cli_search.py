@@ -1,4 +1,4 @@
-"""`fasop search` and `fasop estimate` through the command line: help, ranked table, output files, the
+"""`fasop search` and `fasop estimate` through the command line: ranked table, output files, the
 estimate breakdown, optimality of the chosen layer split, and every bad input of issue 2 item 6."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-import click
 import pytest
 from click.testing import CliRunner
 from conftest import TINY_MODEL, model_toml, profile_csv
@@ -87,15 +86,6 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def all_commands(group: click.Group, path: tuple[str, ...] = ()):
-    yield path, group
-    for name, command in sorted(group.commands.items()):
-        if isinstance(command, click.Group):
-            yield from all_commands(command, path + (name,))
-        else:
-            yield path + (name,), command
-
-
 def splits(total: int, pp: int):
     """Every layer split of a decoder model: the first and last stage may be empty (embedding or head only)."""
     if pp == 1:
@@ -106,27 +96,6 @@ def splits(total: int, pp: int):
         rest = total - sum(head)
         if rest >= lo[-1]:
             yield head + (rest,)
-
-
-# -- help --------------------------------------------------------------------------------------------------
-COMMANDS = list(all_commands(main))
-
-
-@pytest.mark.parametrize("path,command", COMMANDS, ids=[" ".join(p) or "fasop" for p, _ in COMMANDS])
-def test_every_command_has_help(runner, path, command):
-    result = invoke(runner, [*path, "--help"])
-    ok(result)
-    description = (command.help or "").strip()
-    assert description, f"{' '.join(path) or 'fasop'} has no description"
-    first = description.splitlines()[0].strip()
-    assert first and first in " ".join(result.output.split())
-    for param in command.params:
-        if isinstance(param, click.Option):
-            assert (param.help or "").strip(), f"option {param.opts} of {' '.join(path) or 'fasop'} has no help"
-
-
-def test_search_and_estimate_are_commands():
-    assert {"search", "estimate"} <= set(main.commands)
 
 
 # -- search on a bundled FASOP experiment --------------------------------------------------------------------

@@ -6,11 +6,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from pipelines import closed_form, closed_form_terms
 
 import fasop
 from fasop.cost.communication import geometry, with_embedding_group
 from fasop.cost.config import Config, embedding_stages
-from fasop.cost.memory import bytes_per_param
+from fasop.cost.memory import bytes_per_param, layer_activation_bytes
+from fasop.cost.schedule import makespan_s
 from fasop.cost.simulate import simulate_1f1b
 from fasop.cost.step import stage_costs
 from fasop.inputs.cluster import Cluster, Derating, NodeType
@@ -62,15 +64,15 @@ def test_layer_activation_is_korthikanti_formula():
     s, h, a = 1024, 1600, 16
     for b in (1, 4):
         expected = 34 * s * b * h + 5 * a * s * s * b
-        assert model.layer_activation_bytes("layer", b, 1) == expected
-        assert model.layer_activation_bytes("layer", b, 4) == expected / 4
+        assert layer_activation_bytes(model, "layer", b, 1) == expected
+        assert layer_activation_bytes(model, "layer", b, 4) == expected / 4
 
 
 def test_activation_without_dropout_and_with_flash_attention():
     model = replace(fasop.load_model("gpt2-xl"), dropout=False, flash_attention=True)
     s, h = 1024, 1600
     # norm inputs 4sbh, QKV input, Q, K, V, projection input 10sbh, MLP input 2sbh, fc1 out and gelu out 16sbh
-    assert model.layer_activation_bytes("layer", 1, 1) == (4 + 10 + 2 + 16) * s * h
+    assert layer_activation_bytes(model, "layer", 1, 1) == (4 + 10 + 2 + 16) * s * h
 
 
 def test_megatron_bytes_per_parameter():
@@ -188,15 +190,18 @@ def test_plans_that_do_not_fit_are_removed_and_counted(tiny):
 # -- the 1F1B pipeline time against an event simulation ------------------------------------------------
 
 
-def closed_form(forward, backward, send, m):
-    """fasop's pipeline time (docs/cost-model.md): sum of stage times, both transfers of every boundary,
-    and m - 1 periods of the slowest stage including its blocking exchanges."""
-    p = len(forward)
-    t = np.add(forward, backward)
-    exchange = np.zeros(p)
-    exchange[1:] += send[: p - 1]
-    exchange[:-1] += send[: p - 1]
-    return float(t.sum() + 2 * np.sum(send[: p - 1]) + (m - 1) * (t + exchange).max())
+def test_closed_form_of_a_three_stage_pipeline_by_hand():
+    """forward 1, 2, 1 s, backward 2, 4, 2 s, sends of 0.5 and 0.25 s, 4 micro-batches: compute 3 + 6 + 3, both
+    transfers of each boundary 2 x 0.75, then 3 periods of the middle stage (6 s and its sends 0.5 + 0.25)."""
+    forward, backward, send = [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], [0.5, 0.25]
+    terms = closed_form_terms(forward, backward, send, 4)
+    assert terms["pipeline_time_s"] == pytest.approx(12 + 1.5 + 3 * 6.75)
+    assert terms["bubble_s"] == pytest.approx(33.75 - 4 * 6)
+    assert terms["p2p_s"] == pytest.approx(1.5 + 3 * 0.75)
+    # the schedule itself finishes earlier: the end stages exchange with one neighbour only
+    exact = makespan_s([forward], [backward], [send], 4)[0]
+    assert exact == pytest.approx(simulate_1f1b(forward, backward, send + [0.0], 4))
+    assert exact < terms["pipeline_time_s"]
 
 
 def test_simulation_matches_the_textbook_pipeline_on_equal_stages():
@@ -214,8 +219,10 @@ def test_closed_form_is_exact_on_equal_stages_and_an_upper_bound_otherwise():
         backward = [2 * f for f in forward]
         send = [0.0] * p if equal else [rng.uniform(0.0, 0.5) for _ in range(p)]
         sim, closed = simulate_1f1b(forward, backward, send, m), closed_form(forward, backward, send, m)
+        exact = makespan_s([forward], [backward], [send[: p - 1]], m)[0]
+        assert exact == pytest.approx(sim)
         if equal:
-            assert closed == pytest.approx(sim)
+            assert closed == pytest.approx(sim) == pytest.approx((m + p - 1) * 3.0)
         else:
             assert closed >= sim - 1e-12
 
@@ -236,5 +243,7 @@ def test_best_plans_are_within_three_percent_of_the_simulation(model_name, clust
     send = list(costs.boundary_s[0]) + [0.0]
     m = plan["num_microbatches"]
     sim = simulate_1f1b(list(compute / 3), list(2 * compute / 3), send, m)  # these profiles: backward = 2 forward
+    assert makespan_s([compute / 3], [2 * compute / 3], [send[:-1]], m)[0] == pytest.approx(sim)
+    # the record's pipeline time is the closed form of its own stage times and sends
     assert closed_form(compute / 3, 2 * compute / 3, send, m) == pytest.approx(plan["pipeline_time_s"])
     assert sim - 1e-9 <= plan["pipeline_time_s"] <= 1.03 * sim

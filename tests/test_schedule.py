@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pipelines import closed_form
 
 import fasop.cost.schedule as schedule
 from fasop.cost.schedule import interleaving_error, makespan_s, op_times, stage_program
@@ -59,14 +60,6 @@ def test_blocks_of_plans_give_the_same_times_as_one_block(monkeypatch):
     whole = makespan_s(forward, backward, send, 7)
     monkeypatch.setattr(schedule, "BLOCK_ELEMENTS", 3 * 85)  # 3 plans of 84 operations + the time-0 row
     assert np.array_equal(makespan_s(forward, backward, send, 7), whole)
-
-
-def closed_form(forward, backward, send, m):
-    """docs/cost-model.md section 4 (fasop.cost.step.breakdown's pipeline_time_s): every stage and both
-    transfers of every boundary once, then m - 1 periods of the slowest stage with its blocking exchanges."""
-    compute = np.add(forward, backward)
-    exchange = np.concatenate([[0.0], send]) + np.concatenate([send, [0.0]])
-    return compute.sum() + 2 * np.sum(send) + (m - 1) * (compute + exchange).max()
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 6])

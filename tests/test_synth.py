@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from fasop import load_model
 from fasop.cli import main
+from fasop.cost.memory import layer_activation_bytes
 from fasop.errors import InputError
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import load_profiles, read_profile
@@ -129,7 +130,7 @@ def test_memory_bound_branch_for_a_tiny_model():
     rows = rows_by_key(synth.synthesize(model, gpu, tps=[1], mbss=[1]))
     weights = 4 * h * h + 2 * h * 256 + (h + 256 + 4 * h) + 2 * 2 * h  # matmuls, biases, two layernorms
     assert model.layer_params("layer") == weights
-    forward_bytes = p * weights + p * b * s * h + model.layer_activation_bytes("layer", 1, 1) + p * b * s * h
+    forward_bytes = p * weights + p * b * s * h + layer_activation_bytes(model, "layer", 1, 1) + p * b * s * h
     flops = synth.layer_forward_flops(model, "layer", mbs=1)
     assert flops / (312e12 * 0.869) < forward_bytes / bandwidth  # memory-bound indeed
     assert rows[(1, 1, "layer")].forward_s == pytest.approx(forward_bytes / bandwidth, rel=1e-12)

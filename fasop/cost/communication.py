@@ -10,6 +10,7 @@ types host each stage and which links every pipeline boundary and every all-redu
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 
 import numpy as np
 
@@ -25,12 +26,23 @@ def gradient_comm_bytes(model: Model) -> int:
     return FP32_BYTES if model.precision in ("bf16", "fp32") else model.precision_bytes
 
 
+@cache
+def boundary_bytes(model: Model, segment: int, mbs: int, tp: int) -> float:
+    """Bytes one tensor-parallel rank sends across a pipeline boundary for one micro-batch.
+
+    Megatron scatters the activation over the tensor-parallel group (sequence parallelism), so each
+    rank sends 1/tp. Decoder stages of encoder-decoder models also pass the encoder output along.
+    """
+    tokens = model.input_seq_length if segment == 0 else model.decoder_seq_length + model.encoder_seq_length
+    return model.precision_bytes * tokens * mbs * model.hidden_size / tp
+
+
 def p2p_times(model: Model, geo: Geometry, config: Config, segment: np.ndarray,
               mbs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(boundary, exchange): (K, pp-1) seconds to send one micro-batch's activation across each boundary, and
     (K, pp) the sends and receives each stage waits for in each steady-state step."""
     # activation sizes grow linearly with the micro-batch: compute them once for one sample
-    per_sample_bytes = np.array([model.boundary_bytes(s, 1, config.tp)
+    per_sample_bytes = np.array([boundary_bytes(model, s, 1, config.tp)
                                  for s in range(len(model.layer_kinds))])[segment[1:]]
     boundary = geo.boundary_s_per_byte[None, :] * per_sample_bytes[None, :] * mbs[:, None]
     exchange = np.zeros((len(mbs), config.pp))

@@ -1,9 +1,6 @@
-"""The model description: shape, parameter counts and activation sizes of one Transformer.
-
-Parameter and activation counts follow Megatron-LM's layer structure. Activation bytes generalise the
-per-layer formula of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models", Table 2: 34*s*b*h + 5*a*s^2*b bytes) to other attention widths, grouped-query attention, SwiGLU,
-flash attention and models without dropout; docs/cost-model.md derives every term.
+"""The model description: shape and parameter counts of one Transformer, following Megatron-LM's layer
+structure. What the model occupies in memory and on the wire is the cost model's (fasop.cost.memory,
+fasop.cost.communication).
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from fasop.inputs.names import Name
 from fasop.inputs.tomlfile import Flag, Range, Table, Text, read_toml, validated
 
 PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-DROPOUT_MASK_BYTES = 1
 # Ranges of the shape fields of a model file (docs/formats.md): beyond any trained Transformer, small enough
 # that parameter, activation and FLOP counts stay finite.
 MAX_LAYERS = 10_000
@@ -158,61 +154,6 @@ class Model:
         if self.is_encoder_decoder and self.position_embedding == "learned":
             embeddings += self.decoder_seq_length * self.hidden_size
         return layers + embeddings + self.head_params(1, shares_stage_with_embedding=True)
-
-    # -- activations (bytes held for one micro-batch, per GPU, sequence parallelism when tp > 1) ------
-    def _attention_activation(self, q_seq: int, kv_seq: int, mbs: int, cross: bool) -> float:
-        h, qa, kv, a = self.hidden_size, self.attention_width, self.kv_width, self.num_attention_heads
-        p, mask = self.precision_bytes, DROPOUT_MASK_BYTES if self.dropout else 0
-        b = mbs
-        # input of the norm and of the Q(KV) projection, Q, K, V, input of the output projection, dropout mask
-        kv_input = 0 if cross else p * q_seq * b * h  # cross-attention K/V read the shared encoder output
-        sbh = p * q_seq * b * h + kv_input + p * q_seq * b * qa + 2 * p * kv_seq * b * kv
-        sbh += p * q_seq * b * qa + mask * q_seq * b * h
-        if self.flash_attention:
-            scores = 0.0
-        else:  # softmax output, and with dropout its mask and output
-            scores = a * q_seq * kv_seq * b * (p + (mask + p if self.dropout else 0))
-        return sbh + scores
-
-    def _mlp_activation(self, seq: int, mbs: int) -> float:
-        h, f, p = self.hidden_size, self.ffn_hidden_size, self.precision_bytes
-        mask = DROPOUT_MASK_BYTES if self.dropout else 0
-        hidden = (3 if self.ffn_activation == "swiglu" else 2) * p * seq * mbs * f
-        return p * seq * mbs * h + hidden + mask * seq * mbs * h + p * seq * mbs * h  # + norm input
-
-    @cache
-    def layer_activation_bytes(self, kind: str, mbs: int, tp: int) -> float:
-        """Activation bytes one layer keeps for one micro-batch until its backward pass, per GPU."""
-        if kind == "decoder" and self.is_encoder_decoder:
-            s, s_enc = self.decoder_seq_length, self.encoder_seq_length
-            total = self._attention_activation(s, s, mbs, cross=False)
-            total += self._attention_activation(s, s_enc, mbs, cross=True)
-            total += self.precision_bytes * s * mbs * self.hidden_size  # the cross-attention norm's input
-        else:
-            s = self.encoder_seq_length if kind == "encoder" else self.seq_length
-            total = self._attention_activation(s, s, mbs, cross=False)
-        return (total + self._mlp_activation(s, mbs)) / tp
-
-    @cache
-    def embedding_activation_bytes(self, mbs: int, tp: int) -> float:
-        mask = DROPOUT_MASK_BYTES if self.dropout else 0
-        return mask * self.input_seq_length * mbs * self.hidden_size / tp
-
-    @cache
-    def head_activation_bytes(self, mbs: int, tp: int) -> float:
-        """Final norm and output-layer inputs, and the fp32 logits that the cross-entropy loss keeps."""
-        s, h = self.seq_length, self.hidden_size
-        return (2 * self.precision_bytes * s * mbs * h + 4 * s * mbs * self.padded_vocab(tp)) / tp
-
-    @cache
-    def boundary_bytes(self, segment: int, mbs: int, tp: int) -> float:
-        """Bytes one tensor-parallel rank sends across a pipeline boundary for one micro-batch.
-
-        Megatron scatters the activation over the tensor-parallel group (sequence parallelism), so each
-        rank sends 1/tp. Decoder stages of encoder-decoder models also pass the encoder output along.
-        """
-        tokens = self.input_seq_length if segment == 0 else self.decoder_seq_length + self.encoder_seq_length
-        return self.precision_bytes * tokens * mbs * self.hidden_size / tp
 
 
 Layers = Annotated[int, Range(1, MAX_LAYERS)]

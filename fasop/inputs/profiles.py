@@ -89,24 +89,12 @@ def _identity(line: str, where: str) -> dict[str, str]:
     return fields
 
 
-# Long: every check of one file, in the order the file is read, each with its own one-line error.
 def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = False) -> GpuProfile:
     """The profile of `model` on `gpu`; a header line naming another model or GPU is refused unless
     `allow_mismatch`."""
     file = str(path)
     text = read_text(path, CSV_LIMIT_BYTES, missing=f"no profile for GPU type {gpu} of model {model.name}")
-    numbered = []  # (line number, text) of the data lines
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.startswith(IDENTITY_PREFIX):
-            made_for = _identity(line, f"{file}: line {number}")
-            wanted = {"model": model.name, "gpu": gpu}
-            for key in ("model", "gpu"):
-                if made_for[key] != wanted[key] and not allow_mismatch:
-                    raise InputError(f"{file}: line {number}: {key}",
-                                     f"the profile was made for {key} {made_for[key]}, not {wanted[key]} "
-                                     "(pass --allow-profile-mismatch to use it anyway)")
-        elif line.strip() and not line.lstrip().startswith("#"):
-            numbered.append((number, line))
+    numbered = _data_lines(text, file, {"model": model.name, "gpu": gpu}, allow_mismatch)
     reader = csv.reader(line for _, line in numbered)
     header = next(reader, [])
     if tuple(header) not in (COLUMNS, COLUMNS + (MEMORY_COLUMN,)):
@@ -114,31 +102,59 @@ def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = Fals
     kinds = required_kinds(model)
     rows: dict[tuple[int, str], list[tuple[int, float, float]]] = {}
     for (number, _), cells in zip(numbered[1:], reader):
-        where = f"{file}: line {number}"
-        if len(cells) != len(header):
-            raise InputError(where, f"expected {len(header)} cells ({','.join(header)}), got {len(cells)}")
-        row = dict(zip(header, cells))
-        for key in ("tp", "mbs"):
-            try:
-                degree = int(row[key])
-            except ValueError:
-                degree = 0
-            if not 1 <= degree <= MAX_DEGREE:
-                raise InputError(f"{where}: {key}", f"expected an integer from 1 to {MAX_DEGREE}, got {row[key]!r}")
-        for key in ("forward_s", "backward_s"):
-            try:
-                seconds = float(row[key])
-            except ValueError:
-                seconds = math.nan
-            if not 0 < seconds <= MAX_UNIT_TIME_S:  # also refuses NaN
-                raise InputError(f"{where}: {key}", f"expected seconds > 0 and <= {MAX_UNIT_TIME_S:g}, got {row[key]!r}")
-        memory = row.get(MEMORY_COLUMN)
-        if memory is not None and not (memory.isascii() and memory.isdigit() and int(memory) <= MAX_MEMORY_BYTES):
-            raise InputError(f"{where}: {MEMORY_COLUMN}", f"expected bytes from 0 to 2**50, got {row[MEMORY_COLUMN]!r}")
-        tp, mbs, forward, backward = int(row["tp"]), int(row["mbs"]), float(row["forward_s"]), float(row["backward_s"])
-        if row["kind"] not in kinds:
-            raise InputError(f"{where}: kind", f"{row['kind']!r} is not one of {', '.join(kinds)} ({model.architecture} model)")
-        rows.setdefault((tp, row["kind"]), []).append((mbs, forward, backward))
+        tp, kind, mbs, forward, backward = _row(cells, header, f"{file}: line {number}", kinds, model.architecture)
+        rows.setdefault((tp, kind), []).append((mbs, forward, backward))
+    return GpuProfile(gpu, file, _curves(rows, file, kinds))
+
+
+def _data_lines(text: str, file: str, wanted: dict[str, str], allow_mismatch: bool) -> list[tuple[int, str]]:
+    """(line number, text) of the CSV lines, after checking the identity line against the `wanted` model and
+    GPU; comments and blank lines left out."""
+    numbered = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.startswith(IDENTITY_PREFIX):
+            made_for = _identity(line, f"{file}: line {number}")
+            for key in ("model", "gpu"):
+                if made_for[key] != wanted[key] and not allow_mismatch:
+                    raise InputError(f"{file}: line {number}: {key}",
+                                     f"the profile was made for {key} {made_for[key]}, not {wanted[key]} "
+                                     "(pass --allow-profile-mismatch to use it anyway)")
+        elif line.strip() and not line.lstrip().startswith("#"):
+            numbered.append((number, line))
+    return numbered
+
+
+def _row(cells: list[str], header: list[str], where: str, kinds: tuple[str, ...],
+         architecture: str) -> tuple[int, str, int, float, float]:
+    """(tp, kind, mbs, forward_s, backward_s) of one data line, each cell checked."""
+    if len(cells) != len(header):
+        raise InputError(where, f"expected {len(header)} cells ({','.join(header)}), got {len(cells)}")
+    row = dict(zip(header, cells))
+    for key in ("tp", "mbs"):
+        try:
+            degree = int(row[key])
+        except ValueError:
+            degree = 0
+        if not 1 <= degree <= MAX_DEGREE:
+            raise InputError(f"{where}: {key}", f"expected an integer from 1 to {MAX_DEGREE}, got {row[key]!r}")
+    for key in ("forward_s", "backward_s"):
+        try:
+            seconds = float(row[key])
+        except ValueError:
+            seconds = math.nan
+        if not 0 < seconds <= MAX_UNIT_TIME_S:  # also refuses NaN
+            raise InputError(f"{where}: {key}", f"expected seconds > 0 and <= {MAX_UNIT_TIME_S:g}, got {row[key]!r}")
+    memory = row.get(MEMORY_COLUMN)
+    if memory is not None and not (memory.isascii() and memory.isdigit() and int(memory) <= MAX_MEMORY_BYTES):
+        raise InputError(f"{where}: {MEMORY_COLUMN}", f"expected bytes from 0 to 2**50, got {row[MEMORY_COLUMN]!r}")
+    if row["kind"] not in kinds:
+        raise InputError(f"{where}: kind", f"{row['kind']!r} is not one of {', '.join(kinds)} ({architecture} model)")
+    return int(row["tp"]), row["kind"], int(row["mbs"]), float(row["forward_s"]), float(row["backward_s"])
+
+
+def _curves(rows: dict[tuple[int, str], list[tuple[int, float, float]]], file: str,
+            kinds: tuple[str, ...]) -> dict[tuple[int, str], Curve]:
+    """One curve over micro-batch sizes per (tp, kind); every kind present at every tensor degree listed."""
     curves: dict[tuple[int, str], Curve] = {}
     for (tp, kind), entries in rows.items():
         entries.sort()
@@ -153,7 +169,7 @@ def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = Fals
             raise InputError(file, f"tp={tp} has no rows for kind {', '.join(missing)}")
     if not curves:
         raise InputError(file, "no profile rows")
-    return GpuProfile(gpu, file, curves)
+    return curves
 
 
 def profile_paths(model: Model, gpus, directory: str | None = None) -> dict[str, Path]:

@@ -99,8 +99,15 @@ def hosts_text(plan: Mapping[str, Any], hosts: Sequence[str] | None) -> str:
 
 
 def _launch_sh(plan: Mapping[str, Any], description: str, master_port: int, rendezvous: str) -> str:
-    placement = plan["placement"]
-    return "\n".join([
+    """launch.sh: its settings, the hosts file checked again, the command each host runs, stopping every node,
+    then starting them and waiting for each."""
+    sections = [_settings_lines(plan["placement"], description, master_port, rendezvous), _hosts_check_lines(),
+                _node_command_lines(), _stop_lines(), _start_and_wait_lines()]
+    return "\n\n".join("\n".join(lines) for lines in sections) + "\n"
+
+
+def _settings_lines(placement: Sequence[str], description: str, master_port: int, rendezvous: str) -> list[str]:
+    return [
         "#!/usr/bin/env bash",
         description,
         "# Starts run_inter.sh on every host of the hosts file over SSH:  bash launch.sh [HOSTS_FILE]",
@@ -126,7 +133,12 @@ def _launch_sh(plan: Mapping[str, Any], description: str, master_port: int, rend
         "# ssh keeps the first value of each option: the user's come first.",
         'SSH_ARGS=("${USER_SSH_ARGS[@]}" -o BatchMode=yes -o ConnectTimeout=20)',
         'read -ra FORWARD_NAMES <<< "${FORWARD_ENV:-}"',
-        "",
+    ]
+
+
+def _hosts_check_lines() -> list[str]:
+    """The settings checked, and the hosts file read and checked as read_hosts does (it may have been edited)."""
+    return [
         'fail() { echo "launch.sh: $*" >&2; exit 2; }',
         "",
         '[[ "$RUN_ID" =~ ^[A-Za-z0-9_.-]+$ ]] || fail "FASOP_RUN_ID \'$RUN_ID\': expected letters, digits, _ . -"',
@@ -153,7 +165,12 @@ def _launch_sh(plan: Mapping[str, Any], description: str, master_port: int, rend
         'done < "$HOSTS_FILE"',
         '(( ${#HOSTS[@]} == NNODES )) || fail "$HOSTS_FILE: lists ${#HOSTS[@]} hosts, the plan has $NNODES nodes"',
         'MASTER_ADDR="${HOSTS[0]#*@}"',
-        "",
+    ]
+
+
+def _node_command_lines() -> list[str]:
+    """What each host runs, and node RANK started over ssh."""
+    return [
         "quote() {  # quote TEXT: TEXT as one word for any POSIX shell (the hosts' login shells read the commands)",
         "    printf \"'%s'\" \"${1//\\'/\\'\\\\\\'\\'}\"",
         "}",
@@ -184,7 +201,12 @@ def _launch_sh(plan: Mapping[str, Any], description: str, master_port: int, rend
         '    exec ssh "${SSH_ARGS[@]}" -- "${HOSTS[$1]}" "$(node_command "$1")" < /dev/null \\',
         '        > "$LOG_DIR/$1-${HOSTS[$1]}.log" 2>&1',
         "}",
-        "",
+    ]
+
+
+def _stop_lines() -> list[str]:
+    """Stopping every process of this run on every host."""
+    return [
         "signal_nodes() {  # signal_nodes SIGNAL: SIGNAL to every process of this run on every host",
         "    local host pids=()",
         '    for host in "${HOSTS[@]}"; do',
@@ -210,7 +232,12 @@ def _launch_sh(plan: Mapping[str, Any], description: str, master_port: int, rend
         "    wait || true",
         "    signal_nodes KILL  # also what started while the ssh connections were closing",
         "}",
-        "",
+    ]
+
+
+def _start_and_wait_lines() -> list[str]:
+    """Every node started; the first failure stops them all."""
+    return [
         'mkdir -p "$LOG_DIR"',
         "trap 'stop_nodes; exit 130' INT TERM HUP",
         "for (( rank = 0; rank < NNODES; rank++ )); do",
@@ -232,8 +259,7 @@ def _launch_sh(plan: Mapping[str, Any], description: str, master_port: int, rend
         "    fi",
         '    echo "launch.sh: node rank $rank (${HOSTS[rank]}) finished"',
         "done",
-        "",
-    ])
+    ]
 
 
 def _commands_txt(plan: Mapping[str, Any], description: str, run_dir: Path, hosts: Sequence[str] | None,

@@ -47,11 +47,9 @@ def describe_plan(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPl
                     f"mbs={p.mbs} gbs={p.gbs}, layers per stage {'-'.join(str(n) for n in p.layers_per_stage)}.")
 
 
-# Long: the script's lines in the order they run, one template read top to bottom.
 def sbatch_script(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions) -> str:
     runs = placement_runs(p.placement)
     het = len(runs) > 1
-    job_name = opts.job_name or re.sub(r"[^A-Za-z0-9_.+-]", "_", f"fasop-{model.name}")
     lines = [
         "#!/usr/bin/env bash",
         describe_plan(plan, model, cluster, p),
@@ -60,6 +58,15 @@ def sbatch_script(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPl
     if het:
         lines.append("# One heterogeneous-job component per run of nodes of one type, in that order.")
     lines.append("# Submit from this directory: sbatch sbatch.sh (or: sbatch --chdir=DIR DIR/sbatch.sh).")
+    lines += _directives(runs, model, cluster, p, opts)
+    return "\n".join(lines + _job_lines(len(runs), opts))
+
+
+def _directives(runs: list[tuple[str, int]], model: Any, cluster: Any, p: LaunchPlan,
+                opts: LaunchOptions) -> list[str]:
+    """The #SBATCH lines of each component: one per run of nodes of one type."""
+    job_name = opts.job_name or re.sub(r"[^A-Za-z0-9_.+-]", "_", f"fasop-{model.name}")
+    lines = []
     for index, (name, count) in enumerate(runs):
         node_type = cluster.node_types[name]
         if index > 0:
@@ -78,11 +85,17 @@ def sbatch_script(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPl
             lines.append(f"#SBATCH --cpus-per-task={opts.cpus_per_task}")
         if opts.exclusive:
             lines.append("#SBATCH --exclusive")
+    return lines
+
+
+def _job_lines(components: int, opts: LaunchOptions) -> list[str]:
+    """What the job runs: the rendezvous address, then run_inter.sh on every node through one srun."""
+    het = components > 1
     nodelist = "SLURM_JOB_NODELIST_HET_GROUP_0" if het else "SLURM_JOB_NODELIST"
     srun_args = ["--kill-on-bad-exit=1"]
     if het:
-        srun_args.insert(0, f"--het-group=0-{len(runs) - 1}")
-    lines += [
+        srun_args.insert(0, f"--het-group=0-{components - 1}")
+    lines = [
         "",
         "set -euo pipefail",
         "",
@@ -111,4 +124,4 @@ def sbatch_script(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPl
             '--container-workdir="$RUN_DIR")',
         ]
     lines += ['srun "${SRUN_ARGS[@]}" bash "$RUN_DIR/run_inter.sh"', ""]
-    return "\n".join(lines)
+    return lines

@@ -28,6 +28,11 @@ def startup_lines(node_types: Sequence[str], node_gpus: Sequence[str], gpus_per_
                   master_port: int) -> list[str]:
     """run_inter.sh's lines before torchrun: the node count, this node's rank (checked), the GPU type check
     and MASTER_ADDR/PORT; `node_types` and `node_gpus` are the plan's node type and GPU of each node rank."""
+    return [*_node_rank_lines(node_types, node_gpus, gpus_per_node), "", *_gpu_check_lines(), "",
+            *_rendezvous_lines(master_port)]
+
+
+def _node_rank_lines(node_types: Sequence[str], node_gpus: Sequence[str], gpus_per_node: int) -> list[str]:
     return [
         f"NNODES={len(node_gpus)}",
         "NODE_TYPES=(" + " ".join(quote(n) for n in node_types) + ")",
@@ -38,7 +43,11 @@ def startup_lines(node_types: Sequence[str], node_gpus: Sequence[str], gpus_per_
         "    exit 1",
         "fi",
         "NODE_GPUS=(" + " ".join(quote(gpu) for gpu in node_gpus) + ")",
-        "",
+    ]
+
+
+def _gpu_check_lines() -> list[str]:
+    return [
         "# The node must carry the GPU type the plan gives its node rank (a host list in the wrong order stops here).",
         "gpu_matches() {  # gpu_matches PLAN_GPU REPORTED_NAME: are PLAN_GPU's letters a run of whole words of the name?",
         '    local want="${1^^}" name="${2^^}" joined i j',
@@ -74,7 +83,11 @@ def startup_lines(node_types: Sequence[str], node_gpus: Sequence[str], gpus_per_
         "        exit 1",
         "    fi",
         'done <<< "$GPU_NAMES"',
-        "",
+    ]
+
+
+def _rendezvous_lines(master_port: int) -> list[str]:
+    return [
         f'MASTER_PORT="${{MASTER_PORT:-{master_port}}}"',
         'RENDEZVOUS="${FASOP_RENDEZVOUS:-tcp}"',
         'case "$RENDEZVOUS" in',

@@ -56,14 +56,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from fasop.cost.memory import DROPOUT_MASK_BYTES, FP32_BYTES, head_activation_bytes, layer_activation_bytes
 from fasop.errors import InputError
 from fasop.files import write_atomically
 from fasop.inputs.catalogue import GpuSpec, load_gpu_spec
 from fasop.inputs.cluster import parse_bandwidth
-from fasop.inputs.model import DROPOUT_MASK_BYTES, Model
+from fasop.inputs.model import Model
 from fasop.inputs.profiles import COLUMNS, identity_line, required_kinds
 
-FP32_BYTES = 4
 MAIN_GRAD_BYTES_PER_WEIGHT = 2 * FP32_BYTES  # fp32 main gradient read and written once per micro-batch
 DEFAULT_DEGREES = (1, 2, 4, 8)
 FORMULA = ("forward_s = max(F / (peak x efficiency), B / memory_bandwidth) + (tp-1)/tp x C / link; "
@@ -144,7 +144,7 @@ def unit_costs(model: Model, tp: int, mbs: int) -> dict[str, UnitCost]:
         cross = kind == "decoder" and model.is_encoder_decoder
         s = model.decoder_seq_length if cross else (model.encoder_seq_length if kind == "encoder" else model.seq_length)
         boundary = p * b * s * h / tp  # input or output, sequence-parallel shard
-        forward = p * weights + boundary + model.layer_activation_bytes(kind, mbs, tp) + boundary
+        forward = p * weights + boundary + layer_activation_bytes(model, kind, mbs, tp) + boundary
         collective = 4 * p * b * s * h
         if cross:
             s_enc = model.encoder_seq_length
@@ -156,7 +156,7 @@ def unit_costs(model: Model, tp: int, mbs: int) -> dict[str, UnitCost]:
 
     s = model.seq_length
     weights = model.head_params(tp, shares_stage_with_embedding=False)
-    forward = p * weights + p * b * s * h / tp + model.head_activation_bytes(mbs, tp)
+    forward = p * weights + p * b * s * h / tp + head_activation_bytes(model, mbs, tp)
     backward = forward + MAIN_GRAD_BYTES_PER_WEIGHT * weights
     costs["head"] = UnitCost("head", head_forward_flops(model, mbs, tp), forward, backward, p * b * s * h)
     return {kind: costs[kind] for kind in required_kinds(model)}

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from fasop.cost.communication import geometry
-from fasop.cost.memory import GIB
+from fasop.cost.memory import GIB, embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
@@ -67,8 +67,8 @@ def gather_buffer_bytes(model: Model, kind: str) -> float:
 
 def activation_bytes_per_sample(model: Model) -> float:
     """Activations one sample keeps until its backward pass on a GPU holding the whole model (section 8)."""
-    layers = sum(n * model.layer_activation_bytes(k, 1, 1) for n, k in zip(model.segment_layers, model.layer_kinds))
-    return layers + model.embedding_activation_bytes(1, 1) + model.head_activation_bytes(1, 1)
+    layers = sum(n * layer_activation_bytes(model, k, 1, 1) for n, k in zip(model.segment_layers, model.layer_kinds))
+    return layers + embedding_activation_bytes(model, 1, 1) + head_activation_bytes(model, 1, 1)
 
 
 def traffic_factor(model: Model, kind: str) -> float:
