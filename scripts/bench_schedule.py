@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from fasop.schedule import makespan_s, program
-from fasop.simulate import simulate_1f1b
+from fasop.cost.schedule import makespan_s, program
+from fasop.cost.simulate import simulate_1f1b
 
 
 def main(argv: list[str] | None = None) -> int:

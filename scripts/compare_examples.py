@@ -25,7 +25,7 @@ def fasop(*args: str) -> str:
 
 def synthesised_bert_profiles(folder: Path) -> Path:
     """bert's measured A100 profile plus synthesised H100 and A10G ones, in one folder."""
-    import fasop.bundled as bundled
+    from fasop.inputs import bundled
 
     measured = bundled.data_dir("profiles") / "bert" / "A100.csv"
     shutil.copy(measured, folder / "A100.csv")
