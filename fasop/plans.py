@@ -1,4 +1,6 @@
-"""Plan files: what `fasop search --output` writes (JSON or CSV) and what `fasop emit` and `fasop plot` read."""
+"""The plan record and plan files: `Plan` (with its `Stage` rows, or the `TypeShare` rows of data-parallel kinds)
+is what a search or an estimate returns, what `fasop search --output` writes (JSON or CSV) and what `fasop emit`,
+`fasop plot`, calibration and fasop.runtime read back (docs/formats.md publishes its JSON schema)."""
 
 from __future__ import annotations
 
@@ -10,17 +12,122 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
 
 from fasop.errors import InputError
 from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_json, write_atomically
+from fasop.inputs.tomlfile import Range, Table, expected, validated
 
 MAX_PLAN_INT = 2**53  # ranks, degrees, batch sizes and layer counts of a plan file: exact in any JSON reader
-PLAN_KEYS = ("rank", "gbs", "mbs", "tp", "dp", "pp", "placement", "layers_per_stage")  # what readers rely on
-PLAN_KINDS = ("3d", "ddp", "zero1", "zero2", "zero3")  # `kind` of a plan; plans without one are 3d
+DATA_PARALLEL_KINDS = ("ddp", "zero1", "zero2", "zero3")
 CSV_LISTS = ("placement", "layers_per_stage")
 # Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.inputs.names),
 # so every node-type name reads back whole ("-" is inside it).
 CSV_LIST_SEPARATOR = " "
+
+Count = Annotated[int, Range(1, MAX_PLAN_INT)]
+Index = Annotated[int, Range(0, MAX_PLAN_INT)]
+NodeType = Annotated[str, Field(min_length=1), expected("a node-type name")]
+
+
+class Stage(Table):
+    """One pipeline stage of a 3D plan: seconds per micro-batch, memory of its most loaded GPU."""
+
+    stage: Index
+    gpu: str  # the stage's GPU type; "A100+A10" for a stage whose ranks span two types
+    nodes: list[Index]  # node ranks (positions in the placement) holding the stage
+    layers: Index
+    compute_s: float  # forward and backward of one micro-batch
+    p2p_s: float  # its sends and receives per micro-batch
+    dp_allreduce_s: float
+    memory_gib: float
+    memory_capacity_gib: float
+
+
+class TypeShare(Table):
+    """The GPUs of one node type in a data-parallel plan and their share of the global batch."""
+
+    node_type: NodeType
+    gpu: str
+    gpus: Count
+    samples_per_gpu: Count
+    micro_batch_size: Count
+    accumulation_steps: Count  # samples_per_gpu / micro_batch_size rounded up; the last micro-batch holds the rest
+    compute_s: float
+    memory_gib: float
+    memory_capacity_gib: float
+
+
+class Plan(Table):
+    """One plan. The shape (degrees, batch sizes, placement, layers per stage) is required; every figure is
+    optional (a plan file may state only some, and `fasop emit` fills in the rest from a fresh estimate).
+    Fields are declared in the order plan files write them; a field is written only when it was given."""
+
+    rank: Count | None = None
+    family: str | None = None  # fasop compare: the strategies this plan is the best of
+    model: str | None = None
+    model_file: str | None = None
+    cluster: str | None = None
+    cluster_file: str | None = None
+    kind: Literal["3d", "ddp", "zero1", "zero2", "zero3"] = "3d"
+    batch_split: Literal["even", "uneven"] | None = None
+    gbs: Count
+    mbs: Count
+    tp: Count
+    dp: Count
+    pp: Count
+    num_microbatches: Count | None = None
+    placement: Annotated[list[NodeType], Field(min_length=1)]
+    gpus_per_node: Count | None = None
+    layers_per_stage: Annotated[list[Index], Field(min_length=1)]
+    encoder_stages: Index = 0
+    distributed_optimizer: bool | None = None
+    step_time_s: float | None = None
+    throughput_samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    compute_s: float | None = None
+    pipeline_time_s: float | None = None
+    bubble_s: float | None = None
+    p2p_s: float | None = None
+    dp_allreduce_s: float | None = None
+    embedding_allreduce_s: float | None = None
+    peak_memory_gib: float | None = None
+    memory_capacity_gib: float | None = None
+    cost_per_hour_usd: float | None = None
+    cost_per_step_usd: float | None = None
+    placement_search: Literal["exhaustive", "type-blocks"] | None = None
+    stages: list[Stage] | None = None
+    per_type: Annotated[list[TypeShare], Field(min_length=1)] | None = None
+    train_steps: Count | None = None
+    train_hours: float | None = None
+    train_cost_usd: float | None = None
+    fits_memory: bool | None = None  # fasop estimate: whether the plan fits with the cluster's memory margin
+
+    @model_validator(mode="after")
+    def _kind_has_its_rows(self) -> Plan:
+        if self.kind in DATA_PARALLEL_KINDS and (self.per_type is None or self.gpus_per_node is None):
+            raise ValueError(f"a {self.kind} plan needs per_type and gpus_per_node")
+        return self
+
+    @classmethod
+    def trusted(cls, record: dict[str, Any]) -> Plan:
+        """A plan from a record the search or an estimate built itself (not checked again: searches build many)."""
+        fields = dict(record)
+        if "stages" in fields:
+            fields["stages"] = [Stage.model_construct(**s) for s in fields["stages"]]
+        if "per_type" in fields:
+            fields["per_type"] = [TypeShare.model_construct(**t) for t in fields["per_type"]]
+        return cls.model_construct(**fields)
+
+    def record(self) -> dict[str, Any]:
+        """The plan as plan files hold it: the fields it was given, in declaration order."""
+        return self.model_dump(exclude_unset=True)
+
+    @property
+    def is_data_parallel(self) -> bool:
+        return self.kind in DATA_PARALLEL_KINDS
 
 
 @dataclass(frozen=True)
@@ -48,54 +155,46 @@ def compress_placement(placement: Sequence) -> str:
     return ",".join(str(name) if count == 1 else f"{name}*{count}" for name, count in placement_runs(placement))
 
 
-def plans_as_json(plans: list[dict]) -> str:
-    return json.dumps(plans, indent=1, allow_nan=False) + "\n"
+def plans_as_json(records: list[dict]) -> str:
+    return json.dumps(records, indent=1, allow_nan=False) + "\n"
 
 
-def plans_as_csv(plans: list[dict]) -> str:
+def plans_as_csv(records: list[dict]) -> str:
     """The same columns as the JSON; lists joined with spaces, the per-stage breakdown as compact JSON."""
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(plans[0]), lineterminator="\n")
+    writer = csv.DictWriter(out, fieldnames=list(records[0]), lineterminator="\n")
     writer.writeheader()
-    for plan in plans:
-        flat = dict(plan)
+    for record in records:
+        flat = dict(record)
         for key in CSV_LISTS:
-            flat[key] = CSV_LIST_SEPARATOR.join(map(str, plan[key]))
-        flat["stages"] = json.dumps(plan["stages"], separators=(",", ":"))
+            flat[key] = CSV_LIST_SEPARATOR.join(map(str, record[key]))
+        flat["stages"] = json.dumps(record["stages"], separators=(",", ":"))
         writer.writerow(flat)
     return out.getvalue()
 
 
-def plans_text(plans: list[dict], output: Path) -> str:
-    """What write_plans writes to `output` (.json or .csv); refuses non-finite numbers before anything is written."""
+def plans_text(plans: Sequence[Plan], output: Path) -> str:
+    """What write_plans writes to `output` (.json or .csv); refuses non-finite numbers before anything is written
+    (the search builds its plans unchecked)."""
     if output.suffix not in (".json", ".csv"):
         raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
-    check_finite(plans, f"--output {output}")
-    return plans_as_json(plans) if output.suffix == ".json" else plans_as_csv(plans)
+    records = [plan.record() for plan in plans]
+    check_finite(records, f"--output {output}")
+    return plans_as_json(records) if output.suffix == ".json" else plans_as_csv(records)
 
 
-def write_plans(plans: list[dict], output: Path) -> None:
+def write_plans(plans: Sequence[Plan], output: Path) -> None:
     write_atomically(output, plans_text(plans, output), f"--output {output}")
 
 
-def _check_plan_fields(plan: dict, where: str) -> None:
-    """The keys readers rely on hold what fasop search writes; every number in the plan is finite."""
-    for key in ("rank", "gbs", "mbs", "tp", "dp", "pp"):
-        value = plan[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PLAN_INT:
-            raise InputError(f"{where}: {key}", f"expected an integer from 1 to {MAX_PLAN_INT:,}, got {value!r}")
-    placement, layers = plan["placement"], plan["layers_per_stage"]
-    if not isinstance(placement, list) or not placement or not all(isinstance(n, str) and n for n in placement):
-        raise InputError(f"{where}: placement", "expected a non-empty list of node-type names")
-    if (not isinstance(layers, list) or not layers
-            or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_PLAN_INT for n in layers)):
-        raise InputError(f"{where}: layers_per_stage", "expected a non-empty list of layer counts (integers >= 0)")
-    if plan.get("kind", "3d") not in PLAN_KINDS:
-        raise InputError(f"{where}: kind", f"expected one of {', '.join(PLAN_KINDS)}, got {plan['kind']!r}")
-    check_finite(plan, where)
+def read_plan(data: Any, where: str) -> Plan:
+    """A plan object read from a file, checked against the schema: one line naming `where` and the field."""
+    if not isinstance(data, dict):
+        raise InputError(where, "not a fasop plan: expected a JSON object")
+    return validated(Plan, data, where)
 
 
-def load_plans(path: str | os.PathLike) -> list[dict]:
+def load_plans(path: str | os.PathLike) -> list[Plan]:
     """The plan list written by `fasop search --output plans.json`, checked to be one."""
     where = str(path)
     if str(path).endswith(".csv"):
@@ -103,21 +202,18 @@ def load_plans(path: str | os.PathLike) -> list[dict]:
     data = read_json(path, PLANS_LIMIT_BYTES, "a fasop plan list", missing="no such plan file")
     if not isinstance(data, list) or not data:
         raise InputError(where, "not a fasop plan list: expected a non-empty JSON list of plan objects")
-    for index, plan in enumerate(data):
-        if not isinstance(plan, dict):
-            raise InputError(where, f"not a fasop plan list: entry {index} is not an object")
-        missing = [key for key in PLAN_KEYS if key not in plan]
-        if missing:
-            raise InputError(where, f"not a fasop plan list: entry {index} lacks {', '.join(missing)}")
-        _check_plan_fields(plan, f"{where}: entry {index}")
-    return data
+    plans = [read_plan(plan, f"{where}: entry {index}") for index, plan in enumerate(data)]
+    for index, plan in enumerate(plans):
+        if plan.rank is None:  # what --rank selects
+            raise InputError(f"{where}: entry {index}: rank", "missing")
+    return plans
 
 
-def select_plan(plans: Sequence[dict], rank: int, where: str) -> dict:
+def select_plan(plans: Sequence[Plan], rank: int, where: str) -> Plan:
     """The plan whose `rank` is `rank` (1 = best)."""
     for plan in plans:
-        if plan.get("rank") == rank:
+        if plan.rank == rank:
             return plan
-    ranks = sorted(p["rank"] for p in plans if isinstance(p.get("rank"), int))
+    ranks = sorted(p.rank for p in plans if p.rank is not None)
     held = f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no ranks"
     raise InputError(f"--rank {rank}", f"no such plan in {where} (it holds {len(plans)} plans, {held})")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fasop.errors import InputError
 from fasop.files import write_atomically
-from fasop.plans import compress_placement
+from fasop.plans import Plan, compress_placement
 
 SUFFIXES = (".png", ".svg")
 SINGLE_MARKERS = ("o", "s", "D", "p", "h", "*", "P", "X")  # single-type compositions, cheapest node type first
@@ -201,66 +201,50 @@ def _label_axes(ax, first: dict, x: str, title: str | None, hidden: int) -> None
     ax.legend(fontsize=8, loc="best", framealpha=0.9)
 
 
-STAGE_KEYS = ("compute_s", "p2p_s", "dp_allreduce_s", "gpu")
-MAX_SECONDS = 1e9  # a stage time or step time of a plan to chart (NaN and infinity are refused)
-PLAN_KEYS = ("stages", "step_time_s", "num_microbatches", "tp", "dp", "pp", "mbs")
+MAX_SECONDS = 1e9  # a stage time or step time of a plan to chart
 
 
-def check_plan(plan, where: str) -> None:
-    """Refuse anything that is not one plan of `fasop search --output plans.json`."""
-    if not isinstance(plan, dict):
-        raise InputError(where, "expected a fasop plan (an object from fasop search --output plans.json)")
-    missing = [k for k in PLAN_KEYS if k not in plan]
-    if missing:
-        raise InputError(where, f"not a fasop plan (from fasop search --output plans.json): missing key {', '.join(missing)}")
-    stages = plan["stages"]
-    if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
-        raise InputError(where, "not a fasop plan: 'stages' must be a list of per-stage objects")
-    for index, stage in enumerate(stages):
-        lacking = [k for k in STAGE_KEYS if k not in stage]
-        if lacking:
-            raise InputError(where, f"not a fasop plan: stage {index} has no {', '.join(lacking)}")
-        for key in STAGE_KEYS[:3]:
-            if not _number(stage[key]) or not 0 <= stage[key] <= MAX_SECONDS:
+def check_plan(plan: Plan, where: str) -> None:
+    """What a stage chart needs beyond the plan schema: the per-stage breakdown of a 3D plan, times in range."""
+    if not plan.stages or plan.num_microbatches is None or plan.step_time_s is None:
+        raise InputError(where, "not a 3D plan of fasop search --output plans.json: a chart needs its stages, "
+                                "step_time_s and num_microbatches")
+    for index, stage in enumerate(plan.stages):
+        for key in ("compute_s", "p2p_s", "dp_allreduce_s"):
+            if not 0 <= getattr(stage, key) <= MAX_SECONDS:
                 raise InputError(f"{where}: stages[{index}].{key}",
-                                 f"expected seconds from 0 to {MAX_SECONDS:g}, got {stage[key]!r}")
-    for key in ("step_time_s", "num_microbatches"):
-        if not _number(plan[key]) or not 0 < plan[key] <= MAX_SECONDS:
-            raise InputError(f"{where}: {key}", f"expected a positive number up to {MAX_SECONDS:g}, got {plan[key]!r}")
+                                 f"expected seconds from 0 to {MAX_SECONDS:g}, got {getattr(stage, key)!r}")
+    for key, value in (("step_time_s", plan.step_time_s), ("num_microbatches", plan.num_microbatches)):
+        if not 0 < value <= MAX_SECONDS:
+            raise InputError(f"{where}: {key}", f"expected a positive number up to {MAX_SECONDS:g}, got {value!r}")
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def stage_times(plan: dict) -> dict[str, list[float]]:
+def stage_times(plan: Plan) -> dict[str, list[float]]:
     """Seconds of one step spent by each stage (its busiest GPU) computing, sending and receiving
     activations (p2p), in the data-parallel all-reduce, and idle: m = num_microbatches micro-batches of
     compute_s and p2p_s each, the stage's all-reduce once, and the rest of the step (pipeline bubble,
     waiting for slower stages, the embedding all-reduce)."""
-    m = plan["num_microbatches"]
-    step = plan["step_time_s"]
-    compute = [m * s["compute_s"] for s in plan["stages"]]
-    p2p = [m * s["p2p_s"] for s in plan["stages"]]
-    allreduce = [s["dp_allreduce_s"] for s in plan["stages"]]
+    check_plan(plan, "plan")
+    assert plan.stages and plan.num_microbatches and plan.step_time_s  # checked above, for the type checker
+    m, step = plan.num_microbatches, plan.step_time_s
+    compute = [m * s.compute_s for s in plan.stages]
+    p2p = [m * s.p2p_s for s in plan.stages]
+    allreduce = [s.dp_allreduce_s for s in plan.stages]
     idle = [max(0.0, step - c - p - a) for c, p, a in zip(compute, p2p, allreduce)]
     return {"compute": compute, "p2p": p2p, "dp all-reduce": allreduce, "idle": idle}
 
 
-def plot_stages(plan: dict, out_path, *, title: str | None = None) -> dict[str, list[float]]:
+def plot_stages(plan: Plan, out_path, *, title: str | None = None) -> dict[str, list[float]]:
     """A horizontal stacked bar per pipeline stage: compute, p2p communication, data-parallel all-reduce
     and idle time within one step, in seconds. Returns the seconds drawn per series, one per stage
     (read back from the bars)."""
-    check_plan(plan, "plan")
-    path = _check_out(out_path)
     times = stage_times(plan)
-    stages = plan["stages"]
+    path = _check_out(out_path)
+    stages = plan.stages or []
     labels = []
-    for index, stage in enumerate(stages):
-        layers = f", {stage['layers']} layers" if "layers" in stage else ""
-        nodes = stage.get("nodes")
-        where = f", {node_range(nodes)}" if nodes else ""
-        labels.append(f"stage {stage.get('stage', index)}: {stage['gpu']}{layers}{where}")
+    for stage in stages:
+        where = f", {node_range(stage.nodes)}" if stage.nodes else ""
+        labels.append(f"stage {stage.stage}: {stage.gpu}, {stage.layers} layers{where}")
     colors = {"compute": "#1f77b4", "p2p": "#ff7f0e", "dp all-reduce": "#2ca02c", "idle": "#d0d0d0"}
     fig = _figure(8.0, max(2.6, 1.2 + 0.42 * len(stages)))
     ax = fig.add_subplot()
@@ -274,13 +258,13 @@ def plot_stages(plan: dict, out_path, *, title: str | None = None) -> dict[str, 
             patch.set_gid(f"bar-{name.replace(' ', '-')}-{index}")
         drawn[name] = [float(patch.get_width()) for patch in bars.patches]
         left = [a + b for a, b in zip(left, values)]
-    ax.axvline(plan["step_time_s"], color="black", lw=1, ls="--", label=f"step {plan['step_time_s']:.3f} s")
+    ax.axvline(plan.step_time_s, color="black", lw=1, ls="--", label=f"step {plan.step_time_s:.3f} s")
     ax.set_yticks(rows, labels, fontsize=8)
     ax.invert_yaxis()  # stage 0 on top
     ax.set_xlabel("time per training step (s)")
-    placement = f", placement {compress_placement(plan['placement'])}" if plan.get("placement") else ""
-    ax.set_title(title or (f"{plan.get('model', 'plan')}: tp={plan['tp']} dp={plan['dp']} pp={plan['pp']} "
-                           f"mbs={plan['mbs']}, {plan['num_microbatches']} micro-batches{placement}"), fontsize=10)
+    ax.set_title(title or (f"{plan.model or 'plan'}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}, "
+                           f"{plan.num_microbatches} micro-batches, placement {compress_placement(plan.placement)}"),
+                 fontsize=10)
     ax.grid(True, axis="x", lw=0.4, alpha=0.5)
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=8, frameon=False)
     _save(fig, path)
@@ -321,11 +305,11 @@ def plot_comparison(families: list, path, title: str) -> None:
     fig = _figure(8.0, 0.5 * len(families) + 1.2)
     ax = fig.add_subplot()
     names = [f.name for f in families][::-1]
-    values = [f.plan["throughput_samples_per_s"] if f.plan else 0.0 for f in families][::-1]
+    values = [f.plan.throughput_samples_per_s if f.plan else 0.0 for f in families][::-1]
     bars = ax.barh(names, values, color=["#1f77b4" if v else "#cccccc" for v in values])
     top = max(values) or 1.0
     for bar, family in zip(bars, families[::-1]):
-        label = f" \\${family.plan['cost_per_step_usd']:.4f}/step" if family.plan else f" no plan: {family.reason}"
+        label = f" \\${family.plan.cost_per_step_usd:.4f}/step" if family.plan else f" no plan: {family.reason}"
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
     ax.set_xlim(0, top * 1.45)
     ax.set_xlabel("throughput (samples/s)")

@@ -13,79 +13,68 @@ gradients, whatever the split and the accumulation.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from fasop.errors import InputError
 from fasop.files import PLANS_LIMIT_BYTES, read_json
-from fasop.plans import select_plan
+from fasop.plans import Plan, TypeShare, read_plan, select_plan
 
 
-def load_plan(path: str | os.PathLike, rank: int = 1) -> dict:
+def load_plan(path: str | os.PathLike, rank: int = 1) -> Plan:
     """The plan in `path`: one plan object (fasop emit's plan.json) or plan `rank` of a plan list."""
     data = read_json(path, PLANS_LIMIT_BYTES, "a fasop plan")
-    plan = select_plan(data, rank, str(path)) if isinstance(data, list) else data
+    if isinstance(data, list):
+        plan = select_plan([read_plan(item, f"{path}: entry {i}") for i, item in enumerate(data)], rank, str(path))
+    else:
+        plan = read_plan(data, str(path))
     check_plan(plan, str(path))
     return plan
 
 
-def _int(value: Any, minimum: int = 1) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def check_plan(plan: Any, where: str) -> None:
+def check_plan(plan: Plan, where: str) -> None:
     """A data-parallel plan whose per-type samples add up to its global batch."""
-    if not isinstance(plan, dict) or "per_type" not in plan:
+    if plan.per_type is None or plan.gpus_per_node is None:
         raise InputError(where, "not a data-parallel plan (kind ddp, zero1, zero2 or zero3) with per_type batches")
-    if not _int(plan.get("gpus_per_node")) or not _int(plan.get("gbs")):
-        raise InputError(where, "expected gpus_per_node and gbs as integers >= 1")
-    per_type = plan["per_type"]
-    for item in per_type if isinstance(per_type, list) else [None]:
-        if not isinstance(item, dict) or not all(_int(item.get(k)) for k in
-                                                 ("gpus", "samples_per_gpu", "micro_batch_size", "accumulation_steps")):
-            raise InputError(f"{where}: per_type", "expected objects with gpus, samples_per_gpu, micro_batch_size "
-                                                   "and accumulation_steps as integers >= 1")
-        if -(-item["samples_per_gpu"] // item["micro_batch_size"]) != item["accumulation_steps"]:
+    for item in plan.per_type:
+        if -(-item.samples_per_gpu // item.micro_batch_size) != item.accumulation_steps:
             raise InputError(f"{where}: per_type", "accumulation_steps must be samples_per_gpu / micro_batch_size "
                                                    "rounded up")
-    types = {item.get("node_type") for item in per_type}
-    placement = plan.get("placement")
-    if not isinstance(placement, list) or not placement or not set(placement) <= types:
+    gpus = {item.node_type: item.gpus for item in plan.per_type}
+    if not set(plan.placement) <= set(gpus):
         raise InputError(f"{where}: placement", "expected a list of the node types named in per_type")
-    gpus = {item["node_type"]: item["gpus"] for item in per_type}
-    for name in types:
-        if placement.count(name) * plan["gpus_per_node"] != gpus[name]:
-            raise InputError(f"{where}: per_type", f"{name} has {gpus[name]} GPUs, the placement "
-                                                   f"{placement.count(name) * plan['gpus_per_node']}")
-    if sum(rank_batches(plan)) != plan["gbs"]:
+    for name, count in gpus.items():
+        if plan.placement.count(name) * plan.gpus_per_node != count:
+            raise InputError(f"{where}: per_type", f"{name} has {count} GPUs, the placement "
+                                                   f"{plan.placement.count(name) * plan.gpus_per_node}")
+    if sum(rank_batches(plan)) != plan.gbs:
         raise InputError(f"{where}: per_type", f"the samples of all ranks add up to {sum(rank_batches(plan))}, "
-                                               f"not the global batch {plan['gbs']}")
+                                               f"not the global batch {plan.gbs}")
 
 
-def _rank_types(plan: dict) -> list[dict]:
-    by_name = {item["node_type"]: item for item in plan["per_type"]}
-    return [by_name[name] for name in plan["placement"] for _ in range(plan["gpus_per_node"])]
+def _rank_types(plan: Plan) -> list[TypeShare]:
+    by_name = {item.node_type: item for item in plan.per_type or []}
+    return [by_name[name] for name in plan.placement for _ in range(plan.gpus_per_node or 0)]
 
 
-def world_size(plan: dict) -> int:
-    return len(plan["placement"]) * plan["gpus_per_node"]
+def world_size(plan: Plan) -> int:
+    return len(plan.placement) * (plan.gpus_per_node or 0)
 
 
-def rank_batches(plan: dict) -> list[int]:
+def rank_batches(plan: Plan) -> list[int]:
     """Samples per step of every rank, in rank order."""
-    return [item["samples_per_gpu"] for item in _rank_types(plan)]
+    return [item.samples_per_gpu for item in _rank_types(plan)]
 
 
-def micro_batches(plan: dict, rank: int) -> list[int]:
+def micro_batches(plan: Plan, rank: int) -> list[int]:
     """Sizes of rank `rank`'s micro-batches in one step: full micro-batches, the last one holding the rest."""
     item = _rank_types(plan)[rank]
-    samples, size = item["samples_per_gpu"], item["micro_batch_size"]
+    samples, size = item.samples_per_gpu, item.micro_batch_size
     return [size] * (samples // size) + ([samples % size] if samples % size else [])
 
 
-def loss_scale(plan: dict, micro_batch_samples: int) -> float:
+def loss_scale(plan: Plan, micro_batch_samples: int) -> float:
     """Factor on the mean loss of a micro-batch of `micro_batch_samples` so that the ranks' averaged gradient is
     the gradient of the global batch: world_size * samples / global batch."""
-    return world_size(plan) * micro_batch_samples / plan["gbs"]
+    return world_size(plan) * micro_batch_samples / plan.gbs
 
 
 def _sampler_class():
@@ -100,13 +89,13 @@ def _sampler_class():
         ranks never overlap and together cover each index of an epoch once. A last global batch short of B
         samples is dropped. Use it as a DataLoader's batch_sampler; call set_epoch(e) at each epoch."""
 
-        def __init__(self, plan: dict, rank: int, dataset_size: int, seed: int = 0):
+        def __init__(self, plan: Plan, rank: int, dataset_size: int, seed: int = 0):
             if not 0 <= rank < world_size(plan):
                 raise InputError("rank", f"expected 0 to {world_size(plan) - 1}, got {rank}")
             batches = rank_batches(plan)
             self.offset, self.samples = sum(batches[:rank]), batches[rank]
             self.sizes = micro_batches(plan, rank)
-            self.batch, self.dataset_size, self.seed, self.epoch = plan["gbs"], dataset_size, seed, 0
+            self.batch, self.dataset_size, self.seed, self.epoch = plan.gbs, dataset_size, seed, 0
 
         def set_epoch(self, epoch: int) -> None:
             self.epoch = epoch

@@ -27,16 +27,16 @@ def main() -> None:
     result = fasop.search_plans(model, cluster, workers=args.workers, keep=args.keep)
     elapsed = time.perf_counter() - started
     best = result.plans[0]
-    print(f"{model.name} ({model.num_layers} layers, global batch {best['gbs']}, sequence {model.seq_length}) on "
+    print(f"{model.name} ({model.num_layers} layers, global batch {best.gbs}, sequence {model.seq_length}) on "
           f"{cluster.name}: {cluster.num_gpus} GPUs in {cluster.num_nodes} nodes")
     print(f"wall time {elapsed:.1f} s; {result.plans_evaluated} plans evaluated, {result.partitions_solved} layer "
           f"partitions solved, {result.pruned} pruned by bound, {result.out_of_memory} out of memory")
-    stages = [s["gpu"] for s in best["stages"]]
-    print(f"best: tp={best['tp']} dp={best['dp']} pp={best['pp']} mbs={best['mbs']} step {best['step_time_s']:.3f} s "
-          f"({best['throughput_samples_per_s']:.1f} samples/s, {best['tokens_per_s']:,.0f} tokens/s), "
-          f"peak memory {best['peak_memory_gib']:.1f} GiB, ${best['cost_per_hour_usd']:,.0f}/h")
-    print(f"  stages: {' '.join(f'{g}:{n}' for g, n in zip(stages, best['layers_per_stage']))} "
-          f"(placement search: {best['placement_search']})")
+    stages = [s.gpu for s in best.stages]
+    print(f"best: tp={best.tp} dp={best.dp} pp={best.pp} mbs={best.mbs} step {best.step_time_s:.3f} s "
+          f"({best.throughput_samples_per_s:.1f} samples/s, {best.tokens_per_s:,.0f} tokens/s), "
+          f"peak memory {best.peak_memory_gib:.1f} GiB, ${best.cost_per_hour_usd:,.0f}/h")
+    print(f"  stages: {' '.join(f'{g}:{n}' for g, n in zip(stages, best.layers_per_stage))} "
+          f"(placement search: {best.placement_search})")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def subset_gap(model: Model, cluster: Cluster, profiles: str, limit: int = 3000)
     if not exhaustive.plans:
         return None
     subset = search_plans(model, cluster, profiles_dir=profiles, placement_limit=0, workers=1)
-    return subset.plans[0]["step_time_s"] / exhaustive.plans[0]["step_time_s"] - 1
+    return subset.plans[0].step_time_s / exhaustive.plans[0].step_time_s - 1
 
 
 def closed_form(compute_s: np.ndarray, send_s: np.ndarray, m: int) -> float:
@@ -100,13 +100,13 @@ def main() -> None:
     print("1F1B closed form against the event simulation (closed / simulated - 1)")
     for model_name, cluster_name in EXPERIMENTS:
         plan = search_plans(fasop.load_model(model_name), fasop.load_cluster(cluster_name)).plans[0]
-        compute = np.array([s["compute_s"] for s in plan["stages"]])  # these profiles: backward = 2 x forward
-        sends = np.array([s["p2p_s"] for s in plan["stages"]])
+        compute = np.array([s.compute_s for s in plan.stages])  # these profiles: backward = 2 x forward
+        sends = np.array([s.p2p_s for s in plan.stages])
         boundary = np.zeros(len(compute) - 1)
         for j in range(len(boundary)):  # stage p2p = sends across its two boundaries; unwind from stage 0
             boundary[j] = sends[j] - (boundary[j - 1] if j else 0.0)
-        sim = simulate_1f1b(list(compute / 3), list(2 * compute / 3), list(boundary) + [0.0], plan["num_microbatches"])
-        print(f"  best plan of {model_name} on {cluster_name}: {plan['pipeline_time_s'] / sim - 1:+.2%}")
+        sim = simulate_1f1b(list(compute / 3), list(2 * compute / 3), list(boundary) + [0.0], plan.num_microbatches)
+        print(f"  best plan of {model_name} on {cluster_name}: {plan.pipeline_time_s / sim - 1:+.2%}")
     gaps = []
     for _ in range(args.instances):
         p, m = rng.randint(1, 8), rng.randint(1, 16)

@@ -11,10 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fasop"
 # Each name's layer: a module may import from its own layer's package or from lower layers only.
 LAYERS = {
-    "fasop.errors": 0, "fasop.files": 1, "fasop.plans": 2,
-    "fasop.inputs": 3, "fasop.runtime": 3,
-    "fasop.cost": 4,
-    "fasop.search": 5, "fasop.profile": 5,
+    "fasop.errors": 0, "fasop.files": 1,
+    "fasop.inputs": 3,
+    "fasop.cost": 4, "fasop.plans": 4,
+    "fasop.search": 5, "fasop.profile": 5, "fasop.runtime": 5,
     "fasop.market": 6, "fasop.launch": 6, "fasop.calibration": 6,
     "fasop.plot": 7, "fasop.timeline": 8,
     "fasop.cli": 9, "fasop": 10, "fasop.__main__": 10,

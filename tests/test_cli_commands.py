@@ -89,7 +89,7 @@ def minimal_run(*path: str):
 
 def best_step_s(tiny: Tiny) -> float:
     model, cluster = load_model(str(tiny.model)), load_cluster(str(tiny.cluster))
-    return search_plans(model, cluster, profiles_dir=str(tiny.profiles)).plans[0]["step_time_s"]
+    return search_plans(model, cluster, profiles_dir=str(tiny.profiles)).plans[0].step_time_s
 
 
 @minimal_run("search")
@@ -111,7 +111,7 @@ def estimate_breaks_down_one_plan(runner, tiny):
     row = json.loads(stdout)
     expected = estimate(load_model(str(tiny.model)), load_cluster(str(tiny.cluster)), tp=1, dp=2, pp=1, mbs=1,
                         placement=["fast"], layers=[4], profiles_dir=str(tiny.profiles))
-    assert row["layers_per_stage"] == [4] and row["step_time_s"] == pytest.approx(expected["step_time_s"])
+    assert row["layers_per_stage"] == [4] and row["step_time_s"] == pytest.approx(expected.step_time_s)
 
 
 @minimal_run("emit")
@@ -179,7 +179,7 @@ def runs_csv(tiny: Tiny, factor: float):
     lines = ["run,model_file,cluster_file,gbs,mbs,tp,dp,pp,placement,layers_per_stage,measured_step_s"]
     for name, dp, pp, layers in (("r1", 2, 1, [4]), ("r2", 1, 2, [2, 2])):
         step_s = estimate(model, cluster, tp=1, dp=dp, pp=pp, mbs=1, placement=["fast"], layers=layers,
-                          profiles_dir=str(tiny.profiles))["step_time_s"]
+                          profiles_dir=str(tiny.profiles)).step_time_s
         lines.append(f"{name},model.toml,cluster.toml,8,1,1,{dp},{pp},fast,{' '.join(map(str, layers))},"
                      f"{step_s * factor!r}")
     path = tiny.root / "runs.csv"

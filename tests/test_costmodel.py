@@ -148,35 +148,35 @@ def test_estimate_of_a_two_stage_plan_by_hand(tiny):
     c01 = 2 * 32 * 64 / 1e9  # fp16 activation of one micro-batch over the 1 GB/s interface
     pipeline = comp0 + comp1 + 2 * c01 + (m - 1) * max(comp0 + c01, comp1 + c01)
     embedding = 1000 * 64 * 2 / 1e9  # tied embedding gradients (vocabulary padded to 1000), 2-rank all-reduce
-    assert row["pipeline_time_s"] == pytest.approx(pipeline)
-    assert row["dp_allreduce_s"] == 0
-    assert row["embedding_allreduce_s"] == pytest.approx(embedding)
-    assert row["step_time_s"] == pytest.approx(pipeline + embedding)
-    assert row["cost_per_step_usd"] == pytest.approx(2 * 3.6 / 3600 * row["step_time_s"])
+    assert row.pipeline_time_s == pytest.approx(pipeline)
+    assert row.dp_allreduce_s == 0
+    assert row.embedding_allreduce_s == pytest.approx(embedding)
+    assert row.step_time_s == pytest.approx(pipeline + embedding)
+    assert row.cost_per_step_usd == pytest.approx(2 * 3.6 / 3600 * row.step_time_s)
     # memory of stage 0: 2 layers + word and position embeddings at 18 bytes per parameter, and the
     # activations of min(pp - 0, m) = 2 micro-batches in flight
     layer_params = 12 * 64 * 64 + 13 * 64
     params0 = 2 * layer_params + 1000 * 64 + 32 * 64
     act_layer = 34 * 32 * 64 + 5 * 4 * 32 * 32
     act0 = 2 * (2 * act_layer + 32 * 64)  # plus the embedding dropout mask
-    assert row["stages"][0]["memory_gib"] == pytest.approx((18 * params0 + act0) / GIB)
+    assert row.stages[0].memory_gib == pytest.approx((18 * params0 + act0) / GIB)
     # stage 1 keeps one micro-batch, and holds the output layer's copy of the tied embedding and the logits
     params1 = 2 * layer_params + 2 * 64 + 1000 * 64
     act1 = 2 * act_layer + 2 * 2 * 32 * 64 + 4 * 32 * 1000
-    assert row["stages"][1]["memory_gib"] == pytest.approx((18 * params1 + act1) / GIB)
+    assert row.stages[1].memory_gib == pytest.approx((18 * params1 + act1) / GIB)
 
 
 def test_search_finds_the_best_split_of_every_plan(tiny):
     model, c, profiles = tiny
     result = search_plans(model, c, profiles_dir=profiles)
     for plan in result.plans:
-        if plan["pp"] != 2:
+        if plan.pp != 2:
             continue
         for first in range(0, 5):
-            other = fasop.estimate(model, c, tp=plan["tp"], dp=plan["dp"], pp=2, mbs=plan["mbs"],
-                                   placement=plan["placement"], layers=[first, 4 - first], profiles_dir=profiles)
-            if other["fits_memory"]:
-                assert plan["step_time_s"] <= other["step_time_s"] + 1e-12
+            other = fasop.estimate(model, c, tp=plan.tp, dp=plan.dp, pp=2, mbs=plan.mbs,
+                                   placement=plan.placement, layers=[first, 4 - first], profiles_dir=profiles)
+            if other.fits_memory:
+                assert plan.step_time_s <= other.step_time_s + 1e-12
 
 
 def test_plans_that_do_not_fit_are_removed_and_counted(tiny):
@@ -235,15 +235,15 @@ def test_best_plans_are_within_three_percent_of_the_simulation(model_name, clust
     model, c = fasop.load_model(model_name), fasop.load_cluster(cluster_name)
     plan = search_plans(model, c).plans[0]
     inputs = prepare(model, c)
-    config = Config(plan["tp"], plan["dp"], plan["pp"], plan["mbs"], plan["gbs"], plan["encoder_stages"], True)
-    geo = with_embedding_group(c, geometry(c, tuple(plan["placement"]), config.tp, config.dp, config.pp),
+    config = Config(plan.tp, plan.dp, plan.pp, plan.mbs, plan.gbs, plan.encoder_stages, True)
+    geo = with_embedding_group(c, geometry(c, tuple(plan.placement), config.tp, config.dp, config.pp),
                                embedding_stages(model, config))
     costs = stage_costs(model, c, inputs.profiles, geo, config, [config.mbs])
-    compute = np.array([s["compute_s"] for s in plan["stages"]])
+    compute = np.array([s.compute_s for s in plan.stages])
     send = list(costs.boundary_s[0]) + [0.0]
-    m = plan["num_microbatches"]
+    m = plan.num_microbatches
     sim = simulate_1f1b(list(compute / 3), list(2 * compute / 3), send, m)  # these profiles: backward = 2 forward
     assert makespan_s([compute / 3], [2 * compute / 3], [send[:-1]], m)[0] == pytest.approx(sim)
     # the record's pipeline time is the closed form of its own stage times and sends
-    assert closed_form(compute / 3, 2 * compute / 3, send, m) == pytest.approx(plan["pipeline_time_s"])
-    assert sim - 1e-9 <= plan["pipeline_time_s"] <= 1.03 * sim
+    assert closed_form(compute / 3, 2 * compute / 3, send, m) == pytest.approx(plan.pipeline_time_s)
+    assert sim - 1e-9 <= plan.pipeline_time_s <= 1.03 * sim

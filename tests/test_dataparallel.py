@@ -75,17 +75,17 @@ def test_uneven_split_never_slower_than_even(setting, kind, gbs):
     model, cluster, profiles = setting
     uneven = dpl.plan_row(model, cluster, profiles, kind, gbs)
     even = dpl.plan_row(model, cluster, profiles, kind, gbs, even=True)
-    assert uneven["step_time_s"] <= even["step_time_s"] * (1 + 1e-12)
-    assert sum(t["gpus"] * t["samples_per_gpu"] for t in uneven["per_type"]) == gbs
-    assert {t["samples_per_gpu"] for t in even["per_type"]} == {gbs // 16}
+    assert uneven.step_time_s <= even.step_time_s * (1 + 1e-12)
+    assert sum(t.gpus * t.samples_per_gpu for t in uneven.per_type) == gbs
+    assert {t.samples_per_gpu for t in even.per_type} == {gbs // 16}
 
 
 def test_uneven_split_gives_the_faster_gpus_more(setting):
     model, cluster, profiles = setting
     row = dpl.plan_row(model, cluster, profiles, "ddp", 256)
-    samples = {t["gpu"]: t["samples_per_gpu"] for t in row["per_type"]}
+    samples = {t.gpu: t.samples_per_gpu for t in row.per_type}
     assert samples["A100"] > samples["A10"]
-    assert row["step_time_s"] < dpl.plan_row(model, cluster, profiles, "ddp", 256, even=True)["step_time_s"]
+    assert row.step_time_s < dpl.plan_row(model, cluster, profiles, "ddp", 256, even=True).step_time_s
 
 
 def test_zero_memory_matches_the_paper():
@@ -104,16 +104,16 @@ def test_plan_memory_is_state_plus_activations(setting, kind, bytes_per_param):
     model, cluster, profiles = setting
     row = dpl.plan_row(model, cluster, profiles, kind, 256)
     psi, n = model.total_params(), cluster.num_gpus
-    for item in row["per_type"]:
+    for item in row.per_type:
         expected = (psi * bytes_per_param(n) + dpl.gather_buffer_bytes(model, kind)
-                    + dpl.activation_bytes_per_sample(model) * item["micro_batch_size"]) / 2**30
-        assert item["memory_gib"] == pytest.approx(expected, rel=1e-12)
-        assert item["memory_gib"] * cluster.memory_margin <= item["memory_capacity_gib"]
+                    + dpl.activation_bytes_per_sample(model) * item.micro_batch_size) / 2**30
+        assert item.memory_gib == pytest.approx(expected, rel=1e-12)
+        assert item.memory_gib * cluster.memory_margin <= item.memory_capacity_gib
 
 
 def test_traffic_zero3_is_one_and_a_half_ddp(setting):
     model, cluster, profiles = setting
-    comm = {kind: dpl.plan_row(model, cluster, profiles, kind, 256)["dp_allreduce_s"] for kind in dpl.KINDS}
+    comm = {kind: dpl.plan_row(model, cluster, profiles, kind, 256).dp_allreduce_s for kind in dpl.KINDS}
     assert comm["zero1"] == pytest.approx(comm["ddp"]) and comm["zero2"] == pytest.approx(comm["ddp"])
     assert comm["zero3"] == pytest.approx(1.5 * comm["ddp"])
     # hierarchical: 2 (4-1)/4 over 230 GB/s inside the A100 node is faster than 2 (4-1)/4 / 16 GB/s, and the
@@ -170,10 +170,10 @@ def test_compare_writes_table_plans_and_chart(tmp_path):
     table = out[0].read_text().splitlines()
     assert len(table) == 8 and table[1].startswith("DDP even,,,") and "out of memory on A10" in table[1]
     plans = load_plans(out[1])
-    assert [p["rank"] for p in plans] == [1, 2, 3, 4]  # the best 3D plan is also the best with tp = 1
-    assert plans[0]["family"] == "pipeline (tp=1); 3D (best)"
-    assert {p["kind"] for p in plans} == {"3d", "zero1", "zero2", "zero3"}
-    assert [p["step_time_s"] for p in plans] == sorted(p["step_time_s"] for p in plans)
+    assert [p.rank for p in plans] == [1, 2, 3, 4]  # the best 3D plan is also the best with tp = 1
+    assert plans[0].family == "pipeline (tp=1); 3D (best)"
+    assert {p.kind for p in plans} == {"3d", "zero1", "zero2", "zero3"}
+    assert [p.step_time_s for p in plans] == sorted(p.step_time_s for p in plans)
     assert out[2].read_bytes()[:4] == b"\x89PNG"
 
 
@@ -216,10 +216,10 @@ def test_plan_files_refuse_an_unknown_kind(tmp_path):
     plan = {"rank": 1, "gbs": 8, "mbs": 1, "tp": 1, "dp": 8, "pp": 1, "placement": ["A10"], "layers_per_stage": [2]}
     path = tmp_path / "plans.json"
     path.write_text(json.dumps([{**plan, "kind": "fsdp"}]))
-    with pytest.raises(InputError, match="kind: expected one of 3d, ddp, zero1, zero2, zero3, got 'fsdp'"):
+    with pytest.raises(InputError, match="kind: expected one of '3d', 'ddp', 'zero1', 'zero2' or 'zero3', got 'fsdp'"):
         load_plans(path)
     path.write_text(json.dumps([plan]))  # plans written before kinds existed are 3D plans
-    assert load_plans(path)[0]["gbs"] == 8
+    assert load_plans(path)[0].gbs == 8
 
 
 def test_compare_refuses_a_bad_batch():

@@ -15,17 +15,22 @@ torch = pytest.importorskip("torch")
 
 from fasop import runtime  # noqa: E402
 from fasop.errors import InputError  # noqa: E402
+from fasop.plans import Plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _plan(items, gpus_per_node=1):
-    """A data-parallel plan: items are (node type, nodes, samples per GPU, micro-batch size)."""
+    """A data-parallel plan record: items are (node type, nodes, samples per GPU, micro-batch size); the figures
+    the runtime does not read are zero."""
     per_type = [{"node_type": name, "gpu": name, "gpus": nodes * gpus_per_node, "samples_per_gpu": s,
-                 "micro_batch_size": b, "accumulation_steps": -(-s // b)} for name, nodes, s, b in items]
+                 "micro_batch_size": b, "accumulation_steps": -(-s // b), "compute_s": 0.0, "memory_gib": 0.0,
+                 "memory_capacity_gib": 0.0} for name, nodes, s, b in items]
     placement = [name for name, nodes, _, _ in items for _ in range(nodes)]
     gbs = sum(nodes * gpus_per_node * s for _, nodes, s, _ in items)
-    return {"kind": "ddp", "gbs": gbs, "gpus_per_node": gpus_per_node, "placement": placement, "per_type": per_type}
+    return {"kind": "ddp", "gbs": gbs, "mbs": min(b for *_, b in items), "tp": 1, "dp": len(placement) * gpus_per_node,
+            "pp": 1, "placement": placement, "gpus_per_node": gpus_per_node, "layers_per_stage": [1],
+            "per_type": per_type}
 
 
 # three ranks with 2, 3 and 5 samples; the third runs micro-batches of 2, 2 and 1
@@ -69,8 +74,8 @@ def test_uneven_ddp_step_equals_one_process_on_the_global_batch(tmp_path):
     for proc in procs:
         output, _ = proc.communicate(timeout=180)
         assert proc.returncode == 0, output.decode()
-    step = [list(runtime.UnevenBatchSampler(PLAN, rank, 30, seed=7)) for rank in range(3)]
-    first = [batches[: len(runtime.micro_batches(PLAN, rank))] for rank, batches in enumerate(step)]
+    step = [list(runtime.UnevenBatchSampler(Plan.model_validate(PLAN), rank, 30, seed=7)) for rank in range(3)]
+    first = [batches[: len(runtime.micro_batches(Plan.model_validate(PLAN), rank))] for rank, batches in enumerate(step)]
     indices = [i for batches in first for batch in batches for i in batch]
     assert len(indices) == len(set(indices)) == 10
     expected = _reference_step(inputs, targets, indices)
@@ -84,9 +89,9 @@ def test_uneven_ddp_step_equals_one_process_on_the_global_batch(tmp_path):
 
 
 def test_micro_batches_and_loss_scale():
-    assert runtime.rank_batches(PLAN) == [2, 3, 5]
-    assert runtime.micro_batches(PLAN, 2) == [2, 2, 1]
-    assert runtime.loss_scale(PLAN, 2) == pytest.approx(3 * 2 / 10)
+    assert runtime.rank_batches(Plan.model_validate(PLAN)) == [2, 3, 5]
+    assert runtime.micro_batches(Plan.model_validate(PLAN), 2) == [2, 2, 1]
+    assert runtime.loss_scale(Plan.model_validate(PLAN), 2) == pytest.approx(3 * 2 / 10)
 
 
 plans = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 6), st.integers(1, 4)), min_size=1, max_size=3).map(
@@ -99,12 +104,12 @@ def test_sampler_covers_every_index_of_an_epoch_once(items, gpus_per_node, steps
     plan = _plan(items, gpus_per_node)
     size = steps * plan["gbs"] + extra % plan["gbs"]  # a short last batch is dropped
     seen = []
-    for rank in range(runtime.world_size(plan)):
-        sampler = runtime.UnevenBatchSampler(plan, rank, size, seed=1)
+    for rank in range(runtime.world_size(Plan.model_validate(plan))):
+        sampler = runtime.UnevenBatchSampler(Plan.model_validate(plan), rank, size, seed=1)
         sampler.set_epoch(epoch)
         batches = list(sampler)
-        assert len(batches) == len(sampler) == steps * len(runtime.micro_batches(plan, rank))
-        assert [len(b) for b in batches] == runtime.micro_batches(plan, rank) * steps
+        assert len(batches) == len(sampler) == steps * len(runtime.micro_batches(Plan.model_validate(plan), rank))
+        assert [len(b) for b in batches] == runtime.micro_batches(Plan.model_validate(plan), rank) * steps
         seen += [i for b in batches for i in b]
     assert len(seen) == len(set(seen)) == steps * plan["gbs"]
     if extra % plan["gbs"] == 0:
@@ -112,7 +117,7 @@ def test_sampler_covers_every_index_of_an_epoch_once(items, gpus_per_node, steps
 
 
 def test_epochs_shuffle_differently_and_reproducibly():
-    sampler = runtime.UnevenBatchSampler(PLAN, 2, 30, seed=0)
+    sampler = runtime.UnevenBatchSampler(Plan.model_validate(PLAN), 2, 30, seed=0)
     first = list(sampler)
     sampler.set_epoch(1)
     assert list(sampler) != first
@@ -126,4 +131,4 @@ def test_load_plan_refuses_a_split_that_misses_the_batch(tmp_path):
     with pytest.raises(InputError, match="add up to 10, not the global batch 11"):
         runtime.load_plan(path)
     path.write_text(json.dumps([{**PLAN, "rank": 1}]))
-    assert runtime.load_plan(path)["gbs"] == 10
+    assert runtime.load_plan(path).gbs == 10

@@ -21,7 +21,7 @@ from fasop.inputs.model import load_model
 from fasop.launch.megatron import fasop_units_to_layers, first_last_split, pipeline_layout
 from fasop.launch.options import LaunchOptions, launch_options
 from fasop.launch.write import emit_plan, render_plan
-from fasop.plans import load_plans
+from fasop.plans import Plan, load_plans
 from fasop.search import estimate
 
 CLUSTER_TOML = """\
@@ -93,12 +93,17 @@ def make_plan(cluster_file: str = "mixed.toml", **changes) -> dict:
     return plan
 
 
+def launchable(**changes) -> Plan:
+    """make_plan(**changes) read as a plan file's entry is."""
+    return Plan.model_validate(make_plan(**changes))
+
+
 def fresh_plan(directory: Path, **changes) -> dict:
     """make_plan(**changes) with the figures `fasop estimate` gives it on the cluster file in `directory`."""
     plan = make_plan(**changes)
     row = estimate(load_model(plan["model_file"]), load_cluster(str(directory / plan["cluster_file"])),
                    tp=plan["tp"], dp=plan["dp"], pp=plan["pp"], mbs=plan["mbs"], placement=plan["placement"],
-                   layers=plan["layers_per_stage"], gbs=plan["gbs"], distributed_optimizer=plan["distributed_optimizer"])
+                   layers=plan["layers_per_stage"], gbs=plan["gbs"], distributed_optimizer=plan["distributed_optimizer"]).record()
     assert row.pop("fits_memory")
     return {**plan, **row, "cluster_file": plan["cluster_file"]}  # the file as named beside the plan list
 
@@ -183,7 +188,7 @@ def test_first_last_form(layers, expected):
 
 
 def split_flags_of(plan, model, cluster, **options) -> dict[str, list[str]]:
-    files = render_plan(plan, model, cluster, LaunchOptions(**options))
+    files = render_plan(Plan.model_validate(plan), model, cluster, LaunchOptions(**options))
     flags = flag_values(megatron_args(files["run_inter.sh"]))
     keys = ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
             "--decoder-last-pipeline-num-layers", "--balance", "--pipeline-model-parallel-split-rank")
@@ -215,7 +220,7 @@ def test_layout_can_be_forced(gpt2, cluster):
 
 def test_first_last_forced_on_a_split_without_that_form_is_refused(gpt2, cluster):
     with pytest.raises(InputError, match="does not have that form"):
-        render_plan(make_plan(), gpt2, cluster, LaunchOptions(pipeline_split="first-last"))
+        render_plan(launchable(), gpt2, cluster, LaunchOptions(pipeline_split="first-last"))
 
 
 def test_fasop_units_to_layers():
@@ -232,7 +237,7 @@ def test_fasop_units_to_layers():
 def test_fork_flavor_writes_balance(gpt2, cluster):
     layers = fasop_units_to_layers([11, 13, 15, 11], "decoder")
     assert layers == [10, 13, 15, 10]
-    plan = make_plan(layers_per_stage=layers)
+    plan = launchable(layers_per_stage=layers)
     options = dict(megatron_flavor="fasop-fork", data_path="/data/gpt2_text_document",
                    vocab_file="/data/gpt2-vocab.json", merge_file="/data/gpt2-merges.txt")
     assert split_flags_of(plan, gpt2, cluster, **options) == {"--balance": ["10-13-15-10"]}
@@ -250,10 +255,10 @@ def test_fork_flavor_for_t5_keeps_the_split_rank(cluster):
 
 def test_fork_flavor_refuses_what_the_fork_cannot_run(gpt2, cluster, tmp_path):
     with pytest.raises(InputError, match="--data-path"):
-        render_plan(make_plan(), gpt2, cluster, LaunchOptions(megatron_flavor="fasop-fork"))
+        render_plan(launchable(), gpt2, cluster, LaunchOptions(megatron_flavor="fasop-fork"))
     (tmp_path / "llama.toml").write_text(LLAMA_TOML)
     llama = load_model(str(tmp_path / "llama.toml"))
-    plan = make_plan(model="tiny-llama", gbs=32, layers_per_stage=[2, 2, 2, 2])
+    plan = launchable(model="tiny-llama", gbs=32, layers_per_stage=[2, 2, 2, 2])
     with pytest.raises(InputError, match="--swiglu"):
         render_plan(plan, llama, cluster, LaunchOptions(megatron_flavor="fasop-fork", data_path="d", vocab_file="v"))
 
@@ -261,7 +266,7 @@ def test_fork_flavor_refuses_what_the_fork_cannot_run(gpt2, cluster, tmp_path):
 def test_encoder_decoder_even_split_uses_the_split_rank(cluster):
     t5 = load_model("t5")
     plan = make_plan(model="t5", model_file="t5", gbs=128, layers_per_stage=[12, 12, 12, 12], encoder_stages=2)
-    files = render_plan(plan, t5, cluster)
+    files = render_plan(Plan.model_validate(plan), t5, cluster)
     args = flag_values(megatron_args(files["run_inter.sh"]))
     assert args["--pipeline-model-parallel-split-rank"] == ["2"]
     assert args["--encoder-num-layers"] == ["24"] and args["--decoder-num-layers"] == ["24"]
@@ -274,7 +279,7 @@ def test_encoder_decoder_uneven_split_is_refused_with_the_reason(cluster):
     t5 = load_model("t5")
     plan = make_plan(model="t5", model_file="t5", gbs=128, layers_per_stage=[10, 14, 12, 12], encoder_stages=2)
     with pytest.raises(InputError) as err:
-        render_plan(plan, t5, cluster)
+        render_plan(Plan.model_validate(plan), t5, cluster)
     message = str(err.value)
     assert "\n" not in message and "split-rank" in message and "evenly" in message
 
@@ -283,7 +288,7 @@ def test_encoder_decoder_uneven_split_is_refused_with_the_reason(cluster):
 
 
 def test_stock_flags_for_gpt2(gpt2, cluster):
-    files = render_plan(make_plan(tp=2, dp=1, gbs=64, distributed_optimizer=True), gpt2, cluster)
+    files = render_plan(launchable(tp=2, dp=1, gbs=64, distributed_optimizer=True), gpt2, cluster)
     args = flag_values(megatron_args(files["run_inter.sh"]))
     assert args["--tensor-model-parallel-size"] == ["2"]
     assert args["--pipeline-model-parallel-size"] == ["4"]
@@ -302,7 +307,7 @@ def test_stock_flags_for_gpt2(gpt2, cluster):
 
 
 def test_no_sequence_parallel_or_distributed_optimizer_unless_the_plan_says(gpt2, cluster):
-    args = flag_values(megatron_args(render_plan(make_plan(), gpt2, cluster)["run_inter.sh"]))
+    args = flag_values(megatron_args(render_plan(launchable(), gpt2, cluster)["run_inter.sh"]))
     assert "--sequence-parallel" not in args and "--use-distributed-optimizer" not in args
 
 
@@ -310,7 +315,7 @@ def test_model_shape_flags_follow_the_model(cluster, tmp_path):
     (tmp_path / "llama.toml").write_text(LLAMA_TOML)
     llama = load_model(str(tmp_path / "llama.toml"))
     plan = make_plan(model="tiny-llama", gbs=32, layers_per_stage=[2, 2, 2, 2])
-    args = flag_values(megatron_args(render_plan(plan, llama, cluster)["run_inter.sh"]))
+    args = flag_values(megatron_args(render_plan(Plan.model_validate(plan), llama, cluster)["run_inter.sh"]))
     assert args["--group-query-attention"] == [] and args["--num-query-groups"] == ["2"]
     assert args["--swiglu"] == [] and args["--normalization"] == ["RMSNorm"]
     assert args["--position-embedding-type"] == ["rope"]
@@ -321,7 +326,7 @@ def test_model_shape_flags_follow_the_model(cluster, tmp_path):
 
 def test_bert_uses_its_entry_script_and_wordpiece(cluster):
     bert = load_model("bert")
-    plan = make_plan(model="bert", model_file="bert", gbs=256, layers_per_stage=[6, 6, 6, 6])
+    plan = launchable(model="bert", model_file="bert", gbs=256, layers_per_stage=[6, 6, 6, 6])
     files = render_plan(plan, bert, cluster, LaunchOptions(vocab_file="/data/bert-vocab.txt", data_path="/d/b"))
     args = flag_values(megatron_args(files["run_inter.sh"]))
     assert "pretrain_bert.py" in files["run_inter.sh"]
@@ -331,7 +336,7 @@ def test_bert_uses_its_entry_script_and_wordpiece(cluster):
 
 def test_extra_flags_come_last(gpt2, cluster):
     options = launch_options({"extra_flags": ["--log-interval", "1"]}, extra_flags=("--save", "/ckpt dir"))
-    args = megatron_args(render_plan(make_plan(), gpt2, cluster, options)["run_inter.sh"])
+    args = megatron_args(render_plan(launchable(), gpt2, cluster, options)["run_inter.sh"])
     assert args[-4:] == ["--log-interval", "1", "--save", "/ckpt dir"]
 
 
@@ -339,7 +344,7 @@ def test_extra_flags_come_last(gpt2, cluster):
 
 
 def test_hetjob_components_follow_the_placement(gpt2, cluster):
-    sbatch = render_plan(make_plan(), gpt2, cluster)["sbatch.sh"]
+    sbatch = render_plan(launchable(), gpt2, cluster)["sbatch.sh"]
     components = sbatch_components(sbatch)
     assert len(components) == 3
     for lines, (gres, nodes) in zip(components, [("small", 1), ("big", 2), ("small", 1)]):
@@ -359,7 +364,7 @@ def test_hetjob_components_follow_the_placement(gpt2, cluster):
 
 def test_single_type_placement_is_one_plain_job(gpt2, cluster):
     plan = make_plan(placement=["big", "big"], tp=2, dp=1, pp=2, layers_per_stage=[23, 25])
-    sbatch = render_plan(plan, gpt2, cluster)["sbatch.sh"]
+    sbatch = render_plan(Plan.model_validate(plan), gpt2, cluster)["sbatch.sh"]
     components = sbatch_components(sbatch)
     assert len(components) == 1
     assert "--nodes=2" in components[0] and "--gres=gpu:big:2" in components[0]
@@ -371,7 +376,7 @@ def test_partitions_and_gres_from_options_and_cluster(gpt2, tmp_path):
     cluster = load_cluster(str(write_cluster(tmp_path, 'partition = { big = "hgx" }\ngres_type = { A10G = "a10g" }\n'
                                                        'account = "proj"\ntime_limit = "2-00:00:00"\n')))
     options = launch_options(cluster.launch, "mixed.toml: launch", cpus_per_task=8)
-    components = sbatch_components(render_plan(make_plan(), gpt2, cluster, options)["sbatch.sh"])
+    components = sbatch_components(render_plan(launchable(), gpt2, cluster, options)["sbatch.sh"])
     assert "--partition=hgx" in components[1] and not any(line.startswith("--partition") for line in components[0])
     assert "--gres=gpu:a10g:2" in components[0] and "--gres=gpu:big:2" in components[1]
     assert all("--account=proj" in c and "--time=2-00:00:00" in c and "--cpus-per-task=8" in c for c in components)
@@ -379,30 +384,30 @@ def test_partitions_and_gres_from_options_and_cluster(gpt2, tmp_path):
 
 def test_untyped_gres_on_request(gpt2, cluster):
     options = launch_options({"gres_type": ""}, "c.toml: launch", gres_types={"small": "a10g"})
-    components = sbatch_components(render_plan(make_plan(), gpt2, cluster, options)["sbatch.sh"])
+    components = sbatch_components(render_plan(launchable(), gpt2, cluster, options)["sbatch.sh"])
     assert "--gres=gpu:a10g:2" in components[0] and "--gres=gpu:big:2" in components[1]  # the cluster says big
     options = launch_options({}, gres_types={"big": "", "small": ""})
-    components = sbatch_components(render_plan(make_plan(), gpt2, cluster, options)["sbatch.sh"])
+    components = sbatch_components(render_plan(launchable(), gpt2, cluster, options)["sbatch.sh"])
     assert all("--gres=gpu:2" in c for c in components)
 
 
 def test_gpus_per_node_override_must_match_the_plan(gpt2, cluster):
     with pytest.raises(InputError, match="placement lists 4 nodes of 4 GPUs"):
-        render_plan(make_plan(), gpt2, cluster, LaunchOptions(gpus_per_node=4))
+        render_plan(launchable(), gpt2, cluster, LaunchOptions(gpus_per_node=4))
 
 
 def test_plan_and_model_must_agree(gpt2, cluster):
     with pytest.raises(InputError, match="holds 47 layers"):
-        render_plan(make_plan(layers_per_stage=[10, 13, 13, 11]), gpt2, cluster)
+        render_plan(launchable(layers_per_stage=[10, 13, 13, 11]), gpt2, cluster)
     with pytest.raises(InputError, match="not in cluster"):
-        render_plan(make_plan(placement=["small", "huge", "big", "small"]), gpt2, cluster)
+        render_plan(launchable(placement=["small", "huge", "big", "small"]), gpt2, cluster)
     with pytest.raises(InputError, match="uses 3 nodes of type big"):
-        render_plan(make_plan(placement=["big", "big", "big", "small"]), gpt2, cluster)
+        render_plan(launchable(placement=["big", "big", "big", "small"]), gpt2, cluster)
 
 
 def test_container_image(gpt2, cluster):
     options = LaunchOptions(container_image="nvcr.io#nvidia/pytorch:24.05-py3", container_mounts="/data:/data")
-    sbatch = render_plan(make_plan(), gpt2, cluster, options)["sbatch.sh"]
+    sbatch = render_plan(launchable(), gpt2, cluster, options)["sbatch.sh"]
     assert "CONTAINER_IMAGE='nvcr.io#nvidia/pytorch:24.05-py3'" in sbatch
     assert 'CONTAINER_MOUNTS="$RUN_DIR:$RUN_DIR",/data:/data' in sbatch
     assert '--container-image="$CONTAINER_IMAGE"' in sbatch
@@ -423,8 +428,8 @@ def test_launch_table_errors():
 
 
 def test_output_is_deterministic(gpt2, cluster, tmp_path):
-    first = emit_plan(make_plan(), gpt2, cluster, tmp_path / "a")
-    second = emit_plan(make_plan(), gpt2, cluster, tmp_path / "b")
+    first = emit_plan(launchable(), gpt2, cluster, tmp_path / "a")
+    second = emit_plan(launchable(), gpt2, cluster, tmp_path / "b")
     assert [p.name for p in first] == ["sbatch.sh", "run_inter.sh", "plan.json"]
     for a, b in zip(first, second):
         assert a.read_bytes() == b.read_bytes()
@@ -438,9 +443,9 @@ def test_existing_files_are_kept_unless_forced(gpt2, cluster, tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     with pytest.raises(InputError, match="holds files already"):
-        emit_plan(make_plan(), gpt2, cluster, out)
+        emit_plan(launchable(), gpt2, cluster, out)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
-    emit_plan(make_plan(), gpt2, cluster, out, force=True)
+    emit_plan(launchable(), gpt2, cluster, out, force=True)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "plan.json", "run_inter.sh", "sbatch.sh"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed.toml", "out"]  # no temporary left
 
@@ -451,13 +456,13 @@ def test_a_failed_write_leaves_nothing(gpt2, cluster, tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "rename", fail)
     with pytest.raises(InputError, match="cannot write"):
-        emit_plan(make_plan(), gpt2, cluster, tmp_path / "out")
+        emit_plan(launchable(), gpt2, cluster, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed.toml"]
 
 
 def test_a_refused_plan_writes_nothing(gpt2, cluster, tmp_path):
     with pytest.raises(InputError):
-        emit_plan(make_plan(layers_per_stage=[1, 1, 1, 1]), gpt2, cluster, tmp_path / "out")
+        emit_plan(launchable(layers_per_stage=[1, 1, 1, 1]), gpt2, cluster, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -467,13 +472,13 @@ def test_a_refused_plan_writes_nothing(gpt2, cluster, tmp_path):
 def script_variants(tmp_path, gpt2, cluster):
     (tmp_path / "llama.toml").write_text(LLAMA_TOML)
     llama = load_model(str(tmp_path / "llama.toml"))
-    yield render_plan(make_plan(), gpt2, cluster)
-    yield render_plan(make_plan(placement=["big", "big"], tp=2, dp=1, pp=2, layers_per_stage=[23, 25]), gpt2, cluster)
-    yield render_plan(make_plan(model="tiny-llama", gbs=32, layers_per_stage=[2, 2, 2, 2], tp=2, dp=1), llama, cluster,
+    yield render_plan(launchable(), gpt2, cluster)
+    yield render_plan(launchable(placement=["big", "big"], tp=2, dp=1, pp=2, layers_per_stage=[23, 25]), gpt2, cluster)
+    yield render_plan(launchable(model="tiny-llama", gbs=32, layers_per_stage=[2, 2, 2, 2], tp=2, dp=1), llama, cluster,
                       LaunchOptions(container_image="img with space.sqsh", container_mounts="/a b:/c",
                                     megatron_path="/opt/Mega tron's", extra_flags=("--save", "/x y", "--z"),
                                     cpus_per_task=4, account="a1", data_path="/data/$HOME/x"))
-    yield render_plan(make_plan(), gpt2, cluster, LaunchOptions(megatron_flavor="fasop-fork", data_path="/d",
+    yield render_plan(launchable(), gpt2, cluster, LaunchOptions(megatron_flavor="fasop-fork", data_path="/d",
                                                                 vocab_file="/v", merge_file="/m",
                                                                 entry_script="/abs/_00_pretrain_gpt.py"))
 
@@ -509,7 +514,7 @@ def fake_torchrun(directory: Path) -> Path:
 
 def test_run_inter_hands_the_arguments_over_intact(tmp_path, gpt2, cluster):
     options = LaunchOptions(megatron_path="/opt/Mega tron", extra_flags=("--save", "/ckpt dir"))
-    files = render_plan(make_plan(), gpt2, cluster, options)
+    files = render_plan(launchable(), gpt2, cluster, options)
     script = tmp_path / "run_inter.sh"
     script.write_text(files["run_inter.sh"])
     env = {"PATH": f"{fake_torchrun(tmp_path)}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args"),
@@ -527,7 +532,7 @@ def test_run_inter_hands_the_arguments_over_intact(tmp_path, gpt2, cluster):
 
 def test_run_inter_refuses_a_missing_or_bad_node_rank(tmp_path, gpt2, cluster):
     script = tmp_path / "run_inter.sh"
-    script.write_text(render_plan(make_plan(), gpt2, cluster)["run_inter.sh"])
+    script.write_text(render_plan(launchable(), gpt2, cluster)["run_inter.sh"])
     base = {"PATH": f"{fake_torchrun(tmp_path)}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args"),
             "MASTER_ADDR": "h", "FASOP_GPU_NAME": "NVIDIA A10G"}
     for extra in ({}, {"NODE_RANK": "4"}, {"NODE_RANK": "x"}):
@@ -586,14 +591,14 @@ def test_cli_missing_plan_file(tmp_path):
     ("{not json", "not JSON"),
     ('{"rank": 1}', "expected a non-empty JSON list"),
     ("[]", "expected a non-empty JSON list"),
-    ('[{"rank": 1, "tp": 1}]', "lacks gbs"),
-    ("[3]", "entry 0 is not an object"),
+    ('[{"rank": 1, "tp": 1}]', "entry 0: gbs: missing"),
+    ("[3]", "entry 0: not a fasop plan: expected a JSON object"),
 ])
 def test_cli_not_a_plan_file(tmp_path, content, fragment):
     path = tmp_path / "plans.json"
     path.write_text(content)
     result = runner().invoke(emit, ["--plans", str(path), "--out", str(tmp_path / "o")])
-    one_line_error(result, "not a fasop plan list", fragment)
+    one_line_error(result, "plans.json", fragment)
 
 
 def test_cli_rank_beyond_the_list(tmp_path):
@@ -635,7 +640,7 @@ def test_every_option_has_help():
 
 def test_load_plans_reads_what_it_checks(tmp_path):
     plans = write_plans(tmp_path, [make_plan()])
-    assert load_plans(plans) == [make_plan()]
+    assert [plan.record() for plan in load_plans(plans)] == [make_plan()]
     with pytest.raises(InputError, match="JSON plan list"):
         load_plans(tmp_path / "plans.csv")
 

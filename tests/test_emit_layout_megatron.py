@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from test_emit import flag_values, make_plan, megatron_args, write_cluster
+from test_emit import flag_values, launchable, make_plan, megatron_args, write_cluster
 
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.launch.options import LaunchOptions
 from fasop.launch.write import render_plan
+from fasop.plans import Plan
 
 layout_module = pytest.importorskip(
     "megatron.core.transformer.pipeline_parallel_layer_layout",
@@ -33,7 +34,7 @@ SPLITS = [
 def test_megatron_core_reads_the_layout(tmp_path, tp, dp, pp, placement, layers):
     model = load_model("gpt2-xl")
     cluster = load_cluster(str(write_cluster(tmp_path)))
-    plan = make_plan(tp=tp, dp=dp, pp=pp, placement=placement, layers_per_stage=layers, gbs=64, mbs=1)
+    plan = launchable(tp=tp, dp=dp, pp=pp, placement=placement, layers_per_stage=layers, gbs=64, mbs=1)
     args = flag_values(megatron_args(render_plan(plan, model, cluster, LaunchOptions(pipeline_split="layout"))
                                      ["run_inter.sh"]))
     (text,) = args["--pipeline-model-parallel-layout"]
@@ -55,6 +56,6 @@ def test_megatron_core_reads_the_layout(tmp_path, tp, dp, pp, placement, layers)
 def test_layout_is_what_auto_picks_when_the_older_form_does_not_fit(tmp_path):
     model = load_model("gpt2-xl")
     cluster = load_cluster(str(write_cluster(tmp_path)))
-    args = flag_values(megatron_args(render_plan(make_plan(), model, cluster)["run_inter.sh"]))
+    args = flag_values(megatron_args(render_plan(Plan.model_validate(make_plan()), model, cluster)["run_inter.sh"]))
     layout = PipelineParallelLayerLayout(args["--pipeline-model-parallel-layout"][0], 4)
     assert [row[0].count(LayerType.decoder) for row in layout.layout] == make_plan()["layers_per_stage"]

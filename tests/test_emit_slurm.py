@@ -28,6 +28,7 @@ from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.launch.options import LaunchOptions
 from fasop.launch.write import emit_plan
+from fasop.plans import Plan
 
 if shutil.which("slurmctld") is None:
     pytest.skip("slurmctld is not installed (scripts/install_slurm.sh installs Slurm)", allow_module_level=True)
@@ -220,7 +221,7 @@ def test_emitted_job_runs_every_stage_on_its_gpu_type(slurm, tmp_path):
     (master_port,) = free_ports(1)
     options = LaunchOptions(entry_script=str(checker), master_port=master_port, time_limit="5")
     out = tmp_path / "run"
-    emit_plan(plan, model, cluster, out, options)
+    emit_plan(Plan.model_validate(plan), model, cluster, out, options)
 
     results = tmp_path / "results"
     results.mkdir()

@@ -19,7 +19,7 @@ from fasop.cli import main
 from fasop.errors import InputError
 from fasop.files import check_finite
 from fasop.inputs import bundled
-from fasop.plans import plans_text
+from fasop.plans import Plan, plans_text
 
 HOSTILE = Path(__file__).parent / "hostile"
 VALID_CLUSTER = HOSTILE / "valid" / "cluster.toml"
@@ -52,7 +52,7 @@ CASES = {
                                                  "--allow-profile-mismatch"]),
     "profile-other-gpu.csv": (SEARCH_PROFILE, ["line 2: gpu", "made for gpu A10, not A100"]),
     "plan-nan-stage-time.json": (PLOT_PLAN, ["NaN is not a finite number"]),
-    "plan-infinite-step-time.json": (PLOT_PLAN, ["entry 0", "step_time_s is inf"]),
+    "plan-infinite-step-time.json": (PLOT_PLAN, ["entry 0", "step_time_s: expected a finite number, got inf"]),
     "plan-negative-stage-time.json": (PLOT_PLAN, ["plan 1: stages[0].p2p_s", "got -0.5"]),
     "plan-huge-tp.json": (EMIT, ["entry 0: tp", "from 1 to"]),
     "plan-nested.json": (EMIT, ["nested too deeply"]),
@@ -255,6 +255,6 @@ def test_non_finite_numbers_are_refused_before_writing(tmp_path):
     plans[0]["cost_per_hour_usd"] = float("inf")
     for suffix in (".json", ".csv"):
         with pytest.raises(InputError, match=r"cost_per_hour_usd is inf"):
-            plans_text(plans, tmp_path / f"plans{suffix}")
+            plans_text([Plan.trusted(plan) for plan in plans], tmp_path / f"plans{suffix}")
     with pytest.raises(InputError, match=r"a\[1\]\.b is nan"):
         check_finite({"a": [1.0, {"b": float("nan")}]}, "x")

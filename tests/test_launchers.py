@@ -18,12 +18,13 @@ from fasop.cli import main
 from fasop.errors import InputError
 from fasop.launch.launchers import read_hosts
 from fasop.launch.write import render_plan
+from fasop.plans import Plan
 
 
 def run_inter(tmp_path: Path, cluster, gpt2, **env: str) -> subprocess.CompletedProcess:
     script = tmp_path / "run_inter.sh"
     if not script.exists():
-        script.write_text(render_plan(make_plan(), gpt2, cluster)["run_inter.sh"])  # small big big small
+        script.write_text(render_plan(Plan.model_validate(make_plan()), gpt2, cluster)["run_inter.sh"])  # small big big small
     bin_dir = tmp_path / "bin"
     if not bin_dir.exists():
         fake_torchrun(tmp_path)

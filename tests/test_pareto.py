@@ -247,7 +247,7 @@ def test_sweep_keeps_each_compositions_fastest_plan(model, cluster, records):
     best = search_plans(model, cluster.with_counts({"A100": 1, "A10": 1}), train_steps=10_000).plans[0]
     for key in ("mbs", "tp", "dp", "pp", "placement", "layers_per_stage", "step_time_s", "throughput_samples_per_s",
                 "cost_per_hour_usd", "train_hours", "train_cost_usd"):
-        assert mixed[key] == best[key], key
+        assert mixed[key] == getattr(best, key), key
     assert mixed["gpus"] == 8
     for r in records:
         assert r["feasible"] and r["plans_evaluated"] > 0 and r["train_steps"] == 10_000
@@ -397,16 +397,16 @@ def test_stage_chart(plan, folder):
     path = folder / "stages.svg"
     drawn = plot_stages(plan, path)
     assert set(drawn) == {"compute", "p2p", "dp all-reduce", "idle"}
-    assert all(len(values) == plan["pp"] for values in drawn.values())
-    m = plan["num_microbatches"]
-    for s, stage in enumerate(plan["stages"]):
-        assert drawn["compute"][s] == pytest.approx(m * stage["compute_s"])
-        assert drawn["p2p"][s] == pytest.approx(m * stage["p2p_s"])
+    assert all(len(values) == plan.pp for values in drawn.values())
+    m = plan.num_microbatches
+    for s, stage in enumerate(plan.stages):
+        assert drawn["compute"][s] == pytest.approx(m * stage.compute_s)
+        assert drawn["p2p"][s] == pytest.approx(m * stage.p2p_s)
         total = sum(values[s] for values in drawn.values())
-        assert total == pytest.approx(plan["step_time_s"])  # every stage's bar spans the step
+        assert total == pytest.approx(plan.step_time_s)  # every stage's bar spans the step
     root = ET.parse(path).getroot()
     bars = [g.get("id") for g in root.iter(f"{SVG}g") if (g.get("id") or "").startswith("bar-compute-")]
-    assert len(bars) == plan["pp"]
+    assert len(bars) == plan.pp
     png = folder / "stages.png"
     plot_stages(plan, png)
     assert png.read_bytes()[:8] == PNG_MAGIC
@@ -482,7 +482,7 @@ def test_plot_bad_input(cluster_file, records, folder):
         one_line_error(run("plot", "--plan", not_plans, "--out", folder / "x.png"), str(not_plans))
     plans = folder / "few-plans.json"
     one_a10 = load_cluster(str(cluster_file)).with_counts({"A10": 1})
-    plans.write_text(json.dumps(search_plans(load_model("gpt2-xl"), one_a10).plans[:3]))
+    plans.write_text(json.dumps([p.record() for p in search_plans(load_model("gpt2-xl"), one_a10).plans[:3]]))
     one_line_error(run("plot", "--plan", plans, "--rank", 4, "--out", folder / "x.png"), "--rank", "ranks 1-3")
     one_line_error(run("plot", "--plan", plans, "--rank", 0, "--out", folder / "x.png"), "--rank")
 

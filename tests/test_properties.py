@@ -172,7 +172,7 @@ def check_estimate(plan: dict, w: Written) -> None:
     """`fasop estimate` of the plan's degrees, placement and layers gives the plan's own figures."""
     row = estimated_fields(estimate(w.model, w.cluster, tp=plan["tp"], dp=plan["dp"], pp=plan["pp"], mbs=plan["mbs"],
                    placement=plan["placement"], layers=plan["layers_per_stage"], gbs=plan["gbs"],
-                   profiles_dir=str(w.profiles), distributed_optimizer=plan["distributed_optimizer"]))
+                   profiles_dir=str(w.profiles), distributed_optimizer=plan["distributed_optimizer"]).record())
     assert row.pop("fits_memory") is True, plan
     expected = estimated_fields(plan)
     assert close(row, expected), differing_keys(row, expected)
@@ -184,7 +184,8 @@ def test_every_plan_is_sound_and_estimate_reproduces_it(max_examples, derandomiz
     def prop(spec, sort):
         with tempfile.TemporaryDirectory() as root:
             w = written(spec, root)
-            plans = search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort, workers=1).plans
+            found = search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort, workers=1).plans
+            plans = [plan.record() for plan in found]
             check_ranking(plans, sort)
             for plan in plans:
                 check_plan(plan, w, spec.gbs)
@@ -192,8 +193,9 @@ def test_every_plan_is_sound_and_estimate_reproduces_it(max_examples, derandomiz
                 check_estimate(plan, w)
             if plans:
                 path = Path(root) / "plans.json"
-                write_plans(plans, path)
-                assert load_plans(path) == plans  # the JSON plan file round-trips exactly
+                write_plans(found, path)
+                assert load_plans(path) == found  # the JSON plan file round-trips exactly
+                assert [plan.record() for plan in load_plans(path)] == plans
 
     check(max_examples, derandomize, prop, specs(), st.sampled_from(sorted(SORT_KEYS)), found=((LAYERS_LOST, "time"),))
 
@@ -203,8 +205,10 @@ def test_pruned_search_finds_the_same_best_plans(max_examples, derandomize):
     def prop(spec, keep, sort):
         with tempfile.TemporaryDirectory() as root:
             w = written(spec, root)
-            full = search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort, workers=1).plans
-            pruned = search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort, workers=1, keep=keep).plans
+            full = [p.record() for p in search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort,
+                                                     workers=1).plans]
+            pruned = [p.record() for p in search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort,
+                                                       workers=1, keep=keep).plans]
             assert [identity(p) for p in pruned] == [identity(p) for p in full[:keep]], (len(full), keep)
             for a, b in zip(pruned, full):
                 assert close(a, b), differing_keys(a, b)
@@ -223,7 +227,8 @@ def test_command_line_search_writes_the_plans_of_the_api(max_examples, derandomi
             if prune_top:
                 options += ["--prune", "--top", str(prune_top)]
             result = CliRunner().invoke(main, ["search", *w.args(*options)])
-            api = search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort, keep=prune_top).plans
+            api = [p.record() for p in search_plans(w.model, w.cluster, profiles_dir=str(w.profiles), sort=sort,
+                                                    keep=prune_top).plans]
             if not api:  # nothing fits: one line, exit code 2, no output file
                 assert result.exit_code == 2, result.output
                 assert result.stderr.count("\n") == 1 and "no plan fits" in result.stderr, result.stderr
@@ -231,7 +236,7 @@ def test_command_line_search_writes_the_plans_of_the_api(max_examples, derandomi
                 return
             assert result.exit_code == 0, result.output
             if suffix == ".json":
-                plans = load_plans(output)
+                plans = [p.record() for p in load_plans(output)]
                 assert len(plans) == len(api) and all(close(a, b) for a, b in zip(plans, api)), "CLI and API differ"
                 best = plans[0]
                 layers = ",".join(map(str, best["layers_per_stage"]))

@@ -29,7 +29,7 @@ def _inputs(tiny):
 
 
 def _degrees(plan):
-    return plan["tp"], plan["dp"], plan["pp"]
+    return plan.tp, plan.dp, plan.pp
 
 
 def test_equal_factors_scale_every_plan_and_unit_factors_leave_it_unchanged(tiny):
@@ -42,8 +42,8 @@ def test_equal_factors_scale_every_plan_and_unit_factors_leave_it_unchanged(tiny
     for factor in (1.0, 1.17):
         c, p = perturbed(cluster, inputs.profiles, dict.fromkeys(keys, factor))
         for plan in plans:  # every term of the step time is a sum and maximum of times: they scale alike
-            assert plan_metric(model, c, p, plan, "time") == pytest.approx(factor * plan["step_time_s"], rel=1e-12)
-            assert plan_metric(model, c, p, plan, "cost") == pytest.approx(factor * plan["cost_per_step_usd"], rel=1e-12)
+            assert plan_metric(model, c, p, plan, "time") == pytest.approx(factor * plan.step_time_s, rel=1e-12)
+            assert plan_metric(model, c, p, plan, "cost") == pytest.approx(factor * plan.cost_per_step_usd, rel=1e-12)
 
 
 @settings(max_examples=20, deadline=None)
@@ -58,10 +58,10 @@ def test_a_plan_through_both_interfaces_pays_the_slower_one(tiny_inputs, fast_in
         factors["link", "fast", "inter"], factors["link", "slow", "inter"] = fast, slow
         return plan_metric(model, *perturbed(cluster, inputs.profiles, factors), plan, "time")
 
-    assert step_s(1.0, 1.0) == pytest.approx(plan["step_time_s"], rel=1e-12)
-    inter_s = step_s(2.0, 2.0) - plan["step_time_s"]  # the all-reduce's part through the interfaces
-    assert 0.9 * plan["dp_allreduce_s"] < inter_s <= plan["dp_allreduce_s"]
-    expected = plan["step_time_s"] + (max(fast_inter, slow_inter) - 1) * inter_s
+    assert step_s(1.0, 1.0) == pytest.approx(plan.step_time_s, rel=1e-12)
+    inter_s = step_s(2.0, 2.0) - plan.step_time_s  # the all-reduce's part through the interfaces
+    assert 0.9 * plan.dp_allreduce_s < inter_s <= plan.dp_allreduce_s
+    expected = plan.step_time_s + (max(fast_inter, slow_inter) - 1) * inter_s
     assert step_s(fast_inter, slow_inter) == pytest.approx(expected, rel=1e-9)
 
 
@@ -77,7 +77,7 @@ def tiny_inputs(tmp_path_factory):
     model, cluster = load_model(str(root / "model.toml")), load_cluster(str(root / "cluster.toml"))
     inputs = prepare(model, cluster, None, str(root / "profiles"))
     plan = search_plans(model, cluster, None, profiles=inputs.profiles).plans[0]
-    assert _degrees(plan) == (1, 4, 1) and plan["dp_allreduce_s"] > 0.3 * plan["step_time_s"]
+    assert _degrees(plan) == (1, 4, 1) and plan.dp_allreduce_s > 0.3 * plan.step_time_s
     return model, cluster, inputs, plan
 
 
@@ -87,11 +87,11 @@ def test_robust_ranking_prefers_the_plan_bound_by_compute(tiny):
     link_bound = plans[0]
     compute_bound = next(p for p in plans if _degrees(p) == (2, 1, 2))
     assert _degrees(link_bound) == (1, 4, 1)
-    assert 1 < compute_bound["step_time_s"] / link_bound["step_time_s"] < 1.02  # near-equal on exact numbers
+    assert 1 < compute_bound.step_time_s / link_bound.step_time_s < 1.02  # near-equal on exact numbers
     ranked = robustness(model, cluster, inputs.profiles, plans, 0.2, 400, seed=3)
-    assert ranked[0].exact_rank == compute_bound["rank"]
+    assert ranked[0].exact_rank == compute_bound.rank
     by_rank = {r.exact_rank: r for r in ranked}
-    assert by_rank[compute_bound["rank"]].best_fraction > by_rank[link_bound["rank"]].best_fraction
+    assert by_rank[compute_bound.rank].best_fraction > by_rank[link_bound.rank].best_fraction
     # the fractions of trials won add up to one: every trial has exactly one best
     assert sum(r.best_fraction for r in ranked) == pytest.approx(1.0)
     assert all(0 <= r.mean_slowdown <= r.worst_slowdown for r in ranked)

@@ -42,7 +42,7 @@ def test_placement_subset_is_within_one_percent_of_exhaustive(profiles):
             gaps.append(gap)
     assert max(gaps) <= 0.01
     model, cluster = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-1xA100-7xA10")
-    assert {p["placement_search"] for p in search_plans(model, cluster, placement_limit=0).plans} == {"type-blocks"}
+    assert {p.placement_search for p in search_plans(model, cluster, placement_limit=0).plans} == {"type-blocks"}
 
 
 @settings(max_examples=200, deadline=None)

@@ -69,7 +69,7 @@ def test_pruned_search_returns_the_full_searchs_best(instance, sort):
     except InputError:  # no plan can use the batch size on these GPUs
         return
     for plan in full:
-        assert sum(plan["layers_per_stage"]) == model.num_layers
+        assert sum(plan.layers_per_stage) == model.num_layers
     for keep in (1, 2, 3, 5):
         # the threshold also tightens after every single problem: soundness may not depend on the chunk size
         for chunk in (1, engine.PRUNE_CHUNK):
@@ -101,7 +101,7 @@ def test_large_global_batch_is_answered():
     model, profiles = model_of("decoder", 4, 8), {"g0": profile_of("g0", 1.0)}
     cluster = cluster_of([("g0", 2, 16.0, 1.0)], 2)
     plans = search_plans(model, cluster, 10**10, profiles=profiles).plans
-    assert plans and all(p["num_microbatches"] * p["dp"] * p["mbs"] == 10**10 for p in plans)
+    assert plans and all(p.num_microbatches * p.dp * p.mbs == 10**10 for p in plans)
 
 
 def test_many_nodes_of_one_type_have_one_placement():

@@ -26,6 +26,7 @@ from fasop.launch.options import LaunchOptions, launch_options
 from fasop.launch.write import render_plan
 from fasop.market.frontfile import read_front_csv, write_front_csv
 from fasop.market.pareto import sweep
+from fasop.plans import Plan
 
 # Each piece would create a file named PWNED* if a shell ran the text instead of reading it as data.
 PAYLOAD = "x\ntouch PWNED_NEWLINE\n$(touch PWNED_SUBST)`touch PWNED_BACKQUOTE`';touch PWNED_SQ;'\";touch PWNED_DQ;#"
@@ -101,7 +102,7 @@ def test_node_type_names_with_dashes_survive_the_front_csv(tiny):
 
 
 def hostile_inputs(tmp_path: Path, payload: str = PAYLOAD):
-    """gpt2-xl on the mixed cluster of test_emit, every name (and the plan's rank) carrying `payload`."""
+    """gpt2-xl on the mixed cluster of test_emit, every name carrying `payload` (a plan's rank is an integer)."""
     cluster = load_cluster(str(write_cluster(tmp_path)))
     renamed = {old: f"{old}{payload}" for old in cluster.node_types}
     types = {renamed[old]: replace(t, name=renamed[old], gpu=f"{t.gpu}{payload}", gres_type=None)
@@ -109,8 +110,7 @@ def hostile_inputs(tmp_path: Path, payload: str = PAYLOAD):
     cluster = replace(cluster, name=f"c{payload}", node_types=types)
     model = replace(load_model("gpt2-xl"), name=f"m{payload}")
     plan = make_plan()
-    plan = {**plan, "rank": f"r{payload}", "placement": [renamed[n] for n in plan["placement"]]}
-    return plan, model, cluster
+    return Plan.model_validate({**plan, "placement": [renamed[n] for n in plan["placement"]]}), model, cluster
 
 
 def stub_commands(directory: Path) -> dict[str, str]:
@@ -138,7 +138,7 @@ def test_names_with_shell_syntax_run_no_command(tmp_path, payload):
         check = subprocess.run(["bash", "-n", name], cwd=run_dir, capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
     env = {**stub_commands(tmp_path),  # the GPU name on one line (each line is one GPU)
-           "FASOP_GPU_NAME": cluster.node_types[plan["placement"][0]].gpu.replace("\n", " ")}
+           "FASOP_GPU_NAME": cluster.node_types[plan.placement[0]].gpu.replace("\n", " ")}
     result = subprocess.run(["bash", "sbatch.sh"], cwd=run_dir, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.rglob("PWNED*")) == []
@@ -151,7 +151,8 @@ def test_names_with_shell_syntax_run_no_command(tmp_path, payload):
 def test_names_cannot_end_the_sbatch_directives(tmp_path):
     plan, model, cluster = hostile_inputs(tmp_path)
     sbatch = render_plan(plan, model, cluster)["sbatch.sh"].splitlines()
-    plain = render_plan(make_plan(), load_model("gpt2-xl"), load_cluster(str(tmp_path / "mixed.toml")))["sbatch.sh"]
+    plain_plan = Plan.model_validate(make_plan())
+    plain = render_plan(plain_plan, load_model("gpt2-xl"), load_cluster(str(tmp_path / "mixed.toml")))["sbatch.sh"]
     last = max(i for i, line in enumerate(sbatch) if line.startswith("#SBATCH"))
     # sbatch reads directives up to the first line that is not a comment
     assert all(line.startswith("#") for line in sbatch[:last + 1])
@@ -181,7 +182,7 @@ def test_scripts_with_hostile_names_pass_shellcheck(tmp_path):
 def test_slurm_values_with_a_trailing_newline_are_refused(tmp_path, options, field):
     cluster = load_cluster(str(write_cluster(tmp_path)))
     with pytest.raises(InputError, match=field):
-        render_plan(make_plan(), load_model("gpt2-xl"), cluster, LaunchOptions(**options))
+        render_plan(Plan.model_validate(make_plan()), load_model("gpt2-xl"), cluster, LaunchOptions(**options))
     with pytest.raises(InputError, match=field):
         launch_options({}, **options)
 
@@ -191,11 +192,11 @@ def test_node_type_slurm_values_with_a_trailing_newline_are_refused(tmp_path, fi
     cluster = load_cluster(str(write_cluster(tmp_path)))
     types = {n: replace(t, **{field: value}) for n, t in cluster.node_types.items()}
     with pytest.raises(InputError, match=field):
-        render_plan(make_plan(), load_model("gpt2-xl"), replace(cluster, node_types=types))
+        render_plan(Plan.model_validate(make_plan()), load_model("gpt2-xl"), replace(cluster, node_types=types))
 
 
 def test_gpus_per_node_must_be_an_integer(tmp_path):
     cluster = load_cluster(str(write_cluster(tmp_path)))
     types = {n: replace(t, gpus_per_node=2.0) for n, t in cluster.node_types.items()}
     with pytest.raises(InputError, match="gpus_per_node"):
-        render_plan(make_plan(), load_model("gpt2-xl"), replace(cluster, node_types=types))
+        render_plan(Plan.model_validate(make_plan()), load_model("gpt2-xl"), replace(cluster, node_types=types))

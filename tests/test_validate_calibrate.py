@@ -62,7 +62,7 @@ def truth_step_s(tiny) -> list[float]:
                  profiles={g: scaled_csv(g, HIDDEN[g]) for g in GPU_SPEED})
     model, cluster = load_model(str(truth.model)), load_cluster(str(truth.cluster))
     return [estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=placement, layers=layers,
-                     profiles_dir=str(truth.profiles))["step_time_s"]
+                     profiles_dir=str(truth.profiles)).step_time_s
             for tp, dp, pp, mbs, placement, layers in PLANS]
 
 
@@ -170,7 +170,7 @@ def test_validate_scores_match_a_hand_computation(measured, runner):
     assert result.exit_code == 0, result.output
     model, cluster = load_model(str(user.model)), load_cluster(str(user.cluster))
     predicted = np.array([estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=pl, layers=la,
-                                   profiles_dir=str(user.profiles))["step_time_s"]
+                                   profiles_dir=str(user.profiles)).step_time_s
                           for tp, dp, pp, mbs, pl, la in PLANS])
     measured_s = np.array([float(line.split(",")[-1]) for line in path.read_text().splitlines()[1:]])
     mape = 100 * np.mean(np.abs(predicted - measured_s) / measured_s)

@@ -13,7 +13,7 @@ from fasop.files import check_outputs
 from fasop.inputs import bundled
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.launch.dataparallel import is_data_parallel, render_dp_plan, restate_dp_plan
+from fasop.launch.dataparallel import render_dp_plan, restate_dp_plan
 from fasop.launch.launchers import launcher_files, launcher_hint, launcher_inputs, launcher_options
 from fasop.launch.options import FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, launch_options, split_flags
 from fasop.launch.restate import restate_plan
@@ -145,12 +145,12 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
     check_out_dir(out, force)
     where = f"{plans_file}: plan {rank}"
     for key, option in (("model_file", model_name), ("cluster_file", cluster_name)):
-        if option is None and not isinstance(plan.get(key), str):
+        if option is None and getattr(plan, key) is None:
             raise InputError(where, f"names no {key}; give --{key.split('_')[0]}")
-    model_file = model_name or _resolve_input(plan["model_file"], plans_path)
-    cluster_file = cluster_name or _resolve_input(plan["cluster_file"], plans_path)
+    model_file = model_name or _resolve_input(plan.model_file, plans_path)
+    cluster_file = cluster_name or _resolve_input(plan.cluster_file, plans_path)
     model, cluster = load_model(model_file), load_cluster(cluster_file)
-    data_parallel = is_data_parallel(plan)  # kinds ddp and zero1-3 have their own estimate and launcher
+    data_parallel = plan.is_data_parallel  # kinds ddp and zero1-3 have their own estimate and launcher
     plan, warning = (restate_dp_plan if data_parallel else restate_plan)(plan, model, cluster, profiles_dir, force, where)
     # A plain NAME on the command line applies to every node type, over what the cluster file says.
     partition, partition_map = _type_map(partitions, "--partition")

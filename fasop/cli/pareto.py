@@ -15,7 +15,7 @@ from fasop.errors import InputError
 from fasop.files import check_outputs, pending_write
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.plans import load_plans, select_plan
+from fasop.plans import Plan, load_plans, select_plan
 
 
 def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
@@ -128,7 +128,7 @@ def _write_front(records, output, chart, x_axis, budget, deadline, chosen) -> No
             plot_front(records, chart, x=x_axis, budget=budget, deadline=deadline, chosen=chosen)
 
 
-def _load_plan(plan_file: Path, rank: int) -> dict:
+def _load_plan(plan_file: Path, rank: int) -> Plan:
     """Plan `rank` of a `fasop search --output plans.json` file, with the per-stage breakdown a chart needs."""
     from fasop.plot import check_plan
 
@@ -165,7 +165,7 @@ def plot(front_file, out, x_axis, budget, deadline, plan_file, rank):
 
         plan = _load_plan(plan_file, 1 if rank is None else rank)
         plot_stages(plan, out)
-        click.echo(f"stages of plan {plan.get('rank', rank or 1)} ({plan['pp']} stages) written to {out}")
+        click.echo(f"stages of plan {plan.rank} ({plan.pp} stages) written to {out}")
         return
     if rank is not None:
         raise InputError("--rank", "applies to --plan only")

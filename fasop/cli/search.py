@@ -95,18 +95,18 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
                     f"needs {result.closest_memory_factor:.2f}x the GPU memory")
         raise InputError(f"--cluster {cluster_name}", f"no plan fits in memory ({result.out_of_memory} plans tried){hint}")
     _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs)
-    click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0]['gbs']}; "
+    click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0].gbs}; "
                f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
                f"solved), {len(plans)} {'best kept' if prune else 'fit in memory'}, {result.out_of_memory} removed "
                f"as out of memory.")
     click.echo(format_table(plans, top))
     if result.pruned:
         click.echo(f"{result.pruned} layer partitions skipped: their lower bound cannot reach the best {top}.")
-    if any(plan["placement_search"] != "exhaustive" for plan in plans[:top]):
+    if any(plan.placement_search != "exhaustive" for plan in plans[:top]):
         click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
                    "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
     if noise is not None:
-        prepared = prepare(model, cluster, plans[0]["gbs"], profiles_dir, distributed_optimizer, profiles)
+        prepared = prepare(model, cluster, plans[0].gbs, profiles_dir, distributed_optimizer, profiles)
         click.echo(noise_report(prepared, plans, noise, trials, seed, sort, top))
     if output is not None:
         click.echo(f"{len(plans)} plans written to {output}")
@@ -120,7 +120,7 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> 
     emitted = {}
     if emit_dir is not None:
         options = launch_options(cluster.launch, f"{cluster.file or cluster.name}: launch")
-        check_finite(plans[0], "--emit plan 1")
+        check_finite(plans[0].record(), "--emit plan 1")
         emitted = render_plan(plans[0], model, cluster, options, where="plan 1")
         check_outputs(outputs + [(emit_dir / name, "--emit") for name in emitted], inputs)
     with pending_write(output, plans_text(plans, output), f"--output {output}") if output else nullcontext():
@@ -152,11 +152,12 @@ def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, 
 
     model, cluster = load_model(model_name), load_cluster(cluster_name)
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
-    row = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
+    plan = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
                        layers=common.int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
                        distributed_optimizer=distributed_optimizer, profiles=profiles)
     if as_json:
-        check_finite(row, "estimate")
-        click.echo(json.dumps(row, indent=1, allow_nan=False))
+        record = plan.record()
+        check_finite(record, "estimate")
+        click.echo(json.dumps(record, indent=1, allow_nan=False))
         return
-    click.echo(format_estimate(row, model.name, cluster.name, cluster.memory_margin))
+    click.echo(format_estimate(plan, model.name, cluster.name, cluster.memory_margin))

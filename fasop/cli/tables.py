@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fasop.plans import compress_placement
+from fasop.plans import Plan, compress_placement
 
 
 def aligned(cells: list[list[str]]) -> str:
@@ -11,7 +11,7 @@ def aligned(cells: list[list[str]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
-def format_table(plans: list[dict], top: int) -> str:
+def format_table(plans: list[Plan], top: int) -> str:
     """The ranked plans as a fixed-width table."""
     columns = [
         ("rank", "rank", "{}"), ("mbs", "mbs", "{}"), ("tp", "tp", "{}"), ("dp", "dp", "{}"), ("pp", "pp", "{}"),
@@ -19,13 +19,13 @@ def format_table(plans: list[dict], top: int) -> str:
         ("step_time_s", "step s", "{:.4f}"), ("throughput_samples_per_s", "samples/s", "{:.1f}"),
         ("peak_memory_gib", "mem GiB", "{:.1f}"), ("cost_per_step_usd", "$/step", "{:.5f}"),
     ]
-    if "train_cost_usd" in plans[0]:
+    if plans[0].train_cost_usd is not None:
         columns += [("train_hours", "run h", "{:.1f}"), ("train_cost_usd", "run $", "{:,.0f}")]
     cells = [[title for _, title, _ in columns]]
     for row in plans[:top]:
         line = []
         for key, _, fmt in columns:
-            value = row[key]
+            value = getattr(row, key)
             if key == "placement":
                 line.append(compress_placement(value))
             elif key == "layers_per_stage":
@@ -36,40 +36,40 @@ def format_table(plans: list[dict], top: int) -> str:
     return aligned(cells)
 
 
-def format_estimate(row: dict, model_name: str, cluster_name: str, memory_margin: float) -> str:
+def format_estimate(row: Plan, model_name: str, cluster_name: str, memory_margin: float) -> str:
     """One plan's per-stage table and the terms of its step time, memory and price."""
-    lines = [f"{model_name} on {cluster_name}: tp={row['tp']} dp={row['dp']} pp={row['pp']} mbs={row['mbs']} "
-             f"({row['num_microbatches']} micro-batches), placement {compress_placement(row['placement'])}",
+    lines = [f"{model_name} on {cluster_name}: tp={row.tp} dp={row.dp} pp={row.pp} mbs={row.mbs} "
+             f"({row.num_microbatches} micro-batches), placement {compress_placement(row.placement)}",
              f"{'stage':>5}  {'gpu':>9}  {'layers':>6}  {'compute s':>9}  {'p2p s':>8}  {'allreduce s':>11}  "
              f"{'mem GiB':>7}  {'of GiB':>6}"]
-    for s in row["stages"]:
-        lines.append(f"{s['stage']:>5}  {s['gpu']:>9}  {s['layers']:>6}  {s['compute_s']:>9.5f}  {s['p2p_s']:>8.5f}  "
-                     f"{s['dp_allreduce_s']:>11.5f}  {s['memory_gib']:>7.2f}  {s['memory_capacity_gib']:>6.2f}")
+    for s in row.stages or []:
+        lines.append(f"{s.stage:>5}  {s.gpu:>9}  {s.layers:>6}  {s.compute_s:>9.5f}  {s.p2p_s:>8.5f}  "
+                     f"{s.dp_allreduce_s:>11.5f}  {s.memory_gib:>7.2f}  {s.memory_capacity_gib:>6.2f}")
     lines += [
-        f"step time        {row['step_time_s']:.4f} s  ({row['throughput_samples_per_s']:.1f} samples/s)",
-        f"  pipeline       {row['pipeline_time_s']:.4f} s  (bubble {row['bubble_s']:.4f} s, p2p {row['p2p_s']:.4f} s)",
-        f"  dp all-reduce  {row['dp_allreduce_s']:.4f} s",
-        f"  emb all-reduce {row['embedding_allreduce_s']:.4f} s",
-        f"peak memory      {row['peak_memory_gib']:.2f} of {row['memory_capacity_gib']:.2f} GiB"
-        + ("" if row["fits_memory"] else f"  (does NOT fit with margin {memory_margin})"),
-        f"price            ${row['cost_per_step_usd']:.5f} per step, ${row['cost_per_hour_usd']:.2f} per hour",
+        f"step time        {row.step_time_s:.4f} s  ({row.throughput_samples_per_s:.1f} samples/s)",
+        f"  pipeline       {row.pipeline_time_s:.4f} s  (bubble {row.bubble_s:.4f} s, p2p {row.p2p_s:.4f} s)",
+        f"  dp all-reduce  {row.dp_allreduce_s:.4f} s",
+        f"  emb all-reduce {row.embedding_allreduce_s:.4f} s",
+        f"peak memory      {row.peak_memory_gib:.2f} of {row.memory_capacity_gib:.2f} GiB"
+        + ("" if row.fits_memory else f"  (does NOT fit with margin {memory_margin})"),
+        f"price            ${row.cost_per_step_usd:.5f} per step, ${row.cost_per_hour_usd:.2f} per hour",
     ]
     return "\n".join(lines)
 
 
-def noise_report(inputs, plans: list[dict], noise: float, trials: int, seed: int, sort: str, top: int) -> str:
+def noise_report(inputs, plans: list[Plan], noise: float, trials: int, seed: int, sort: str, top: int) -> str:
     """The robust ranking of the best plans as a table; `inputs` is a fasop.search.space.Inputs."""
     from fasop.search.robust import CANDIDATES, robustness
 
     candidates = plans[:CANDIDATES]
     ranked = robustness(inputs.model, inputs.cluster, inputs.profiles, candidates, noise, trials, seed, sort)
-    by_rank = {plan["rank"]: plan for plan in candidates}
+    by_rank = {plan.rank: plan for plan in candidates}
     what = "step time" if sort == "time" else "dollars per step"
     cells = [["robust", "rank", "mbs", "tp", "dp", "pp", "placement", "P(best)", "mean slower", "worst slower"]]
     for position, r in enumerate(ranked[:top], start=1):
         plan = by_rank[r.exact_rank]
-        cells.append([str(position), str(r.exact_rank), str(plan["mbs"]), str(plan["tp"]), str(plan["dp"]),
-                      str(plan["pp"]), compress_placement(plan["placement"]), f"{r.best_fraction:.3f}",
+        cells.append([str(position), str(r.exact_rank), str(plan.mbs), str(plan.tp), str(plan.dp),
+                      str(plan.pp), compress_placement(plan.placement), f"{r.best_fraction:.3f}",
                       f"{r.mean_slowdown:.2%}", f"{r.worst_slowdown:.2%}"])
     return (f"Under +-{noise:g} noise on every profile time and link ({trials} trials, seed {seed}), the best "
             f"{len(candidates)} plans re-estimated; slower: {what} against each trial's best of them.\n{aligned(cells)}")

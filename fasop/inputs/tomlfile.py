@@ -88,7 +88,8 @@ def validated(schema: type[T], data: Any, file: str) -> T:
         return schema.model_validate(data)
     except ValidationError as err:
         errors = sorted(err.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
-        raise InputError(f"{file}: {_field_path(data, errors[0]['loc'])}", _problem(schema, errors[0])) from None
+        path = _field_path(data, errors[0]["loc"])  # empty for a check across fields
+        raise InputError(f"{file}: {path}" if path else file, _problem(schema, errors[0])) from None
 
 
 def _field_path(data: Any, loc: tuple[int | str, ...]) -> str:
@@ -120,12 +121,14 @@ def _problem(schema: type[Table], error: Any) -> str:
         for key in loc[:-1]:
             if isinstance(key, str):
                 table = _table_in(table.model_fields[key].annotation)
-        what = "table" if len(loc) == 1 else "field"
+        what = "table" if len(loc) == 1 and isinstance(error["input"], dict) else "field"
         return f"unknown {what} (known: {', '.join(sorted(table.model_fields))})"
     if kind == "missing":
         return "missing"
     if kind == "value_error":
         return str(error["ctx"]["error"])
+    if kind == "finite_number":
+        return f"expected a finite number, got {_shown(error['input'])}"
     if kind == "literal_error":
         return f"expected one of {error['ctx']['expected']}, got {_shown(error['input'])}"
     if kind in ("model_type", "dict_type"):

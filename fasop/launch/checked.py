@@ -2,40 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fasop.errors import InputError
 from fasop.launch.options import LaunchOptions
-from fasop.plans import PLAN_KEYS, PlanShape
+from fasop.plans import Plan, PlanShape
 
 
 @dataclass(frozen=True)
 class LaunchPlan(PlanShape):
-    rank: Any
+    rank: int | None
     encoder_stages: int
     gpus_per_node: int
 
 
-def positive_int(plan: Mapping[str, Any], key: str, where: str, minimum: int = 1) -> int:
-    value = plan.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InputError(f"{where}: {key}", f"expected an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def check_plan(plan: Mapping[str, Any], model: Any, cluster: Any, opts: LaunchOptions, where: str) -> LaunchPlan:
-    missing = [key for key in PLAN_KEYS if key not in plan]
-    if missing:
-        raise InputError(where, f"not a fasop plan: lacks {', '.join(missing)}")
-    tp, dp, pp, mbs, gbs = (positive_int(plan, k, where) for k in ("tp", "dp", "pp", "mbs", "gbs"))
-    placement = plan["placement"]
-    if not isinstance(placement, list) or not placement or not all(isinstance(n, str) for n in placement):
-        raise InputError(f"{where}: placement", f"expected a non-empty list of node-type names, got {placement!r}")
-    layers = plan["layers_per_stage"]
-    if (not isinstance(layers, list) or len(layers) != pp
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in layers)):
+def check_plan(plan: Plan, model: Any, cluster: Any, opts: LaunchOptions, where: str) -> LaunchPlan:
+    """The plan (its fields already checked by the plan schema) against its model, cluster and options."""
+    tp, dp, pp, mbs, gbs = plan.tp, plan.dp, plan.pp, plan.mbs, plan.gbs
+    placement, layers = plan.placement, plan.layers_per_stage
+    if len(layers) != pp:
         raise InputError(f"{where}: layers_per_stage",
                          f"expected {pp} layer counts >= 0 (one per stage), got {layers!r}")
     total = model.encoder_num_layers + model.decoder_num_layers
@@ -66,9 +52,7 @@ def check_plan(plan: Mapping[str, Any], model: Any, cluster: Any, opts: LaunchOp
     if world != gpn * len(placement):
         raise InputError(f"{where}: placement",
                          f"tp x dp x pp = {world} GPUs, but the placement lists {len(placement)} nodes of {gpn} GPUs")
-    encoder_stages = plan.get("encoder_stages", 0) or 0
-    if isinstance(encoder_stages, bool) or not isinstance(encoder_stages, int) or encoder_stages < 0:
-        raise InputError(f"{where}: encoder_stages", f"expected an integer >= 0, got {encoder_stages!r}")
+    encoder_stages = plan.encoder_stages
     if model.architecture == "encoder-decoder" and pp > 1:
         if not 1 <= encoder_stages < pp:
             raise InputError(f"{where}: encoder_stages",
@@ -77,9 +61,7 @@ def check_plan(plan: Mapping[str, Any], model: Any, cluster: Any, opts: LaunchOp
             raise InputError(f"{where}: layers_per_stage",
                              f"the first {encoder_stages} stages hold {sum(layers[:encoder_stages])} layers, "
                              f"the encoder has {model.encoder_num_layers}")
-    distributed_optimizer = plan.get("distributed_optimizer", False)
-    if not isinstance(distributed_optimizer, bool):
-        raise InputError(f"{where}: distributed_optimizer", f"expected true or false, got {distributed_optimizer!r}")
     return LaunchPlan(tp=tp, dp=dp, pp=pp, mbs=mbs, gbs=gbs, placement=tuple(placement),
-                      layers_per_stage=tuple(layers), distributed_optimizer=distributed_optimizer, rank=plan["rank"],
+                      layers_per_stage=tuple(layers), distributed_optimizer=bool(plan.distributed_optimizer),
+                      rank=plan.rank,
                       encoder_stages=encoder_stages, gpus_per_node=gpn)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping
 from typing import Any
 
 from fasop.errors import InputError
@@ -18,57 +17,56 @@ from fasop.launch.restate import disagreements
 from fasop.launch.shell import comment, group_flags, quote
 from fasop.launch.slurm import sbatch_script
 from fasop.launch.startup import startup_lines, torchrun_lines
+from fasop.plans import Plan
 from fasop.runtime import check_plan
-from fasop.search.dataparallel import KINDS, NoPlan, plan_row
+from fasop.search.dataparallel import NoPlan, plan_row
 
 DEFAULT_ENTRY_SCRIPT = "train.py"  # beside sbatch.sh unless --entry-script names another
 _NOT_FIGURES = ("model", "model_file", "cluster", "cluster_file")
 
 
-def is_data_parallel(plan: Mapping[str, Any]) -> bool:
-    return plan.get("kind") in KINDS
-
-
-def _checked(plan: Mapping[str, Any], cluster: Any, where: str) -> None:
-    check_plan(dict(plan), where)
+def _checked(plan: Plan, cluster: Any, where: str) -> int:
+    """The plan's GPUs per node, once the plan is found to use every node of `cluster`."""
+    check_plan(plan, where)
     have = Counter({name: t.count for name, t in cluster.node_types.items()})
-    if Counter(plan["placement"]) != have or plan["gpus_per_node"] != cluster.gpus_per_node:
-        raise InputError(f"{where}: placement", f"a {plan['kind']} plan uses every node of its cluster; cluster "
+    if Counter(plan.placement) != have or plan.gpus_per_node != cluster.gpus_per_node:
+        raise InputError(f"{where}: placement", f"a {plan.kind} plan uses every node of its cluster; cluster "
                                                 f"{cluster.name} has {dict(have)} nodes of {cluster.gpus_per_node} GPUs")
+    return cluster.gpus_per_node
 
 
-def restate_dp_plan(plan: Mapping[str, Any], model: Any, cluster: Any, profiles_dir: str | None = None,
-                    force: bool = False, where: str | None = None) -> tuple[dict, str | None]:
-    """As emit.restate_plan for data-parallel plans: the plan's split estimated afresh; a plan whose figures
-    disagree is refused, or with `force` returned with the fresh figures and a warning."""
-    where = where or f"plan {plan.get('rank', '?')}"
+def restate_dp_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | None = None,
+                    force: bool = False, where: str | None = None) -> tuple[Plan, str | None]:
+    """As restate_plan for 3D plans: the plan's split estimated afresh; a plan whose figures disagree is
+    refused, or with `force` returned with the fresh figures and a warning."""
+    where = where or f"plan {plan.rank or '?'}"
     _checked(plan, cluster, where)
-    samples = {item["node_type"]: item["samples_per_gpu"] for item in plan["per_type"]}
+    samples = {item.node_type: item.samples_per_gpu for item in plan.per_type or []}
     try:
         profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
-        fresh = plan_row(model, cluster, profiles, plan["kind"], plan["gbs"], plan.get("batch_split") == "even",
-                         samples)
+        fresh = plan_row(model, cluster, profiles, plan.kind, plan.gbs, plan.batch_split == "even", samples)
     except (InputError, NoPlan) as err:
         raise InputError(where, f"cannot be estimated afresh from model {model.name} and cluster {cluster.name} "
                                 f"({err})") from None
-    figures = {key: value for key, value in fresh.items() if key not in _NOT_FIGURES}
-    stale = disagreements(plan, figures, "")
+    figures = {key: value for key, value in fresh.record().items() if key not in _NOT_FIGURES}
+    given = plan.record()
+    stale = disagreements(given, figures, "")
     if not stale:
-        return {**figures, **plan}, None
-    key, given, value = stale[0]
-    message = f"stale plan: {key} is {given!r} in the plan file but {value!r} estimated afresh"
+        return Plan.trusted({**figures, **given}), None
+    key, was, value = stale[0]
+    message = f"stale plan: {key} is {was!r} in the plan file but {value!r} estimated afresh"
     if not force:
         raise InputError(where, f"{message}; compare again (with the same --profiles), or pass --force to emit it "
                                 "with the fresh figures")
-    return {**plan, **figures}, f"warning: {where}: {message}; emitted with the fresh figures (--force)"
+    return Plan.trusted({**given, **figures}), f"warning: {where}: {message}; emitted with the fresh figures (--force)"
 
 
-def _run_inter(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions) -> str:
+def _run_inter(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions) -> str:
     entry = f'"$RUN_DIR"/{quote(DEFAULT_ENTRY_SCRIPT)}' if opts.entry_script is None else quote(opts.entry_script)
-    split = ", ".join(f"{t['node_type']} {t['samples_per_gpu']} samples per GPU" for t in plan["per_type"])
+    split = ", ".join(f"{t.node_type} {t.samples_per_gpu} samples per GPU" for t in plan.per_type or [])
     lines = [
         "#!/usr/bin/env bash",
-        comment(f"fasop plan {p.rank}: {model.name} on {cluster.name}, {plan['kind']} over {p.dp} GPUs, "
+        comment(f"fasop plan {p.rank}: {model.name} on {cluster.name}, {plan.kind} over {p.dp} GPUs, "
                  f"global batch {p.gbs}: {split}."),
         "# Per-node launcher, started once per node by sbatch.sh; by hand: NODE_RANK=r MASTER_ADDR=host bash run_inter.sh",
         "set -euo pipefail",
@@ -84,21 +82,21 @@ def _run_inter(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPlan,
     return "\n".join(lines)
 
 
-def render_dp_plan(plan: Mapping[str, Any], model: Any, cluster: Any, options: LaunchOptions | None = None,
+def render_dp_plan(plan: Plan, model: Any, cluster: Any, options: LaunchOptions | None = None,
                    where: str | None = None) -> dict[str, str]:
     """sbatch.sh, run_inter.sh and plan.json of a data-parallel plan, without writing anything."""
     opts = options or LaunchOptions()
     check_options(opts, "--")
-    where = where or f"plan {plan.get('rank', '?')}"
-    _checked(plan, cluster, where)
-    if opts.gpus_per_node not in (None, plan["gpus_per_node"]):
-        raise InputError("--gpus-per-node", f"the plan splits its batch over {plan['gpus_per_node']} GPUs per node")
-    world = len(plan["placement"]) * plan["gpus_per_node"]
-    p = LaunchPlan(tp=1, dp=world, pp=1, mbs=plan["mbs"], gbs=plan["gbs"], placement=tuple(plan["placement"]),
-                   layers_per_stage=(model.num_layers,), distributed_optimizer=plan["kind"] != "ddp",
-                   rank=plan.get("rank", 1), encoder_stages=0, gpus_per_node=plan["gpus_per_node"])
+    where = where or f"plan {plan.rank or '?'}"
+    gpus_per_node = _checked(plan, cluster, where)
+    if opts.gpus_per_node not in (None, gpus_per_node):
+        raise InputError("--gpus-per-node", f"the plan splits its batch over {gpus_per_node} GPUs per node")
+    world = len(plan.placement) * gpus_per_node
+    p = LaunchPlan(tp=1, dp=world, pp=1, mbs=plan.mbs, gbs=plan.gbs, placement=tuple(plan.placement),
+                   layers_per_stage=(model.num_layers,), distributed_optimizer=plan.kind != "ddp",
+                   rank=plan.rank or 1, encoder_stages=0, gpus_per_node=gpus_per_node)
     return {
         "sbatch.sh": sbatch_script(plan, model, cluster, p, opts),
         "run_inter.sh": _run_inter(plan, model, cluster, p, opts),
-        "plan.json": json.dumps(plan, indent=2, sort_keys=True) + "\n",
+        "plan.json": json.dumps(plan.record(), indent=2, sort_keys=True) + "\n",
     }

@@ -29,6 +29,7 @@ import click
 from fasop.errors import InputError
 from fasop.files import TOML_LIMIT_BYTES, read_text
 from fasop.launch.shell import quote
+from fasop.plans import Plan
 
 LAUNCHERS = ("slurm", "ssh", "manual")
 RENDEZVOUS = ("tcp", "file")
@@ -85,9 +86,9 @@ def read_hosts(path: str, placement: Sequence[str]) -> list[str]:
     return hosts
 
 
-def hosts_text(plan: Mapping[str, Any], hosts: Sequence[str] | None) -> str:
-    placement = plan["placement"]
-    lines = [f"# Hosts of fasop plan {plan.get('rank', '?')}, one per node in node-rank order: HOST NODE_TYPE.",
+def hosts_text(plan: Plan, hosts: Sequence[str] | None) -> str:
+    placement = plan.placement
+    lines = [f"# Hosts of fasop plan {plan.rank or '?'}, one per node in node-rank order: HOST NODE_TYPE.",
              f"# HOST is {HOST_RULE}."]
     if hosts is None:
         lines.append("# Replace every <host-N> with a host of that node type; launch.sh checks each line.")
@@ -98,10 +99,10 @@ def hosts_text(plan: Mapping[str, Any], hosts: Sequence[str] | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _launch_sh(plan: Mapping[str, Any], description: str, master_port: int, rendezvous: str) -> str:
+def _launch_sh(plan: Plan, description: str, master_port: int, rendezvous: str) -> str:
     """launch.sh: its settings, the hosts file checked again, the command each host runs, stopping every node,
     then starting them and waiting for each."""
-    sections = [_settings_lines(plan["placement"], description, master_port, rendezvous), _hosts_check_lines(),
+    sections = [_settings_lines(plan.placement, description, master_port, rendezvous), _hosts_check_lines(),
                 _node_command_lines(), _stop_lines(), _start_and_wait_lines()]
     return "\n\n".join("\n".join(lines) for lines in sections) + "\n"
 
@@ -262,9 +263,9 @@ def _start_and_wait_lines() -> list[str]:
     ]
 
 
-def _commands_txt(plan: Mapping[str, Any], description: str, run_dir: Path, hosts: Sequence[str] | None,
+def _commands_txt(plan: Plan, description: str, run_dir: Path, hosts: Sequence[str] | None,
                   master_port: int, rendezvous: str) -> str:
-    placement = plan["placement"]
+    placement = plan.placement
     lines = [description,
              "# One command per node, in node-rank order: run each in a shell on a node of its type"
              + (" (node rank 0 first)." if rendezvous != "tcp" else "."),
@@ -300,7 +301,7 @@ def launcher_inputs(site: Mapping[str, Any]) -> list[Path]:
     return [Path(site["hosts_file"])] if site.get("hosts_file") else []
 
 
-def launcher_files(files: Mapping[str, str], plan: Mapping[str, Any], out_dir: Path, master_port: int,
+def launcher_files(files: Mapping[str, str], plan: Plan, out_dir: Path, master_port: int,
                    site: Mapping[str, Any]) -> dict[str, str]:
     """The files for `site["launcher"]`: render_plan's for slurm; for ssh and manual run_inter.sh and plan.json
     with hosts and launch.sh, or commands.txt."""
@@ -314,7 +315,7 @@ def launcher_files(files: Mapping[str, str], plan: Mapping[str, Any], out_dir: P
                                                   "first node)")
         return dict(files)
     rendezvous = _rendezvous(site)
-    hosts = read_hosts(site["hosts_file"], plan["placement"]) if site["hosts_file"] else None
+    hosts = read_hosts(site["hosts_file"], plan.placement) if site["hosts_file"] else None
     description = files["run_inter.sh"].splitlines()[1]  # "# fasop plan ...", as the scripts describe the plan
     kept = {name: files[name] for name in ("run_inter.sh", "plan.json")}
     if launcher == "ssh":

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 from fasop.errors import InputError
-from fasop.launch.checked import check_plan, positive_int
+from fasop.launch.checked import check_plan
 from fasop.launch.options import LaunchOptions
+from fasop.plans import Plan
 
 FIGURE_TOLERANCE = 1e-6  # relative; a plan written by fasop search re-estimates to within rounding noise
 
@@ -30,8 +30,8 @@ def disagreements(given: Any, fresh: Any, key: str) -> list[tuple[str, Any, Any]
     return [] if agree else [(key, given, fresh)]
 
 
-def restate_plan(plan: Mapping[str, Any], model: Any, cluster: Any, profiles_dir: str | None = None,
-                 force: bool = False, where: str | None = None) -> tuple[dict, str | None]:
+def restate_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | None = None,
+                 force: bool = False, where: str | None = None) -> tuple[Plan, str | None]:
     """The plan to launch and a warning, its figures checked against an estimate made afresh from `model`,
     `cluster` and the profiles (a plan file may be edited by hand, or older than its inputs).
 
@@ -42,7 +42,7 @@ def restate_plan(plan: Mapping[str, Any], model: Any, cluster: Any, profiles_dir
     from fasop.cost.price import add_training_run
     from fasop.search import estimate  # the search modules load only when a plan is checked
 
-    where = where or f"plan {plan.get('rank', '?')}"
+    where = where or f"plan {plan.rank or '?'}"
     p = check_plan(plan, model, cluster, LaunchOptions(), where)
     try:
         fresh = estimate(model, cluster, tp=p.tp, dp=p.dp, pp=p.pp, mbs=p.mbs, placement=list(p.placement),
@@ -51,22 +51,24 @@ def restate_plan(plan: Mapping[str, Any], model: Any, cluster: Any, profiles_dir
     except InputError as err:
         raise InputError(where, f"cannot be estimated afresh from model {model.name} and cluster {cluster.name} "
                                 f"({err})") from None
-    if "train_steps" in plan:
-        add_training_run(fresh, model, positive_int(plan, "train_steps", where), None)
-    figures = {key: value for key, value in fresh.items() if key not in _NOT_FIGURES}
+    fresh_record = fresh.record()
+    if plan.train_steps is not None:
+        add_training_run(fresh_record, model, plan.train_steps, None)
+    figures = {key: value for key, value in fresh_record.items() if key not in _NOT_FIGURES}
+    given = plan.record()
     problems = []
-    stale = disagreements(plan, figures, "")
+    stale = disagreements(given, figures, "")
     if stale:
-        key, given, value = stale[0]
+        key, was, value = stale[0]
         more = f" (and {len(stale) - 1} more figures)" if len(stale) > 1 else ""
-        problems.append(f"{key} is {given!r} in the plan file but {value!r} estimated afresh{more}")
-    if not fresh["fits_memory"]:
-        problems.append(f"it no longer fits memory ({fresh['peak_memory_gib']:.2f} GiB x margin "
-                        f"{cluster.memory_margin} on GPUs of {fresh['memory_capacity_gib']:.2f} GiB)")
+        problems.append(f"{key} is {was!r} in the plan file but {value!r} estimated afresh{more}")
+    if not fresh.fits_memory:
+        problems.append(f"it no longer fits memory ({fresh.peak_memory_gib:.2f} GiB x margin "
+                        f"{cluster.memory_margin} on GPUs of {fresh.memory_capacity_gib:.2f} GiB)")
     if not problems:
-        return {**figures, **plan}, None
+        return Plan.trusted({**figures, **given}), None
     message = "stale plan: " + "; ".join(problems)
     if not force:
         raise InputError(where, f"{message}; search again (with the same --profiles), or pass --force to emit "
                                 "it with the fresh figures")
-    return {**plan, **figures}, f"warning: {where}: {message}; emitted with the fresh figures (--force)"
+    return Plan.trusted({**given, **figures}), f"warning: {where}: {message}; emitted with the fresh figures (--force)"

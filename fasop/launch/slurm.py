@@ -10,14 +10,13 @@ torchrun node rank. The first node of component 0 is the rendezvous.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from typing import Any
 
 from fasop.errors import InputError
 from fasop.launch.checked import LaunchPlan
 from fasop.launch.options import SLURM_LIST, SLURM_NAME, LaunchOptions
 from fasop.launch.shell import comment, quote
-from fasop.plans import placement_runs
+from fasop.plans import Plan, placement_runs
 
 
 def _first(*values: str | None) -> str | None:
@@ -42,12 +41,12 @@ def _partition(node_type: Any, opts: LaunchOptions) -> str | None:
     return part
 
 
-def describe_plan(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPlan) -> str:
+def describe_plan(plan: Plan, model: Any, cluster: Any, p: LaunchPlan) -> str:
     return comment(f"fasop plan {p.rank}: {model.name} on {cluster.name}, tp={p.tp} dp={p.dp} pp={p.pp} "
                     f"mbs={p.mbs} gbs={p.gbs}, layers per stage {'-'.join(str(n) for n in p.layers_per_stage)}.")
 
 
-def sbatch_script(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions) -> str:
+def sbatch_script(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions) -> str:
     runs = placement_runs(p.placement)
     het = len(runs) > 1
     lines = [

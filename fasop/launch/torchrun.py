@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 from fasop.launch.checked import LaunchPlan
@@ -12,9 +11,10 @@ from fasop.launch.options import LaunchOptions
 from fasop.launch.shell import group_flags, quote
 from fasop.launch.slurm import describe_plan
 from fasop.launch.startup import startup_lines, torchrun_lines
+from fasop.plans import Plan
 
 
-def run_inter_script(plan: Mapping[str, Any], model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions, where: str) -> str:
+def run_inter_script(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions, where: str) -> str:
     entry = opts.entry_script or ENTRY_SCRIPTS[model.architecture]
     entry_value = quote(entry) if os.path.isabs(entry) else f'"$MEGATRON_PATH"/{quote(entry)}'
     parallel: list[tuple[str, ...]] = [("--tensor-model-parallel-size", str(p.tp)), ("--pipeline-model-parallel-size", str(p.pp))]

@@ -21,6 +21,7 @@ from fasop.launch.checked import check_plan
 from fasop.launch.options import LaunchOptions, check_options
 from fasop.launch.slurm import sbatch_script
 from fasop.launch.torchrun import run_inter_script
+from fasop.plans import Plan
 
 OUTPUT_FILES = ("sbatch.sh", "run_inter.sh", "plan.json")
 
@@ -33,17 +34,17 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
         raise InputError(f"--out {out_dir}", "the directory holds files already; pass --force to overwrite them")
 
 
-def render_plan(plan: Mapping[str, Any], model: Any, cluster: Any, options: LaunchOptions | None = None,
+def render_plan(plan: Plan, model: Any, cluster: Any, options: LaunchOptions | None = None,
                 where: str | None = None) -> dict[str, str]:
     """The emitted files, name -> text, without writing anything."""
     opts = options or LaunchOptions()
     check_options(opts, "--")
-    where = where or f"plan {plan.get('rank', '?')}"
+    where = where or f"plan {plan.rank or '?'}"
     p = check_plan(plan, model, cluster, opts, where)
     return {
         "sbatch.sh": sbatch_script(plan, model, cluster, p, opts),
         "run_inter.sh": run_inter_script(plan, model, cluster, p, opts, where),
-        "plan.json": json.dumps(plan, indent=2, sort_keys=True) + "\n",
+        "plan.json": json.dumps(plan.record(), indent=2, sort_keys=True) + "\n",
     }
 
 
@@ -82,7 +83,7 @@ def write_files(out_dir: Path, files: Mapping[str, str], force: bool = False) ->
     return [out_dir / name for name in files]
 
 
-def emit_plan(plan: Mapping[str, Any], model: Any, cluster: Any, out_dir: Path, options: LaunchOptions | None = None,
+def emit_plan(plan: Plan, model: Any, cluster: Any, out_dir: Path, options: LaunchOptions | None = None,
               force: bool = False, where: str | None = None) -> list[Path]:
     """Write sbatch.sh, run_inter.sh and plan.json for `plan` into `out_dir`; returns the written paths."""
     check_out_dir(Path(out_dir), force)

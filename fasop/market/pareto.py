@@ -131,10 +131,10 @@ class _Composition:
         if result.plans:
             best = result.plans[0]
             for key in PLAN_FIELDS:
-                record[key] = best[key]
-            record["placement"] = list(best["placement"])
-            record["layers_per_stage"] = list(best["layers_per_stage"])
-            record["cost_per_hour_usd"] = best["cost_per_hour_usd"]
+                record[key] = getattr(best, key)
+            record["placement"] = list(best.placement)
+            record["layers_per_stage"] = list(best.layers_per_stage)
+            record["cost_per_hour_usd"] = best.cost_per_hour_usd
             record["feasible"] = True
         else:
             note = f"no plan fits in memory ({result.out_of_memory} tried)"

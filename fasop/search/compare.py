@@ -12,6 +12,7 @@ from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
+from fasop.plans import Plan, Stage, TypeShare
 from fasop.search.dataparallel import NoPlan, plan_row
 from fasop.search.engine import search_plans
 
@@ -24,33 +25,33 @@ PIPELINE, THREE_D = "pipeline (tp=1)", "3D (best)"
 @dataclass
 class Family:
     name: str
-    plan: dict | None
+    plan: Plan | None
     reason: str = ""
 
 
-def plan_list(families: list[Family]) -> list[dict]:
+def plan_list(families: list[Family]) -> list[Plan]:
     """The families' plans fastest first, ranked; a plan that is the best of two families is listed once, its
     `family` naming both."""
     unique: dict[str, dict] = {}
     for family in families:
         if family.plan is not None:
-            plan = {k: v for k, v in family.plan.items() if k not in ("rank", "family")}
+            plan = {k: v for k, v in family.plan.record().items() if k not in ("rank", "family")}
             key = json.dumps(plan, sort_keys=True)
             if key in unique:
                 unique[key]["family"] += f"; {family.name}"
             else:
                 unique[key] = {"family": family.name, **plan}
     ranked = sorted(unique.values(), key=lambda p: p["step_time_s"])
-    return [{"rank": rank, **plan} for rank, plan in enumerate(ranked, start=1)]
+    return [Plan.trusted({"rank": rank, **plan}) for rank, plan in enumerate(ranked, start=1)]
 
 
-def memory_by_gpu(plan: dict) -> dict[str, float]:
+def memory_by_gpu(plan: Plan) -> dict[str, float]:
     """Peak memory of each GPU type of a plan (GiB); a pipeline stage spanning two types counts for both."""
-    parts = plan["per_type"] if "per_type" in plan else plan["stages"]
+    parts: list[Stage] | list[TypeShare] = plan.per_type or plan.stages or []
     memory: dict[str, float] = {}
     for part in parts:
-        for gpu in part["gpu"].split("+"):
-            memory[gpu] = max(memory.get(gpu, 0.0), part["memory_gib"])
+        for gpu in part.gpu.split("+"):
+            memory[gpu] = max(memory.get(gpu, 0.0), part.memory_gib)
     return memory
 
 
@@ -71,28 +72,27 @@ def compare(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], gbs
         plans, why = [], err.problem.split(" (")[0]
     else:
         why = "out of memory"
-    pipeline = next((p for p in plans if p["tp"] == 1), None)
+    pipeline = next((p for p in plans if p.tp == 1), None)
     families.append(Family(PIPELINE, pipeline, "" if pipeline else (why if not plans else "no tp=1 plan")))
     families.append(Family(THREE_D, plans[0] if plans else None, "" if plans else why))
     for family in families:
         if family.plan is not None:
-            family.plan = {"family": family.name, **family.plan}
-            family.plan.setdefault("kind", "3d")
+            family.plan = family.plan.model_copy(update={"family": family.name})
     return families
 
 
-def _micro_batches(item: dict) -> str:
+def _micro_batches(item: TypeShare) -> str:
     """16 samples in micro-batches of 10: '10+6'; of 4: '4x4'."""
-    size, rest = item["micro_batch_size"], item["samples_per_gpu"] % item["micro_batch_size"]
-    full = item["samples_per_gpu"] // size
+    size, rest = item.micro_batch_size, item.samples_per_gpu % item.micro_batch_size
+    full = item.samples_per_gpu // size
     return f"{size}x{full}" if not rest else (f"{size}x{full}+{rest}" if full > 1 else f"{size}+{rest}")
 
 
-def describe(plan: dict) -> str:
+def describe(plan: Plan) -> str:
     """The plan in a few words: per node type, samples per GPU as micro-batch size x count, or the 3D degrees."""
-    if "per_type" in plan:
-        return " ".join(f"{t['node_type']}:{t['samples_per_gpu']}={_micro_batches(t)}" for t in plan["per_type"])
-    return f"tp={plan['tp']} dp={plan['dp']} pp={plan['pp']} mbs={plan['mbs']}"
+    if plan.per_type is not None:
+        return " ".join(f"{t.node_type}:{t.samples_per_gpu}={_micro_batches(t)}" for t in plan.per_type)
+    return f"tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}"
 
 
 def records(families: list[Family]) -> list[dict]:
@@ -101,10 +101,10 @@ def records(families: list[Family]) -> list[dict]:
     rows = []
     for f in families:
         p = f.plan
-        row = {"family": f.name, "kind": p["kind"] if p else "", "plan": describe(p) if p else "",
-               "step_time_s": p["step_time_s"] if p else "",
-               "throughput_samples_per_s": p["throughput_samples_per_s"] if p else "",
-               "cost_per_step_usd": p["cost_per_step_usd"] if p else ""}
+        row = {"family": f.name, "kind": p.kind if p else "", "plan": describe(p) if p else "",
+               "step_time_s": p.step_time_s if p else "",
+               "throughput_samples_per_s": p.throughput_samples_per_s if p else "",
+               "cost_per_step_usd": p.cost_per_step_usd if p else ""}
         memory = memory_by_gpu(p) if p else {}
         row.update({f"memory_gib_{g}": memory.get(g, "") for g in gpus})
         row["no_plan_reason"] = f.reason

@@ -19,6 +19,7 @@ from fasop.cost.memory import GIB, embedding_activation_bytes, head_activation_b
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
+from fasop.plans import Plan
 from fasop.search.placement import type_order
 
 KINDS = ("ddp", "zero1", "zero2", "zero3")
@@ -186,7 +187,7 @@ def allreduce_s_per_byte(cluster: Cluster) -> float:
 
 
 def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind: str, batch: int,
-             even: bool = False, samples: dict[str, int] | None = None) -> dict:
+             even: bool = False, samples: dict[str, int] | None = None) -> Plan:
     """The best plan of `kind` (or with `even`, every GPU the same samples; or with `samples`, the given
     samples per GPU of each node type) as a plan row; raises NoPlan with the reason when there is none."""
     world = cluster.num_gpus
@@ -217,7 +218,7 @@ def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], ki
                          "compute_s": float(time_s[s]), "memory_gib": memory, "memory_capacity_gib": g.capacity_gib})
     worst = max(per_type, key=lambda t: t["memory_gib"] / t["memory_capacity_gib"])
     placement = [name for name in type_order(cluster) for _ in range(cluster.node_types[name].count)]
-    return {
+    return Plan.trusted({
         "model": model.name, "model_file": model.file, "cluster": cluster.name, "cluster_file": cluster.file,
         "kind": kind, "batch_split": "even" if even else "uneven",
         "gbs": batch, "mbs": min(t["micro_batch_size"] for t in per_type), "tp": 1, "dp": world, "pp": 1,
@@ -227,4 +228,4 @@ def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], ki
         "peak_memory_gib": worst["memory_gib"], "memory_capacity_gib": worst["memory_capacity_gib"],
         "cost_per_hour_usd": price, "cost_per_step_usd": price * step / 3600.0,
         "per_type": per_type,
-    }
+    })

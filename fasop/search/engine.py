@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
+from fasop.plans import Plan
 from fasop.search.partition import admits, lower_bounds, optimal_partitions
 from fasop.search.record import plan_rows
 from fasop.search.space import PLACEMENT_LIMIT, Group, Inputs, combinations, groups, max_stages, prepare, tensor_degrees
@@ -57,16 +58,17 @@ SORT_KEYS = {"time": "step_time_s", "cost": "cost_per_step_usd"}
 class SearchResult:
     """The ranked plans (best first) and what the search saw on the way."""
 
-    plans: list[dict]
+    rows: list[dict]  # the plans as records while evaluating; search_plans ranks them into `plans`
     plans_evaluated: int  # (tp, dp, pp, mbs, placement) combinations, each with its best split and partition
     partitions_solved: int  # layer-partition problems solved (one per encoder/decoder split)
     out_of_memory: int  # plans for which no partition fits memory
     pruned: int = 0  # partition problems skipped because their lower bound cannot reach the kept plans
     closest_memory_factor: float | None = None  # when nothing fits: how much more memory the closest plan needs
     closest_plan: Config | None = None
+    plans: list[Plan] = field(default_factory=list)
 
     def merge(self, other: SearchResult) -> None:
-        self.plans += other.plans
+        self.rows += other.rows
         self.plans_evaluated += other.plans_evaluated
         self.partitions_solved += other.partitions_solved
         self.out_of_memory += other.out_of_memory
@@ -184,7 +186,7 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  sort: str = "time", progress: Callable[[int, int], None] | None = None,
                  placement_limit: int = PLACEMENT_LIMIT, keep: int | None = None,
                  workers: int | None = None, profiles: dict[str, GpuProfile] | None = None) -> SearchResult:
-    """Every plan that fits memory, best first, as plain records (see docs/formats.md for the keys).
+    """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
     workers: processes to use; default: one per core for clusters of 32 nodes or more, else one (small
@@ -215,7 +217,7 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                 result.merge(future.result())
                 if progress:
                     progress(done, len(futures))
-    rows = result.plans
+    rows = result.rows
     if result.closest_plan is not None and rows:
         result.closest_memory_factor = result.closest_plan = None
     for row in rows:
@@ -224,7 +226,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                              r["encoder_stages"], r["placement"]))
     if keep:
         rows = rows[:keep]
-    result.plans = [{"rank": rank, **row} for rank, row in enumerate(rows, start=1)]
+    result.rows = []
+    result.plans = [Plan.trusted({"rank": rank, **row}) for rank, row in enumerate(rows, start=1)]
     return result
 
 

@@ -11,13 +11,14 @@ from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
+from fasop.plans import Plan
 from fasop.search.record import plan_rows
 from fasop.search.space import prepare, tensor_degrees
 
 
 def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: int, placement: list[str],
              layers: list[int], gbs: int | None = None, profiles_dir: str | None = None,
-             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None) -> dict:
+             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None) -> Plan:
     """The full breakdown of one explicit plan; `layers` lists transformer layers per stage; `profiles`: already
     loaded profiles (by GPU type) instead of reading profiles_dir."""
     used = {name: placement.count(name) for name in placement}
@@ -54,6 +55,5 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
         raise InputError("--layers", "every stage needs at least one layer (the first may hold only the embedding, "
                                      "the last only the head)")
     row = plan_rows(inputs, config, geo, costs, counts[None, :], np.array([True]), True)[0]
-    usable = np.array([s["memory_capacity_gib"] for s in row["stages"]]) / cluster.memory_margin
-    row["fits_memory"] = bool(all(s["memory_gib"] <= u for s, u in zip(row["stages"], usable)))
-    return row
+    row["fits_memory"] = all(s["memory_gib"] <= s["memory_capacity_gib"] / cluster.memory_margin for s in row["stages"])
+    return Plan.trusted(row)

@@ -16,7 +16,7 @@ def search(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir:
     import pandas as pd  # only the Python API needs pandas; the command line starts faster without it
 
     result = search_plans(model, cluster, gbs, profiles_dir, **options)
-    frame = pd.DataFrame(result.plans)
+    frame = pd.DataFrame([plan.record() for plan in result.plans])
     frame.attrs.update(plans_evaluated=result.plans_evaluated, partitions_solved=result.partitions_solved,
                        out_of_memory=result.out_of_memory, pruned=result.pruned)
     if result.closest_plan is not None:

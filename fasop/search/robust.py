@@ -36,13 +36,14 @@ from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import Curve, GpuProfile, required_kinds
+from fasop.plans import Plan
 
 CANDIDATES = 20
 
 
 @dataclass(frozen=True)
 class Robustness:
-    exact_rank: int
+    exact_rank: int | None  # the plan's rank in the search
     best_fraction: float  # trials in which the plan is the best candidate
     mean_slowdown: float  # mean over trials of metric / best metric - 1
     worst_slowdown: float
@@ -76,22 +77,21 @@ def perturbed(cluster: Cluster, profiles: dict[str, GpuProfile], factors: dict[t
     return replace(cluster, node_types=types), scaled
 
 
-def plan_metric(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plan: dict, sort: str) -> float:
+def plan_metric(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plan: Plan, sort: str) -> float:
     """Step time (sort "time") or dollars per step (sort "cost") of a search row, its partition kept."""
-    config = Config(plan["tp"], plan["dp"], plan["pp"], plan["mbs"], plan["gbs"], plan["encoder_stages"],
-                    plan["distributed_optimizer"])
-    placement = tuple(plan["placement"])
+    config = Config(plan.tp, plan.dp, plan.pp, plan.mbs, plan.gbs, plan.encoder_stages, bool(plan.distributed_optimizer))
+    placement = tuple(plan.placement)
     geo = with_embedding_group(cluster, geometry(cluster, placement, config.tp, config.dp, config.pp),
                                embedding_stages(model, config))
     costs = stage_costs(model, cluster, profiles, geo, config, [config.mbs])
-    counts = np.array(plan["layers_per_stage"]) - costs.fixed_layers
+    counts = np.array(plan.layers_per_stage) - costs.fixed_layers
     step = float(breakdown(costs, counts[None, :])["step_time_s"][0])
     if sort == "cost":
         return step * sum(cluster.node_types[n].price_per_hour_usd for n in placement) / 3600.0
     return step
 
 
-def robustness(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plans: list[dict], noise: float,
+def robustness(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plans: list[Plan], noise: float,
                trials: int, seed: int, sort: str = "time") -> list[Robustness]:
     """Robustness of each of `plans` (best first, at most CANDIDATES of them), in robust order."""
     check_noise(noise, trials)
@@ -104,7 +104,7 @@ def robustness(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], 
         metric[trial] = [plan_metric(model, trial_cluster, trial_profiles, plan, sort) for plan in plans]
     slowdown = metric / metric.min(axis=1, keepdims=True) - 1
     best = np.bincount(metric.argmin(axis=1), minlength=len(plans)) / trials  # ties go to the better exact rank
-    result = [Robustness(plan["rank"], float(best[i]), float(slowdown[:, i].mean()), float(slowdown[:, i].max()))
+    result = [Robustness(plan.rank, float(best[i]), float(slowdown[:, i].mean()), float(slowdown[:, i].max()))
               for i, plan in enumerate(plans)]
     # rounded: plans with equal costs would otherwise be ordered by the last bits of their sums
     return sorted(result, key=lambda r: (round(r.mean_slowdown, 12), -r.best_fraction, r.exact_rank))

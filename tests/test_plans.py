@@ -1,0 +1,76 @@
+"""The plan record (fasop.plans.Plan): its published schema, and plan files checked once against it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fasop.cli import main
+from fasop.errors import InputError
+from fasop.plans import Plan, load_plans
+from fasop.runtime import load_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGE = {"stage": 0, "gpu": "A10", "nodes": [0], "layers": 48, "compute_s": 0.5, "p2p_s": 0.0,
+         "dp_allreduce_s": 0.1, "memory_gib": 10.0, "memory_capacity_gib": 24.0}
+PLAN = {"rank": 1, "model": "gpt2-xl", "gbs": 8, "mbs": 1, "tp": 1, "dp": 1, "pp": 1, "num_microbatches": 8,
+        "placement": ["A10"], "layers_per_stage": [48], "step_time_s": 4.6, "stages": [STAGE]}
+
+
+def test_the_published_schema_is_the_models():
+    page = (ROOT / "docs" / "formats.md").read_text()
+    published = re.search(r"<!-- plan schema: scripts/plan_schema.py -->\n```json\n(.*?)```", page, re.S).group(1)
+    assert json.loads(published) == Plan.model_json_schema()
+
+
+def write(tmp_path: Path, plans) -> Path:
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(plans))
+    return path
+
+
+@pytest.mark.parametrize("change, where, problem", [
+    ({"steptime_s": 1.0}, "entry 1: steptime_s", "unknown field"),
+    ({"stages": [{**STAGE, "memory_gib": "10"}]}, "entry 1: stages[0].memory_gib", "valid number"),
+    ({"stages": [{**STAGE, "compute": 0.5}]}, "entry 1: stages[0].compute", "unknown field"),
+    ({"placement": ["A10", ""]}, "entry 1: placement[1]", "expected a node-type name"),
+    ({"tp": True}, "entry 1: tp", "expected an integer from 1"),
+    ({"kind": "zero2"}, "entry 1", "a zero2 plan needs per_type and gpus_per_node"),
+    ({"rank": None}, "entry 1: rank", "missing"),
+])
+def test_a_bad_plan_is_one_line_naming_file_entry_and_field(tmp_path, change, where, problem):
+    path = write(tmp_path, [PLAN, {**PLAN, "rank": 2, **change}])
+    with pytest.raises(InputError) as err:
+        load_plans(path)
+    assert str(err.value).startswith(f"{path}: {where}:") and problem in str(err.value), str(err.value)
+    result = CliRunner().invoke(main, ["plot", "--plan", str(path), "--rank", "1", "--out", str(tmp_path / "s.png")])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1 and where in result.output
+    assert not (tmp_path / "s.png").exists()
+
+
+def test_a_plan_file_reads_back_the_plans_of_the_search(tmp_path):
+    path = tmp_path / "plans.json"
+    result = CliRunner().invoke(main, ["search", "--model", "bert", "--cluster", "fasop-4xA10", "--output", str(path)])
+    assert result.exit_code == 0, result.output
+    plans = load_plans(path)
+    assert [plan.record() for plan in plans] == json.loads(path.read_text())
+    assert [list(plan.record()) for plan in plans] == [list(entry) for entry in json.loads(path.read_text())]
+    best = plans[0]
+    assert best.rank == 1 and best.kind == "3d" and best.stages and sum(s.layers for s in best.stages) == 24
+
+
+def test_a_plan_without_kind_is_3d_and_written_without_one():
+    plan = Plan.model_validate(PLAN)
+    assert plan.kind == "3d" and plan.encoder_stages == 0
+    assert plan.record() == PLAN  # only what the file gave, in the schema's order
+
+
+def test_the_runtime_reads_one_plan_object_through_the_schema(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**PLAN, "kind": "ddp", "gpus_per_node": 1, "per_type": [{"oops": 1}]}))
+    with pytest.raises(InputError, match=r"plan.json: per_type\[0\].oops: unknown field"):
+        load_plan(path)
