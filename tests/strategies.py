@@ -50,7 +50,8 @@ def log_uniform(low: float, high: float) -> st.SearchStrategy[float]:
 def bandwidths(draw, low_bytes_per_s: float, high_bytes_per_s: float) -> str:
     """A bandwidth between the two limits, written in a random unit ("3.2 Tbit/s", "450 GB/s", ...)."""
     unit = draw(st.sampled_from(sorted(BANDWIDTH_UNITS)))
-    value = draw(log_uniform(low_bytes_per_s, high_bytes_per_s)) / BANDWIDTH_UNITS[unit]
+    # 0.1% inside the limits: the value is written with 4 significant digits, which may round it up or down
+    value = draw(log_uniform(low_bytes_per_s * 1.001, high_bytes_per_s * 0.999)) / BANDWIDTH_UNITS[unit]
     text = draw(st.sampled_from([f"{value:.4g}", f"{value:.6e}"] + ([f"{value:.3f}"] if value >= 1 else [])))
     return f"{text}{draw(st.sampled_from(['', ' ']))}{unit}"
 
