@@ -26,7 +26,7 @@ EXPERIMENTS = [
     ("t5", "fasop-8xA10"),
     ("t5", "fasop-1xA100-7xA10"),
 ]
-BASE = "1d48b45"
+BASE = "7ab2ffb"  # the last commit of main before the package was split into subpackages
 
 
 def write_plans(source: Path, out: Path) -> dict[str, bytes]:
