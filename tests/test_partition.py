@@ -70,22 +70,28 @@ def greedy_minmax(layer_s, fixed_s, exchange_s, lo, total):
     return counts
 
 
+def _segments(draw, stages: int, encoder_decoder: bool, spare: int, most: int):
+    """(segment of each stage, layers per segment, fewest layers per stage): an encoder-decoder split with up
+    to `spare` layers more than stages per segment, or one decoder segment of up to `most` layers whose first
+    and last stages may hold only the embedding and the head."""
+    if encoder_decoder:
+        split = draw(st.integers(1, stages - 1))
+        segment = np.array([0] * split + [1] * (stages - split))
+        layers = np.array([draw(st.integers(split, split + spare)),
+                           draw(st.integers(stages - split, stages - split + spare))])
+        return segment, layers, np.ones(stages, dtype=int)
+    lo = np.ones(stages, dtype=int)
+    lo[0] = lo[-1] = 0
+    return np.zeros(stages, dtype=int), np.array([draw(st.integers(max(stages - 2, 1), most))]), lo
+
+
 @st.composite
 def problems(draw, two_segments=True, roomy=False):
     """Random problems of up to 5 stages; decoder-only when not two_segments; with roomy, every stage's memory
     holds every layer (hi >= the layers), so that any split with the right sum and the lower bounds fits."""
     stages = draw(st.integers(1, 5))
     encoder_decoder = two_segments and stages >= 2 and draw(st.booleans())
-    if encoder_decoder:
-        split = draw(st.integers(1, stages - 1))
-        segment = np.array([0] * split + [1] * (stages - split))
-        layers = np.array([draw(st.integers(split, split + 5)), draw(st.integers(stages - split, stages - split + 5))])
-        lo = np.ones(stages, dtype=int)
-    else:
-        segment = np.zeros(stages, dtype=int)
-        layers = np.array([draw(st.integers(max(stages - 2, 1), 10))])
-        lo = np.ones(stages, dtype=int)
-        lo[0] = lo[-1] = 0
+    segment, layers, lo = _segments(draw, stages, encoder_decoder, spare=5, most=10)
     batch = draw(st.integers(1, 3))
     floats = st.floats(0.1, 5.0)
 
@@ -169,16 +175,8 @@ def tied_problems(draw):
     """Up to 8 stages, decoder or encoder-decoder segments, per-layer costs small against fixed ones (so that
     near-equal stage periods differ by less than a layer's share of a relative tolerance)."""
     stages = draw(st.integers(1, 8))
-    if stages >= 2 and draw(st.booleans()):
-        split = draw(st.integers(1, stages - 1))
-        segment = np.array([0] * split + [1] * (stages - split))
-        layers = np.array([draw(st.integers(split, split + 3)), draw(st.integers(stages - split, stages - split + 3))])
-        lo = np.ones(stages, dtype=int)
-    else:
-        segment = np.zeros(stages, dtype=int)
-        layers = np.array([draw(st.integers(max(stages - 2, 1), stages + 4))])
-        lo = np.ones(stages, dtype=int)
-        lo[0] = lo[-1] = 0
+    encoder_decoder = stages >= 2 and draw(st.booleans())
+    segment, layers, lo = _segments(draw, stages, encoder_decoder, spare=3, most=stages + 4)
     batch = draw(st.integers(1, 3))
     shape = (batch, stages)
     hi = np.array([[draw(st.integers(0, 12)) for _ in range(stages)] for _ in range(batch)])
