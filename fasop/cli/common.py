@@ -99,3 +99,12 @@ def int_list(option: str, text: str) -> list[int]:
     if any(v < 0 for v in values):
         raise InputError(option, f"expected non-negative integers, got {text!r}")
     return values
+
+
+def catalogue_options(command):
+    """--catalogue FILE and --cluster FILE, for commands that read GPU figures."""
+    command = click.option("--cluster", "gpus_cluster", default=None, metavar="NAME|FILE",
+                           help="A cluster file whose [[gpu]] tables add or replace GPUs (over --catalogue).")(command)
+    return click.option("--catalogue", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                        metavar="FILE", help="Your own [[gpu]] tables (catalogue/gpus.toml's format), merged over "
+                                             "the bundled catalogue: they add GPUs or replace one of the same name.")(command)

@@ -14,11 +14,31 @@ from fasop.inputs import bundled
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.launch.dataparallel import render_dp_plan, restate_dp_plan
-from fasop.launch.launchers import launcher_files, launcher_hint, launcher_inputs, launcher_options
+from fasop.launch.launchers import LAUNCHERS, RENDEZVOUS, launcher_files, launcher_hint, launcher_inputs
 from fasop.launch.options import FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, launch_options, split_flags
 from fasop.launch.restate import restate_plan
 from fasop.launch.write import check_out_dir, render_plan, write_files
 from fasop.plans import load_plans, select_plan
+
+
+def launcher_options(command):
+    """The `fasop emit` options of this module, added to the command's keyword arguments."""
+    options = [
+        click.option("--launcher", type=click.Choice(LAUNCHERS), default="slurm", show_default=True,
+                     help="slurm: sbatch.sh; ssh: hosts and launch.sh (starts every node over SSH); manual: "
+                          "commands.txt, one command per node to paste."),
+        click.option("--hosts", "hosts_file", default=None, metavar="FILE",
+                     help="ssh and manual: the hosts, one 'HOST NODE_TYPE' line per node in node-rank order; "
+                          "checked against the plan's placement and copied to DIR/hosts."),
+        click.option("--rendezvous", type=click.Choice(RENDEZVOUS), default="tcp", show_default=True,
+                     help="ssh and manual: meet at the first host (tcp), or through a file on a file system "
+                          "every node sees (file, with --rendezvous-file)."),
+        click.option("--rendezvous-file", default=None, metavar="PATH",
+                     help="Absolute path on the shared file system for --rendezvous file."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 def _resolve_input(value: str, plans_path: Path) -> str:

@@ -8,11 +8,11 @@ from pathlib import Path
 import click
 
 from fasop.cli import profile_layers, profile_links
-from fasop.cli.common import model_option, profile_options, reports_input_errors
+from fasop.cli.common import catalogue_options, model_option, profile_options, reports_input_errors
 from fasop.errors import InputError
 from fasop.files import check_outputs
 from fasop.inputs import bundled
-from fasop.inputs.catalogue import catalogue_options, gpu_table_path
+from fasop.inputs.catalogue import gpu_table_path
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-import click
 from pydantic import BeforeValidator, Field
 
 from fasop.errors import InputError
@@ -128,10 +127,3 @@ def load_gpu_spec(name: str, catalogue: Path | None = None, own: dict[str, GpuSp
     return specs[name]
 
 
-def catalogue_options(command):
-    """--catalogue FILE and --cluster FILE, for commands that read GPU figures."""
-    command = click.option("--cluster", "gpus_cluster", default=None, metavar="NAME|FILE",
-                           help="A cluster file whose [[gpu]] tables add or replace GPUs (over --catalogue).")(command)
-    return click.option("--catalogue", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                        metavar="FILE", help="Your own [[gpu]] tables (catalogue/gpus.toml's format), merged over "
-                                             "the bundled catalogue: they add GPUs or replace one of the same name.")(command)

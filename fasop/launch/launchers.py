@@ -24,8 +24,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import click
-
 from fasop.errors import InputError
 from fasop.files import TOML_LIMIT_BYTES, read_text
 from fasop.launch.shell import quote
@@ -38,26 +36,6 @@ HOST_RULE = "[USER@]NAME, NAME of letters, digits, . _ : - starting with a lette
 # The same rule for launch.sh, which checks the hosts file again after it has been edited.
 _HOST_ERE = r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,63}@)?[A-Za-z0-9][A-Za-z0-9_.:-]{0,254}$"
 STOP_GRACE_S = 15  # launch.sh: seconds between TERM and KILL when it stops the nodes
-
-
-def launcher_options(command):
-    """The `fasop emit` options of this module, added to the command's keyword arguments."""
-    options = [
-        click.option("--launcher", type=click.Choice(LAUNCHERS), default="slurm", show_default=True,
-                     help="slurm: sbatch.sh; ssh: hosts and launch.sh (starts every node over SSH); manual: "
-                          "commands.txt, one command per node to paste."),
-        click.option("--hosts", "hosts_file", default=None, metavar="FILE",
-                     help="ssh and manual: the hosts, one 'HOST NODE_TYPE' line per node in node-rank order; "
-                          "checked against the plan's placement and copied to DIR/hosts."),
-        click.option("--rendezvous", type=click.Choice(RENDEZVOUS), default="tcp", show_default=True,
-                     help="ssh and manual: meet at the first host (tcp), or through a file on a file system "
-                          "every node sees (file, with --rendezvous-file)."),
-        click.option("--rendezvous-file", default=None, metavar="PATH",
-                     help="Absolute path on the shared file system for --rendezvous file."),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
 
 
 def read_hosts(path: str, placement: Sequence[str]) -> list[str]:
