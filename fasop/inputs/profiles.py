@@ -70,10 +70,22 @@ class Curve:
                 float(np.interp(mbs, self.mbs, self.backward_s / anchors[:, 1]) * backward))
 
 
+@dataclass(frozen=True)
+class RooflineShape:
+    """r(b) of one unit (the times `fasop profile synth` writes at the table's figures); a plain object, so
+    that profiles pickle to the search's worker processes."""
+
+    model: Model
+    rates: Rates
+    tp: int
+    kind: str
+
+    def __call__(self, mbs: int) -> tuple[float, float]:
+        return unit_times(unit_work(self.model, self.tp, mbs)[self.kind], self.tp, self.rates)
+
+
 def roofline_shape(model: Model, spec: GpuSpec, tp: int, kind: str) -> Shape:
-    """r(b) of one unit on `spec` (the times `fasop profile synth` would write at the table's figures)."""
-    rates = Rates.of(spec, model)
-    return lambda mbs: unit_times(unit_work(model, tp, mbs)[kind], tp, rates)
+    return RooflineShape(model, Rates.of(spec, model), tp, kind)
 
 
 @dataclass(frozen=True)
