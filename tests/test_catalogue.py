@@ -180,3 +180,23 @@ def test_a_missing_gpu_memory_of_a_gpu_in_no_catalogue_is_one_line(runner, tiny)
     line = result.stderr.strip()
     assert "\n" not in line and "Traceback" not in result.output
     assert f"{files.cluster}: node_type.slow.gpu_memory_gib" in line and "'slow'" in line
+
+
+def test_a_gpu_table_in_the_cluster_file_shapes_the_micro_batch_scaling_of_its_profile(runner, tiny):
+    """The tiny profiles hold mbs 1 only: without a spec of "fast" larger micro-batches cost per sample, with
+    the cluster's own table they follow its roofline, whose launches and weight reads do not grow."""
+    plain, own = tiny("plain"), tiny("own", cluster_extra="\n" + _gpu_toml(name="fast"))
+    steps = []
+    for files in (plain, own):
+        out = files.root / "plans.json"
+        assert runner.invoke(main, ["search", *files.args(), "--output", str(out)]).exit_code == 0
+        steps.append({(p["tp"], p["dp"], p["pp"], p["mbs"], tuple(p["placement"])): p["step_time_s"]
+                      for p in json.loads(out.read_text())})
+    assert steps[0].keys() == steps[1].keys()
+    uses_fast = [key for key in steps[0] if "fast" in key[4]]
+    for key in uses_fast:
+        if key[3] == 1:
+            assert steps[1][key] == steps[0][key]
+        else:
+            assert steps[1][key] <= steps[0][key]
+    assert any(steps[1][key] < steps[0][key] * (1 - 1e-3) for key in uses_fast if key[3] > 1)
