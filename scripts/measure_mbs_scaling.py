@@ -1,7 +1,7 @@
 """How well one measured micro-batch size predicts the others, and how far `fasop profile synth` lands from
 measured profiles.
 
-    python scripts/measure_mbs_scaling.py [--part scaling|synth|both]
+    python scripts/measure_mbs_scaling.py [--part scaling|synth|plans|all]
 
 1. scaling: for every measured profile with several micro-batch sizes, each larger size's forward + backward
    time predicted from the smallest profiled one, (a) per sample, t(b0) x b / b0 (fasop's old rule), and (b) by
@@ -14,25 +14,33 @@ measured profiles.
 2. synth: the synthesised time of a whole model (embedding, every layer, head; forward + backward, mbs 1) and
    of one layer against FASOP's measured A100 and A10 profiles at tp 1, 2, 4, and against H100-measured at
    mbs 1 to 8. Only `fasop.profile.synth.synthesize` is used, so the same part runs on older checkouts.
+3. plans: the best plan of each of FASOP's six experiments under FASOP's measured profiles, its step time
+   estimated again with A100 and A10 profiles from `fasop profile synth` (catalogue efficiencies, tp 1, 2, 4,
+   mbs 1, 2, 4, 8): measured step / synthesised step. Public API only, so it too runs on older checkouts.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
+from fasop.inputs.catalogue import load_gpu_spec
 from fasop.inputs.model import load_model
 from fasop.inputs.profiles import load_profiles
-from fasop.profile.synth import synthesize
+from fasop.profile.synth import header_lines, synthesize, write_profile
 
 # (profile GPU type, catalogue GPU whose roofline shapes it, models)
 MEASURED = [("H100-measured", "H100", ("gpt2-xl", "llama2-7b", "bert", "t5")),
             ("A100", "A100", ("bert", "t5")), ("A10", "A10", ("bert", "t5"))]
 FASOP = [("A100", ("gpt2-xl", "bert", "t5")), ("A10", ("gpt2-xl", "bert", "t5"))]
+EXPERIMENTS = [("gpt2-xl", "fasop-8xA10"), ("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-4xA10"),
+               ("bert", "fasop-1xA100-3xA10"), ("t5", "fasop-8xA10"), ("t5", "fasop-1xA100-7xA10")]
 
 
 def scaling() -> None:
     from fasop.inputs.catalogue import load_gpu_specs
-    from fasop.inputs.profiles import roofline_shape
+    from fasop.inputs.profiles import roofline_shape  # newer than the other parts: only this part needs it
 
     specs = load_gpu_specs()
     print("Predicting each profiled micro-batch size from the smallest one (forward + backward, every unit):")
@@ -100,15 +108,37 @@ def synth() -> None:
                   f"{model_s(model, measured) / model_s(model, rows):.2f} |")
 
 
+def plans() -> None:
+    from fasop import estimate, load_cluster
+    from fasop.search import search_plans
+
+    print("Best plan under FASOP's measured profiles, measured step / step with synthesised A100 and A10 profiles:")
+    print("| model | cluster | plan | measured step s | synth step s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for name, cluster_name in EXPERIMENTS:
+        model, cluster = load_model(name), load_cluster(cluster_name)
+        best = search_plans(model, cluster).plans[0]
+        with tempfile.TemporaryDirectory() as folder:
+            for gpu in ("A100", "A10"):
+                sizes = ((1, 2, 4), (1, 2, 4, 8))
+                write_profile(Path(folder) / f"{gpu}.csv", synthesize(model, gpu, *sizes),
+                              header_lines(model, load_gpu_spec(gpu), *sizes))
+            synthetic = estimate(model, cluster, tp=best.tp, dp=best.dp, pp=best.pp, mbs=best.mbs,
+                                 placement=list(best.placement), layers=list(best.layers_per_stage),
+                                 profiles_dir=folder)
+        shape = f"tp{best.tp} dp{best.dp} pp{best.pp} mbs{best.mbs}"
+        print(f"| {name} | {cluster_name} | {shape} | {best.step_time_s:.4f} | {synthetic.step_time_s:.4f} | "
+              f"{best.step_time_s / synthetic.step_time_s:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["scaling", "synth", "both"], default="both")
+    parser.add_argument("--part", choices=["scaling", "synth", "plans", "all"], default="all")
     args = parser.parse_args()
-    if args.part in ("scaling", "both"):
-        scaling()
-        print()
-    if args.part in ("synth", "both"):
-        synth()
+    for part, run in (("scaling", scaling), ("synth", synth), ("plans", plans)):
+        if args.part in (part, "all"):
+            run()
+            print()
 
 
 if __name__ == "__main__":
