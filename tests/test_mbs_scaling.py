@@ -106,3 +106,17 @@ def test_time_per_sample_never_grows_with_the_micro_batch(fields, gpu, tp, data)
     beyond = [np.array(curve.at(b)) / b for b in range(largest, largest + 20, 3)]
     for smaller, larger in zip(beyond, beyond[1:]):
         assert np.all(larger <= smaller * (1 + 1e-12))
+
+
+def test_a_precision_without_a_tensor_core_peak_keeps_the_old_rule(tmp_path):
+    """fp32 (no peak in the table) and bf16 on the V100 (none): measured profiles still load, scaled per sample."""
+    profile = "tp,mbs,kind,forward_s,backward_s\n" + "".join(f"1,1,{kind},0.001,0.002\n"
+                                                            for kind in ("embedding", "layer", "head"))
+    for precision, gpu in (("fp32", "A100"), ("bf16", "V100")):
+        folder = tmp_path / precision
+        folder.mkdir()
+        (folder / f"{gpu}.csv").write_text(profile)
+        model = model_from({"name": "tiny", "architecture": "decoder", "num_layers": 2, "seq_length": 64,
+                            "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 1000, "precision": precision})
+        loaded = load_profiles(model, [gpu], str(folder))[gpu]
+        assert loaded.time(1, "layer", 4) == (0.004, 0.008)

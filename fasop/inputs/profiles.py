@@ -88,6 +88,17 @@ def roofline_shape(model: Model, spec: GpuSpec, tp: int, kind: str) -> Shape:
     return RooflineShape(model, Rates.of(spec, model), tp, kind)
 
 
+def _shape(model: Model, spec: GpuSpec | None, tp: int, kind: str) -> Shape | None:
+    """The roofline shape, or None (the old rule) without a spec or a tensor-core peak for the model's
+    precision (fp32 models, bf16 on GPUs without it): a measured profile needs neither."""
+    if spec is None:
+        return None
+    try:
+        return roofline_shape(model, spec, tp, kind)
+    except InputError:
+        return None
+
+
 @dataclass(frozen=True)
 class GpuProfile:
     gpu: str
@@ -205,8 +216,7 @@ def _curves(rows: dict[tuple[int, str], list[tuple[int, float, float]]], file: s
         if len(set(sizes)) != len(sizes):
             raise InputError(file, f"micro-batch size listed twice for tp={tp} kind={kind}")
         table = np.array(entries, dtype=float)
-        shape = roofline_shape(model, spec, tp, kind) if spec is not None else None
-        curves[(tp, kind)] = Curve(table[:, 0], table[:, 1], table[:, 2], shape)
+        curves[(tp, kind)] = Curve(table[:, 0], table[:, 1], table[:, 2], _shape(model, spec, tp, kind))
     for tp in sorted({tp for tp, _ in curves}):
         missing = [k for k in kinds if (tp, k) not in curves]
         if missing:
