@@ -120,3 +120,11 @@ def test_a_precision_without_a_tensor_core_peak_keeps_the_old_rule(tmp_path):
                             "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 1000, "precision": precision})
         loaded = load_profiles(model, [gpu], str(folder))[gpu]
         assert loaded.time(1, "layer", 4) == (0.004, 0.008)
+
+
+def test_a_scaled_curve_keeps_its_shape():
+    """Calibration and the robust ranking scale profiles; the scaled times still follow the roofline."""
+    curve = load_profiles(GPT2, ["A100"])["A100"].curves[1, "layer"]
+    doubled = curve.scaled(2.0)
+    assert doubled.at(8) == pytest.approx(tuple(2 * t for t in curve.at(8)), rel=1e-12)
+    assert doubled.at(8)[0] < 2 * 8 * curve.at(1)[0] * (1 - 1e-3)

@@ -64,7 +64,7 @@ def factors_of(setting: Setting) -> list[Factor]:
 
 
 def scaled_profile(profile: GpuProfile, scale: float) -> GpuProfile:
-    curves = {key: replace(c, forward_s=c.forward_s * scale, backward_s=c.backward_s * scale) for key, c in profile.curves.items()}
+    curves = {key: c.scaled(scale) for key, c in profile.curves.items()}
     return GpuProfile(profile.gpu, profile.file, curves)
 
 

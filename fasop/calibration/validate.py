@@ -12,9 +12,9 @@ import numpy as np
 from fasop.calibration.measured import MeasuredRun
 from fasop.errors import InputError
 from fasop.inputs import bundled
+from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster, load_cluster
 from fasop.inputs.model import Model, load_model
-from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.profiles import GpuProfile, load_profiles
 
 

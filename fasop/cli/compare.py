@@ -10,9 +10,9 @@ import click
 from fasop.cli import common
 from fasop.errors import InputError
 from fasop.files import check_outputs, pending_write
+from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.profiles import load_profiles
 from fasop.plans import plans_text
 from fasop.plot import plot_comparison

@@ -14,9 +14,9 @@ from fasop.cli.tables import format_estimate, format_table, noise_report
 from fasop.cost.price import check_run_length
 from fasop.errors import InputError
 from fasop.files import check_finite, check_outputs, pending_write
+from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.profiles import load_profiles
 from fasop.launch.options import launch_options
 from fasop.launch.write import check_out_dir, render_plan, write_files

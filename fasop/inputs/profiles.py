@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +60,10 @@ class Curve:
             scale = mbs / self.mbs[edge]
             return float(self.forward_s[edge] * scale), float(self.backward_s[edge] * scale)
         return (float(np.interp(mbs, self.mbs, self.forward_s)), float(np.interp(mbs, self.mbs, self.backward_s)))
+
+    def scaled(self, factor: float) -> Curve:
+        """Every time multiplied by `factor`, the shape kept."""
+        return replace(self, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor)
 
     def _roofline_scaled(self, mbs: int) -> tuple[float, float]:
         """q(mbs) r(mbs): the measured-to-roofline ratio, interpolated between profiled sizes (np.interp holds

@@ -67,7 +67,7 @@ def perturbed(cluster: Cluster, profiles: dict[str, GpuProfile], factors: dict[t
     """(cluster, profiles) with every unit time and link time multiplied by its factor."""
     scaled = {
         gpu: GpuProfile(gpu, profile.file, {
-            (tp, kind): replace(c, forward_s=c.forward_s * factors["unit", gpu, kind], backward_s=c.backward_s * factors["unit", gpu, kind])
+            (tp, kind): c.scaled(factors["unit", gpu, kind])
             for (tp, kind), c in profile.curves.items()})
         for gpu, profile in profiles.items()
     }
