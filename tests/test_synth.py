@@ -159,6 +159,9 @@ def test_every_kernel_of_a_tiny_layer_by_hand():
     work = roofline.unit_work(model, 1, 1)["layer"]
     by_name = {k.name: k.bytes for k in work.forward}
     assert by_name == forward_bytes
+    flops = {k.name: k.flops for k in work.forward if k.flops}
+    assert flops == {"QKV": 2 * T * h * 3 * h, "scores Q.K^T": 2 * 8 * 8 * 64, "context scores.V": 2 * 8 * 8 * 64,
+                     "attention output": 2 * T * h * h, "FFN in": 2 * T * h * 256, "FFN out": 2 * T * 256 * h}
     total = sum(forward_bytes.values()) + forward_bytes["norm"] + forward_bytes["bias-dropout-add"]
     assert total == 141568
     assert work.forward_launches == 13
