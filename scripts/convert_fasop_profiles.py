@@ -9,8 +9,10 @@ group. For each model and GPU this writes `<out>/<model>/<gpu>.csv` (format: doc
 FASOP scales the single measurement per unit with hand-fitted micro-batch factors phi(model, gpu, kind, b)
 and counts forward + backward as 3 x forward. Here forward_s = phi * measured and backward_s = 2 * forward_s.
 The factors become data rows: one row at each micro-batch size where FASOP's factor chain has a breakpoint
-(always including mbs 1), so that fasop's own rule - linear interpolation between profiled sizes, per-sample
-scaling beyond the largest - gives back FASOP's factor at every power-of-two micro-batch size up to 256.
+(always including mbs 1), so that FASOP's own rule - linear interpolation between breakpoints, per-sample
+scaling beyond the last - gives back FASOP's factor at every power-of-two micro-batch size up to 256. fasop
+itself scales between and beyond the rows by the roofline shape of each unit (docs/cost-model.md section 2),
+so it agrees with FASOP's factors at the breakpoints only.
 
 FASOP quirks deliberately NOT reproduced:
 - gpt2XL A100 embedding/head are not scaled with b in FASOP; here they use phi = b, like A10.
@@ -43,7 +45,7 @@ def chain(*steps, flat_to=1):
     """Rows (mbs, phi) of a FASOP factor chain.
 
     phi is 1 up to mbs `flat_to`, then each doubling of mbs multiplies it by the next step; beyond the
-    last row fasop's per-sample scaling continues the chain (FASOP's "else ... * b / b_last").
+    last row FASOP continues the chain per sample ("else ... * b / b_last").
     """
     rows = [(1, 1.0)] + ([(flat_to, 1.0)] if flat_to > 1 else [])
     mbs, phi = flat_to, 1.0
@@ -118,7 +120,7 @@ def convert(source, prefix, gpu):
         f"# {model} on {gpu}, from FASOP (HPDC 2024) measured layer profiles known_cost/{files[0]},",
         f"# {', '.join(files[1:])} (file suffix = tp; forward seconds of one unit, one micro-batch).",
         "# forward_s = phi(kind, mbs) * measured forward, with phi FASOP's hand-fitted micro-batch factors;",
-        "# rows only at the factors' breakpoints, fasop interpolates between them and scales per sample beyond.",
+        "# rows only at the factors' breakpoints; fasop scales between and beyond them by the roofline shape.",
         "# backward_s = 2 * forward_s (FASOP counts forward + backward as 3 x forward).",
     ]
     if model == "t5":

@@ -13,7 +13,7 @@ from fasop.cli import main
 from fasop.inputs.catalogue import load_gpu_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.profile import synth
+from fasop.inputs.roofline import unit_work
 
 MY_GPU = {"name": "MyGPU-24G", "dense_fp16_tflops": 100.0, "dense_bf16_tflops": 100.0, "memory_gib": 24.0,
           "memory_bandwidth_gb_per_s": 1000.0, "intra_node_link": "25 GB/s", "matmul_efficiency": 0.5,
@@ -44,11 +44,18 @@ def test_a_gpu_of_a_catalogue_file_is_used_by_synth(runner, tiny, tmp_path):
     result = _synth(runner, files, out, "--gpu", "MyGPU-24G", "--catalogue", str(catalogue))
     assert result.exit_code == 0, result.output
     assert str(catalogue) in out.read_text()  # the header names the table the figures came from
-    # the roofline by hand: 100 TFLOP/s x 0.5, 1000 GB/s, 25 GB/s for the tensor-parallel collectives
+    # the roofline by hand: 100 TFLOP/s x 0.5, 1000 GB/s, 25 GB/s for the tensor-parallel collectives, and
+    # the default 5 us per kernel launch for a table without kernel_launch_us
     model = load_model(str(files.model))
-    costs = synth.unit_costs(model, tp=2, mbs=1)["layer"]
-    forward = max(costs.forward_flops / 50e12, costs.forward_bytes / 1e12) + 0.5 * costs.collective_bytes / 25e9
+    work = unit_work(model, tp=2, mbs=1)["layer"]
+    forward = sum(max(k.flops / 50e12, k.bytes / 1e12) + 5e-6 * k.launches for k in work.forward)
+    forward += 0.5 * work.collective_bytes / 25e9
     assert _layer_times(out)[("2", "1", "layer")][0] == pytest.approx(forward, rel=1e-9)
+    # the field, when given, replaces the default
+    catalogue.write_text(_gpu_toml(kernel_launch_us=0.0))
+    assert _synth(runner, files, out, "--gpu", "MyGPU-24G", "--catalogue", str(catalogue), "--force").exit_code == 0
+    no_launches = forward - 5e-6 * work.forward_launches
+    assert _layer_times(out)[("2", "1", "layer")][0] == pytest.approx(no_launches, rel=1e-9)
 
 
 def test_a_catalogue_entry_replaces_the_bundled_gpu_of_its_name(runner, tiny, tmp_path):
@@ -93,6 +100,8 @@ BAD = [
     ({"matmul_efficiency": 1.5}, "matmul_efficiency", "<= 1"),
     ({"matmul_efficiency": "high"}, "matmul_efficiency", "expected a number"),
     ({"intra_node_link": "25 Gbps"}, "intra_node_link", "bandwidth"),
+    ({"kernel_launch_us": -1.0}, "kernel_launch_us", ">= 0"),
+    ({"kernel_launch_us": 5000.0}, "kernel_launch_us", "<= 1000"),  # nanoseconds, not microseconds
     ({"name": "my gpu"}, "name", "letters, digits"),
     ({"name": "$(reboot)"}, "name", "letters, digits"),
     ({"memory_gib": None}, "memory_gib", "missing"),
@@ -171,3 +180,23 @@ def test_a_missing_gpu_memory_of_a_gpu_in_no_catalogue_is_one_line(runner, tiny)
     line = result.stderr.strip()
     assert "\n" not in line and "Traceback" not in result.output
     assert f"{files.cluster}: node_type.slow.gpu_memory_gib" in line and "'slow'" in line
+
+
+def test_a_gpu_table_in_the_cluster_file_shapes_the_micro_batch_scaling_of_its_profile(runner, tiny):
+    """The tiny profiles hold mbs 1 only: without a spec of "fast" larger micro-batches cost per sample, with
+    the cluster's own table they follow its roofline, whose launches and weight reads do not grow."""
+    plain, own = tiny("plain"), tiny("own", cluster_extra="\n" + _gpu_toml(name="fast"))
+    steps = []
+    for files in (plain, own):
+        out = files.root / "plans.json"
+        assert runner.invoke(main, ["search", *files.args(), "--output", str(out)]).exit_code == 0
+        steps.append({(p["tp"], p["dp"], p["pp"], p["mbs"], tuple(p["placement"])): p["step_time_s"]
+                      for p in json.loads(out.read_text())})
+    assert steps[0].keys() == steps[1].keys()
+    uses_fast = [key for key in steps[0] if "fast" in key[4]]
+    for key in uses_fast:
+        if key[3] == 1:
+            assert steps[1][key] == steps[0][key]
+        else:
+            assert steps[1][key] <= steps[0][key]
+    assert any(steps[1][key] < steps[0][key] * (1 - 1e-3) for key in uses_fast if key[3] > 1)

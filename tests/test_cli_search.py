@@ -26,7 +26,7 @@ from fasop.search import estimate
 REQUIRED_KEYS = ("mbs", "tp", "dp", "pp", "placement", "layers_per_stage", "step_time_s",
                  "throughput_samples_per_s", "peak_memory_gib", "cost_per_step_usd")
 BERT_ARGS = ["--model", "bert", "--cluster", "fasop-1xA100-3xA10"]
-BERT_PLAN = ["--tp", "1", "--dp", "4", "--pp", "4", "--mbs", "8", "--placement", "A100,A10,A10,A10", "--layers", "13,5,5,1"]
+BERT_PLAN = ["--tp", "1", "--dp", "4", "--pp", "4", "--mbs", "8", "--placement", "A100,A10,A10,A10", "--layers", "12,5,5,2"]
 
 
 # -- helpers -----------------------------------------------------------------------------------------------
@@ -272,9 +272,9 @@ def test_estimate_json_matches_the_search_row(runner, bert_search):
     assert len(row["stages"]) == 4
     for stage in row["stages"]:
         assert {"compute_s", "p2p_s", "dp_allreduce_s", "memory_gib"} <= set(stage)
-    assert row["placement"] == ["A100", "A10", "A10", "A10"] and row["layers_per_stage"] == [13, 5, 5, 1]
+    assert row["placement"] == ["A100", "A10", "A10", "A10"] and row["layers_per_stage"] == [12, 5, 5, 2]
     same = [p for p in plans if (p["tp"], p["dp"], p["pp"], p["mbs"], p["placement"], p["layers_per_stage"])
-            == (1, 4, 4, 8, ["A100", "A10", "A10", "A10"], [13, 5, 5, 1])]
+            == (1, 4, 4, 8, ["A100", "A10", "A10", "A10"], [12, 5, 5, 2])]
     assert len(same) == 1, "the search should list this plan with this layer split"
     assert row["step_time_s"] == pytest.approx(same[0]["step_time_s"], rel=1e-9)
     assert row["cost_per_step_usd"] == pytest.approx(same[0]["cost_per_step_usd"], rel=1e-9)
@@ -292,7 +292,7 @@ def test_estimate_text_prints_a_stage_table(runner):
     stages = lines[at + 1:at + 5]
     assert [line.split()[0] for line in stages] == ["0", "1", "2", "3"]
     assert [line.split()[1] for line in stages] == ["A100", "A10", "A10", "A10"]
-    assert [int(line.split()[2]) for line in stages] == [13, 5, 5, 1]
+    assert [int(line.split()[2]) for line in stages] == [12, 5, 5, 2]
     assert "step time" in result.stdout
 
 

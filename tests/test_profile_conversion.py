@@ -39,7 +39,8 @@ def read_profile(model, gpu):
 
 
 def forward_at(rows, b):
-    """fasop's rule (docs/formats.md): linear between profiled sizes, per sample outside them."""
+    """FASOP's rule: linear between breakpoints, per sample outside them (fasop's own scaling follows the roofline
+    shape instead, docs/cost-model.md section 2)."""
     sizes = sorted(rows)
     if b <= sizes[0] or b >= sizes[-1]:
         b0 = sizes[0] if b <= sizes[0] else sizes[-1]
@@ -127,8 +128,8 @@ def test_every_unit_has_mbs_1_and_backward_twice_forward(model, gpu):
 
 
 @pytest.mark.parametrize("model, gpu", FILES)
-def test_interpolation_gives_fasop_factors(model, gpu):
-    """Rows sit at the factors' breakpoints, so fasop's rule gives FASOP's phi at every power of two."""
+def test_breakpoint_rows_give_fasop_factors(model, gpu):
+    """Rows sit at the factors' breakpoints, so FASOP's rule gives FASOP's phi at every power of two."""
     for (tp, kind), rows in read_profile(model, gpu).items():
         for b in (2 ** k for k in range(9)):
             phi = forward_at(rows, b) / rows[1][0]

@@ -367,7 +367,7 @@ def test_calibrated_cluster_keeps_every_other_field(measured):
 # slow matmuls, fast memory: profile synth's roofline puts the tiny model's matmuls on the compute side
 FAST_GPU = ('\n[[gpu]]\nname = "fast"\ndense_fp16_tflops = 1.0\ndense_bf16_tflops = 0.0\nmemory_gib = 24.0\n'
             'memory_bandwidth_gb_per_s = 90000.0\nintra_node_link = "25 GB/s"\nmatmul_efficiency = 0.9\n'
-            'source = "my datasheet"\ndate = "2026-01-01"\n')
+            'kernel_launch_us = 0.0\nsource = "my datasheet"\ndate = "2026-01-01"\n')  # no launches: compute-bound
 
 
 def test_calibrated_cluster_carries_the_fitted_efficiency_for_profile_synth(measured, runner):
@@ -384,6 +384,7 @@ def test_calibrated_cluster_carries_the_fitted_efficiency_for_profile_synth(meas
     assert fast.matmul_efficiency == pytest.approx(0.9 / HIDDEN["fast"], rel=0.05)
     assert fast.matmul_efficiency == pytest.approx(0.9 / scale, rel=1e-4)
     assert (fast.dense_fp16_tflops, fast.memory_gib, fast.intra_node_link) == (1.0, 24.0, "25 GB/s")
+    assert fast.kernel_launch_us == 0.0  # carried over, not the default
     assert "fasop calibrate" in fast.source and str(path) in fast.source and "my datasheet" in fast.source
     assert re.fullmatch(r"\d{4}-\d\d-\d\d", fast.date)
     # profile synth with the calibrated cluster uses the calibrated efficiency

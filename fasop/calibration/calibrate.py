@@ -34,7 +34,7 @@ from fasop.calibration.validate import Setting, mape_pct, predict_step_s
 from fasop.errors import InputError
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
-from fasop.inputs.profiles import Curve, GpuProfile
+from fasop.inputs.profiles import GpuProfile
 from fasop.inputs.tomlfile import read_toml
 
 COMPUTE_BOUNDS = (0.25, 4.0)
@@ -64,7 +64,7 @@ def factors_of(setting: Setting) -> list[Factor]:
 
 
 def scaled_profile(profile: GpuProfile, scale: float) -> GpuProfile:
-    curves = {key: Curve(c.mbs, c.forward_s * scale, c.backward_s * scale) for key, c in profile.curves.items()}
+    curves = {key: c.scaled(scale) for key, c in profile.curves.items()}
     return GpuProfile(profile.gpu, profile.file, curves)
 
 
@@ -244,6 +244,7 @@ def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, dat
             "name": spec.name, "dense_fp16_tflops": spec.dense_fp16_tflops, "dense_bf16_tflops": spec.dense_bf16_tflops,
             "memory_gib": spec.memory_gib, "memory_bandwidth_gb_per_s": spec.memory_bandwidth_gb_per_s,
             "intra_node_link": spec.intra_node_link, "matmul_efficiency": efficiency,
+            "kernel_launch_us": spec.kernel_launch_us,
             "source": f"fasop calibrate on {measured}: matmul_efficiency {spec.matmul_efficiency:g} / {factor.name} "
                       f"{scale:.6g}; the other figures from {origin}",
             "date": date,

@@ -12,6 +12,7 @@ import numpy as np
 from fasop.calibration.measured import MeasuredRun
 from fasop.errors import InputError
 from fasop.inputs import bundled
+from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster, load_cluster
 from fasop.inputs.model import Model, load_model
 from fasop.inputs.profiles import GpuProfile, load_profiles
@@ -45,7 +46,7 @@ def load_settings(runs: list[MeasuredRun], profiles_dir: str | None) -> list[Set
             try:
                 model, cluster = load_model(run.model), load_cluster(run.cluster)
                 gpus = sorted({t.gpu for t in cluster.node_types.values()})
-                profiles = load_profiles(model, gpus, profiles_dir)
+                profiles = load_profiles(model, gpus, profiles_dir, specs=merged_specs(own=cluster.gpus))
             except InputError as err:
                 raise InputError(run.where, str(err)) from None
             files = (bundled.locate("models", run.model, ".toml", "--model")[0],

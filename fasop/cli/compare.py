@@ -10,6 +10,7 @@ import click
 from fasop.cli import common
 from fasop.errors import InputError
 from fasop.files import check_outputs, pending_write
+from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.inputs.profiles import load_profiles
@@ -47,7 +48,7 @@ def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch,
     outputs = [(path, option) for path, option, _ in checks if path is not None]
     check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir))
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir,
-                             allow_profile_mismatch)
+                             allow_profile_mismatch, merged_specs(own=cluster.gpus))
     families = run_compare(model, cluster, profiles, gbs, distributed_optimizer)
     batch = gbs or model.global_batch_size
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {batch}")

@@ -46,10 +46,11 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
     """Estimate a profile of MODEL on GPU from FLOPs, bytes and the GPU spec table, for GPU types not yet
     measured.
 
-    Each unit (embedding, transformer layer, head) takes max(FLOPs / (peak x efficiency), bytes / memory
-    bandwidth) plus its tensor-parallel all-gathers and reduce-scatters over the intra-node link; backward
-    does twice the forward FLOPs. See fasop/profile/synth.py for what is counted. Small layers run slower in practice:
-    measure a profile when you can.
+    Each unit (embedding, transformer layer, head) takes, kernel by kernel, max(FLOPs / (peak x efficiency),
+    bytes / memory bandwidth), plus the GPU's kernel_launch_us per kernel and its tensor-parallel all-gathers
+    and reduce-scatters over the intra-node link; backward does twice the forward FLOPs. See
+    fasop/inputs/roofline.py for what is counted. Small layers still run slower in practice: measure a profile
+    when you can.
     """
     from fasop.profile import synth as synthesis
 

@@ -14,6 +14,7 @@ from fasop.cli.tables import format_estimate, format_table, noise_report
 from fasop.cost.price import check_run_length
 from fasop.errors import InputError
 from fasop.files import check_finite, check_outputs, pending_write
+from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.inputs.profiles import load_profiles
@@ -79,7 +80,8 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     if emit_dir is not None:
         check_out_dir(emit_dir, force=False)
     check_outputs(outputs, inputs)
-    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
+    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch,
+                             merged_specs(own=cluster.gpus))
     started = time.perf_counter()
     with common.progress_bar("searching") as progress:
         result = search_plans(model, cluster, gbs, profiles_dir, distributed_optimizer=distributed_optimizer,
@@ -151,7 +153,8 @@ def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, 
     from fasop.search import estimate as run_estimate
 
     model, cluster = load_model(model_name), load_cluster(cluster_name)
-    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
+    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch,
+                             merged_specs(own=cluster.gpus))
     plan = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
                        layers=common.int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
                        distributed_optimizer=distributed_optimizer, profiles=profiles)

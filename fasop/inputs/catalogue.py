@@ -22,6 +22,9 @@ from fasop.inputs.names import Name
 from fasop.inputs.tomlfile import Range, Table, Text, read_toml, validated
 
 GPU_TABLE = "gpus.toml"
+# Seconds each kernel launch adds when kernels are too short to hide it (docs/cost-model.md section 2.1): the
+# value of the bundled tables, and the default of a user's table without the field.
+DEFAULT_KERNEL_LAUNCH_US = 5.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class GpuSpec:
     matmul_efficiency: float
     source: str
     date: str
+    kernel_launch_us: float = DEFAULT_KERNEL_LAUNCH_US
     file: str = ""
 
     def peak_flops(self, precision: str, model_name: str = "") -> float:
@@ -56,6 +60,10 @@ class GpuSpec:
     def memory_bytes_per_s(self) -> float:
         return self.memory_bandwidth_gb_per_s * 1e9
 
+    @property
+    def kernel_launch_s(self) -> float:
+        return self.kernel_launch_us * 1e-6
+
 
 def _link(text: Any) -> Any:
     bandwidth_bytes_per_s(text)  # refuses what is not a bandwidth
@@ -72,6 +80,7 @@ class GpuTable(Table):
     memory_bandwidth_gb_per_s: Annotated[float, Range(0.0, 1e5, low_allowed=False)]
     intra_node_link: Annotated[str, BeforeValidator(_link)]
     matmul_efficiency: Annotated[float, Range(0.0, 1.0, low_allowed=False)]
+    kernel_launch_us: Annotated[float, Range(0.0, 1000.0)] = DEFAULT_KERNEL_LAUNCH_US
     source: Text = ""
     date: Text = ""
 

@@ -1,15 +1,19 @@
 """Layer-wise time profiles: seconds per unit (embedding, transformer layer, head) per GPU type, tensor
 degree and micro-batch size, read from `profiles/<model>/<gpu>.csv`.
 
-Between profiled micro-batch sizes times are interpolated linearly; beyond the largest (and below the
-smallest) profiled size the nearest profiled time is scaled per sample.
+At a profiled micro-batch size the time is the profile's. Elsewhere, for a GPU type of the spec table, the
+time follows the shape of the unit's roofline estimate r(b) (fasop.inputs.roofline) anchored at the profiled
+sizes: t(b) = q(b) r(b), with q = t / r at each profiled size, interpolated linearly between them and held
+beyond the smallest and the largest. For a GPU type without a spec, times are interpolated linearly between
+profiled sizes and the nearest profiled time is scaled per sample beyond them.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +21,9 @@ import numpy as np
 from fasop.errors import InputError
 from fasop.files import CSV_LIMIT_BYTES, read_text
 from fasop.inputs import bundled
+from fasop.inputs.catalogue import GpuSpec, load_gpu_specs
 from fasop.inputs.model import Model
+from fasop.inputs.roofline import Rates, unit_times, unit_work
 
 COLUMNS = ("tp", "mbs", "kind", "forward_s", "backward_s")
 MEMORY_COLUMN = "peak_memory_bytes"  # optional last column of measured profiles; the search does not read it
@@ -28,22 +34,73 @@ MAX_UNIT_TIME_S = 3600.0  # one unit, one micro-batch
 MAX_MEMORY_BYTES = 2**50  # one unit's peak memory
 
 
+Shape = Callable[[int], tuple[float, float]]  # micro-batch size -> roofline (forward_s, backward_s)
+
+
 @dataclass(frozen=True)
 class Curve:
-    """Times of one (GPU, tensor degree, kind) at the profiled micro-batch sizes, ascending."""
+    """Times of one (GPU, tensor degree, kind) at the profiled micro-batch sizes, ascending, and the roofline
+    shape that scales them to other sizes (None: linear, and per sample beyond the profiled sizes)."""
 
     mbs: np.ndarray
     forward_s: np.ndarray
     backward_s: np.ndarray
+    shape: Shape | None = field(default=None, compare=False, repr=False)
 
     def at(self, mbs: int) -> tuple[float, float]:
         """(forward_s, backward_s) of one micro-batch of size `mbs`."""
+        index = int(np.searchsorted(self.mbs, mbs))
+        if index < len(self.mbs) and self.mbs[index] == mbs:
+            return float(self.forward_s[index]), float(self.backward_s[index])
+        if self.shape is not None:
+            return self._roofline_scaled(mbs)
         lo, hi = self.mbs[0], self.mbs[-1]
         if mbs <= lo or mbs >= hi:
             edge = 0 if mbs <= lo else -1
             scale = mbs / self.mbs[edge]
             return float(self.forward_s[edge] * scale), float(self.backward_s[edge] * scale)
         return (float(np.interp(mbs, self.mbs, self.forward_s)), float(np.interp(mbs, self.mbs, self.backward_s)))
+
+    def scaled(self, factor: float) -> Curve:
+        """Every time multiplied by `factor`, the shape kept."""
+        return replace(self, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor)
+
+    def _roofline_scaled(self, mbs: int) -> tuple[float, float]:
+        """q(mbs) r(mbs): the measured-to-roofline ratio, interpolated between profiled sizes (np.interp holds
+        it constant beyond them), times the roofline at `mbs`."""
+        anchors = np.array([self.shape(int(b)) for b in self.mbs])
+        forward, backward = self.shape(mbs)
+        return (float(np.interp(mbs, self.mbs, self.forward_s / anchors[:, 0]) * forward),
+                float(np.interp(mbs, self.mbs, self.backward_s / anchors[:, 1]) * backward))
+
+
+@dataclass(frozen=True)
+class RooflineShape:
+    """r(b) of one unit (the times `fasop profile synth` writes at the table's figures); a plain object, so
+    that profiles pickle to the search's worker processes."""
+
+    model: Model
+    rates: Rates
+    tp: int
+    kind: str
+
+    def __call__(self, mbs: int) -> tuple[float, float]:
+        return unit_times(unit_work(self.model, self.tp, mbs)[self.kind], self.tp, self.rates)
+
+
+def roofline_shape(model: Model, spec: GpuSpec, tp: int, kind: str) -> Shape:
+    return RooflineShape(model, Rates.of(spec, model), tp, kind)
+
+
+def _shape(model: Model, spec: GpuSpec | None, tp: int, kind: str) -> Shape | None:
+    """The roofline shape, or None (the old rule) without a spec or a tensor-core peak for the model's
+    precision (fp32 models, bf16 on GPUs without it): a measured profile needs neither."""
+    if spec is None:
+        return None
+    try:
+        return roofline_shape(model, spec, tp, kind)
+    except InputError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -89,9 +146,10 @@ def _identity(line: str, where: str) -> dict[str, str]:
     return fields
 
 
-def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = False) -> GpuProfile:
+def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = False,
+                 spec: GpuSpec | None = None) -> GpuProfile:
     """The profile of `model` on `gpu`; a header line naming another model or GPU is refused unless
-    `allow_mismatch`."""
+    `allow_mismatch`. With `spec`, times at sizes not profiled follow the roofline shape on that GPU."""
     file = str(path)
     text = read_text(path, CSV_LIMIT_BYTES, missing=f"no profile for GPU type {gpu} of model {model.name}")
     numbered = _data_lines(text, file, {"model": model.name, "gpu": gpu}, allow_mismatch)
@@ -104,7 +162,7 @@ def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = Fals
     for (number, _), cells in zip(numbered[1:], reader):
         tp, kind, mbs, forward, backward = _row(cells, header, f"{file}: line {number}", kinds, model.architecture)
         rows.setdefault((tp, kind), []).append((mbs, forward, backward))
-    return GpuProfile(gpu, file, _curves(rows, file, kinds))
+    return GpuProfile(gpu, file, _curves(rows, file, kinds, model, spec))
 
 
 def _data_lines(text: str, file: str, wanted: dict[str, str], allow_mismatch: bool) -> list[tuple[int, str]]:
@@ -152,8 +210,8 @@ def _row(cells: list[str], header: list[str], where: str, kinds: tuple[str, ...]
     return int(row["tp"]), row["kind"], int(row["mbs"]), float(row["forward_s"]), float(row["backward_s"])
 
 
-def _curves(rows: dict[tuple[int, str], list[tuple[int, float, float]]], file: str,
-            kinds: tuple[str, ...]) -> dict[tuple[int, str], Curve]:
+def _curves(rows: dict[tuple[int, str], list[tuple[int, float, float]]], file: str, kinds: tuple[str, ...],
+            model: Model, spec: GpuSpec | None) -> dict[tuple[int, str], Curve]:
     """One curve over micro-batch sizes per (tp, kind); every kind present at every tensor degree listed."""
     curves: dict[tuple[int, str], Curve] = {}
     for (tp, kind), entries in rows.items():
@@ -162,7 +220,7 @@ def _curves(rows: dict[tuple[int, str], list[tuple[int, float, float]]], file: s
         if len(set(sizes)) != len(sizes):
             raise InputError(file, f"micro-batch size listed twice for tp={tp} kind={kind}")
         table = np.array(entries, dtype=float)
-        curves[(tp, kind)] = Curve(table[:, 0], table[:, 1], table[:, 2])
+        curves[(tp, kind)] = Curve(table[:, 0], table[:, 1], table[:, 2], _shape(model, spec, tp, kind))
     for tp in sorted({tp for tp, _ in curves}):
         missing = [k for k in kinds if (tp, k) not in curves]
         if missing:
@@ -181,8 +239,10 @@ def profile_paths(model: Model, gpus, directory: str | None = None) -> dict[str,
     return {gpu: folder / f"{gpu}.csv" for gpu in sorted(set(gpus))}
 
 
-def load_profiles(model: Model, gpus: list[str], directory: str | None = None,
-                  allow_mismatch: bool = False) -> dict[str, GpuProfile]:
-    """Profiles of `model` for each GPU type, from `directory` (default: the bundled profiles/<model>)."""
-    return {gpu: read_profile(path, model, gpu, allow_mismatch)
+def load_profiles(model: Model, gpus: list[str], directory: str | None = None, allow_mismatch: bool = False,
+                  specs: dict[str, GpuSpec] | None = None) -> dict[str, GpuProfile]:
+    """Profiles of `model` for each GPU type, from `directory` (default: the bundled profiles/<model>); a GPU
+    type of `specs` (default: the bundled catalogue/gpus.toml) scales its times with its roofline shape."""
+    specs = load_gpu_specs() if specs is None else specs
+    return {gpu: read_profile(path, model, gpu, allow_mismatch, specs.get(gpu))
             for gpu, path in profile_paths(model, gpus, directory).items()}

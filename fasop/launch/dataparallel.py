@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from fasop.errors import InputError
+from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.profiles import load_profiles
 from fasop.launch.checked import LaunchPlan
 from fasop.launch.options import LaunchOptions, check_options
@@ -43,7 +44,8 @@ def restate_dp_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | No
     _checked(plan, cluster, where)
     samples = {item.node_type: item.samples_per_gpu for item in plan.per_type or []}
     try:
-        profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir)
+        profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir,
+                                 specs=merged_specs(own=cluster.gpus))
         fresh = plan_row(model, cluster, profiles, plan.kind, plan.gbs, plan.batch_split == "even", samples)
     except (InputError, NoPlan) as err:
         raise InputError(where, f"cannot be estimated afresh from model {model.name} and cluster {cluster.name} "

@@ -156,6 +156,7 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
     rounded up); with neither, DEFAULT_TRAIN_STEPS steps. The front does not depend on the run length (time
     and cost of every composition scale with it alike); budgets and deadlines do.
     """
+    from fasop.inputs.catalogue import merged_specs
     from fasop.inputs.profiles import load_profiles
     from fasop.search.space import check_global_batch
 
@@ -174,7 +175,8 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
             raise InputError(f"composition {composition}", "expected node counts >= 0, at least one of them positive")
     # problems common to every composition (a missing or malformed profile) are errors, raised once here;
     # the profiles, and the per-size times they memoise, then serve every composition
-    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
+    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch,
+                             merged_specs(own=cluster.gpus))
     task = _Composition(model, cluster, gbs, train_steps, train_tokens, distributed_optimizer, profiles)
     workers = min(os.cpu_count() or 1, len(compositions) // PARALLEL_COMPOSITIONS)
     if workers <= 1:

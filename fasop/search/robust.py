@@ -35,7 +35,7 @@ from fasop.cost.step import breakdown, stage_costs
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
-from fasop.inputs.profiles import Curve, GpuProfile, required_kinds
+from fasop.inputs.profiles import GpuProfile, required_kinds
 from fasop.plans import Plan
 
 CANDIDATES = 20
@@ -67,7 +67,7 @@ def perturbed(cluster: Cluster, profiles: dict[str, GpuProfile], factors: dict[t
     """(cluster, profiles) with every unit time and link time multiplied by its factor."""
     scaled = {
         gpu: GpuProfile(gpu, profile.file, {
-            (tp, kind): Curve(c.mbs, c.forward_s * factors["unit", gpu, kind], c.backward_s * factors["unit", gpu, kind])
+            (tp, kind): c.scaled(factors["unit", gpu, kind])
             for (tp, kind), c in profile.curves.items()})
         for gpu, profile in profiles.items()
     }

@@ -1,0 +1,282 @@
+"""Roofline estimate of one unit's forward and backward seconds (embedding, transformer layer, head) for one
+micro-batch of b samples of s tokens on one GPU of a tp-way tensor-parallel group, kernel by kernel:
+
+    pass_s = sum over kernels of max(FLOPs / (peak x efficiency), bytes / memory_bandwidth)
+             + kernels x kernel_launch_s + (tp - 1) / tp x C / link
+
+`fasop profile synth` writes these times; the profile reader (fasop.inputs.profiles) uses their shape over
+micro-batch sizes to scale measured times between and beyond the profiled sizes. The counting rules are in
+docs/cost-model.md section 2.1; in short, per GPU (weights, heads and FFN split over tp; element-wise work on
+the sequence-parallel shard of b s / tp tokens; matmul inputs gathered to all b s tokens):
+
+- matmul of an m x k input by a k x n weight: 2 m k n FLOPs, reads input and weight, writes the output (one
+  kernel). Backward: the input gradient (same FLOPs and bytes) and the weight gradient (same FLOPs; reads input
+  and output gradient, adds into the fp32 main gradient: 8 bytes per weight), two kernels.
+- attention core: flash attention is one kernel reading Q, K, V and writing the output; its backward, two
+  kernels (a preprocessing pass and the main one) moving twice the forward's bytes. Unfused (Megatron's
+  legacy path): Q.K^T, a fused scale-mask-softmax, dropout on the scores and scores x V, each writing or reading
+  the b x heads x s x s scores; the two batched matmuls take two kernels each backward.
+- element-wise kernels (norms, rotary embedding, fused bias-dropout-add, bias-GeLU or SwiGLU, embedding
+  gather, cross-entropy): no FLOPs counted, reads its inputs and writes its outputs, plus one byte per element
+  of a dropout mask; backward reads the saved inputs and the output gradient and writes the input gradients.
+  A norm's backward is two kernels (input gradient, weight-gradient reduction).
+- FLOPs of the attention scores count the full s x s matrix (no causal saving); backward does twice the
+  forward's FLOPs everywhere, also for flash attention (whose recomputation of the scores is left out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from fasop.inputs.catalogue import GpuSpec
+from fasop.inputs.model import Model
+
+FP32_BYTES = 4
+MAIN_GRAD_BYTES_PER_WEIGHT = 2 * FP32_BYTES  # the fp32 main gradient read and written once per micro-batch
+DROPOUT_MASK_BYTES_PER_ELEMENT = 1
+# Vocabulary-parallel cross-entropy over the rank's logits: cast to fp32 (reads p, writes 4 bytes), max (reads
+# 4), subtract the max (reads 4, writes 4), exp (reads 4, writes 4), sum (reads 4); six kernels with the
+# gather of the target logits. Backward: softmax minus one-hot (reads 4, writes p), two kernels.
+CROSS_ENTROPY_FP32_BYTES = 4 + 4 + 8 + 8 + 4
+CROSS_ENTROPY_KERNELS = (6, 2)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel (or a group launched together): its FLOPs, the bytes it moves, how many launches."""
+
+    name: str
+    flops: float
+    bytes: float
+    launches: int = 1
+
+
+@dataclass(frozen=True)
+class UnitWork:
+    """The kernels of one unit's forward and backward pass, and the bytes it all-gathers or reduce-scatters
+    over the tensor-parallel group per pass."""
+
+    kind: str
+    forward: tuple[Kernel, ...]
+    backward: tuple[Kernel, ...]
+    collective_bytes: float
+
+    @property
+    def forward_flops(self) -> float:
+        return sum(k.flops for k in self.forward)
+
+    @property
+    def backward_flops(self) -> float:
+        return sum(k.flops for k in self.backward)
+
+    @property
+    def forward_bytes(self) -> float:
+        return sum(k.bytes for k in self.forward)
+
+    @property
+    def backward_bytes(self) -> float:
+        return sum(k.bytes for k in self.backward)
+
+    @property
+    def forward_launches(self) -> int:
+        return sum(k.launches for k in self.forward)
+
+    @property
+    def backward_launches(self) -> int:
+        return sum(k.launches for k in self.backward)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one GPU achieves: matmul FLOP/s (peak x efficiency), memory and tensor-parallel link bytes/s, and
+    the seconds each kernel launch adds."""
+
+    flops_per_s: float
+    memory_bytes_per_s: float
+    link_bytes_per_s: float
+    kernel_launch_s: float
+
+    @classmethod
+    def of(cls, spec: GpuSpec, model: Model, efficiency: float | None = None,
+           link_bytes_per_s: float | None = None) -> Rates:
+        """The rates of `spec` for `model`'s precision; `efficiency` and `link_bytes_per_s` override the table's."""
+        efficiency = spec.matmul_efficiency if efficiency is None else efficiency
+        link = spec.link_bytes_per_s if link_bytes_per_s is None else link_bytes_per_s
+        return cls(spec.peak_flops(model.precision, model.name) * efficiency, spec.memory_bytes_per_s, link,
+                   spec.kernel_launch_s)
+
+
+# -- FLOP counts (closed forms; the kernels below add up to them) -----------------------------------------
+def _attention_matmul_weights(model: Model) -> int:
+    """Q, K, V and output projections (no biases)."""
+    h, qa, kv = model.hidden_size, model.attention_width, model.kv_width
+    return h * qa + 2 * h * kv + qa * h
+
+
+def _mlp_matmul_weights(model: Model) -> int:
+    h, f = model.hidden_size, model.ffn_hidden_size
+    return (3 if model.ffn_activation == "swiglu" else 2) * h * f
+
+
+def _seq_lengths(model: Model, kind: str) -> tuple[int, int]:
+    """(tokens per sample of the layer, of the encoder output its cross-attention reads, or 0)."""
+    if kind == "decoder" and model.is_encoder_decoder:
+        return model.decoder_seq_length, model.encoder_seq_length
+    return (model.encoder_seq_length if kind == "encoder" else model.seq_length), 0
+
+
+def layer_forward_flops(model: Model, kind: str, mbs: int, tp: int = 1) -> float:
+    """Matmul FLOPs of one transformer layer's forward pass for one micro-batch, per GPU of a tp group:
+    2 x weights x tokens, plus 2 x 2 x b s^2 x heads x kv_channels for the scores and the context."""
+    b, h, qa, kv = mbs, model.hidden_size, model.attention_width, model.kv_width
+    s, s_enc = _seq_lengths(model, kind)
+    flops = 2.0 * b * s * (_attention_matmul_weights(model) + _mlp_matmul_weights(model))
+    flops += 2 * 2 * b * s * s * qa  # scores Q.K^T and context scores.V, full s x s matrix
+    if s_enc:  # cross-attention
+        flops += 2.0 * b * (s * (h * qa + qa * h) + s_enc * 2 * h * kv)
+        flops += 2 * 2 * b * s * s_enc * qa
+    return flops / tp
+
+
+def head_forward_flops(model: Model, mbs: int, tp: int = 1) -> float:
+    b, s, h = mbs, model.seq_length, model.hidden_size
+    flops = 2.0 * b * s * h * model.padded_vocab(tp) / tp
+    if model.architecture == "encoder":  # Megatron BERT: LM-head transform, pooler and binary head, not split
+        flops += 2.0 * b * s * h * h + 2.0 * b * h * h + 2.0 * b * h * 2
+    return flops
+
+
+# -- kernels ----------------------------------------------------------------------------------------------
+def _matmul(name: str, m: float, k: float, n: float, p: int) -> tuple[Kernel, tuple[Kernel, ...]]:
+    """(forward, backward kernels) of an m x k input times a k x n weight."""
+    flops = 2.0 * m * k * n
+    forward = Kernel(name, flops, p * (m * k + k * n + m * n))
+    return forward, (Kernel(f"{name} input grad", flops, forward.bytes),
+                     Kernel(f"{name} weight grad", flops, p * (m * k + m * n) + MAIN_GRAD_BYTES_PER_WEIGHT * k * n))
+
+
+def _elementwise(name: str, read: float, written: float, p: int, mask: float = 0.0,
+                 launches: tuple[int, int] = (1, 1)) -> tuple[Kernel, tuple[Kernel, ...]]:
+    """(forward, backward) of element-wise work reading `read` and writing `written` elements (`mask`: bytes
+    of a dropout mask written forward and read backward)."""
+    return (Kernel(name, 0.0, p * (read + written) + mask, launches[0]),
+            (Kernel(f"{name} grad", 0.0, p * (2 * read + written) + mask, launches[1]),))
+
+
+def _attention(model: Model, b: int, s_q: int, s_k: int, tp: int) -> list[tuple[Kernel, tuple[Kernel, ...]]]:
+    """The attention core for s_q query and s_k key tokens per sample."""
+    p, d = model.precision_bytes, model.kv_channels
+    heads, groups = model.num_attention_heads / tp, model.num_query_groups / tp
+    q, kv = b * s_q * heads * d, b * s_k * groups * d  # elements of Q (and of the output), of K (and of V)
+    flops = 2.0 * b * s_q * s_k * heads * d  # each of Q.K^T and scores x V
+    if model.flash_attention:
+        forward = Kernel("flash attention", 2 * flops, p * (2 * q + 2 * kv))
+        return [(forward, (Kernel("flash attention grad", 4 * flops, 2 * forward.bytes, 2),))]
+    scores = b * heads * s_q * s_k
+    mask = DROPOUT_MASK_BYTES_PER_ELEMENT * scores if model.dropout else 0.0
+    qk = Kernel("scores Q.K^T", flops, p * (q + kv + scores))
+    context = Kernel("context scores.V", flops, p * (scores + kv + q))
+    work = [(qk, (qk, qk)), _elementwise("scale-mask-softmax", scores, scores, p)]
+    if model.dropout:
+        work.append(_elementwise("attention dropout", scores, scores, p, mask))
+    return [*work, (context, (context, context))]
+
+
+def _layer(model: Model, kind: str, b: int, tp: int) -> tuple[list, float]:
+    """(forward, backward) pairs of one transformer layer, and its collective bytes per pass."""
+    p, h = model.precision_bytes, model.hidden_size
+    s, s_enc = _seq_lengths(model, kind)
+    tokens, qa, kv = b * s, model.attention_width / tp, model.kv_width / tp
+    shard = tokens * h / tp  # sequence-parallel shard of the hidden states
+    mask = DROPOUT_MASK_BYTES_PER_ELEMENT * shard if model.dropout else 0.0
+    norm = ("norm", shard, shard, p, 0.0, (1, 2))
+    residual = ("bias-dropout-add", 2 * shard, shard, p, mask)  # fused in Megatron: one kernel each way
+    work = [_elementwise(*norm), _matmul("QKV", tokens, h, qa + 2 * kv, p)]
+    if model.position_embedding == "rope":  # applied to Q and to K
+        work.append(_elementwise("rotary", tokens * (qa + kv), tokens * (qa + kv), p, launches=(2, 2)))
+    work += [*_attention(model, b, s, s, tp), _matmul("attention output", tokens, qa, h, p),
+             _elementwise(*residual)]
+    collective = 4.0 * p * tokens * h  # 2 all-gathers + 2 reduce-scatters (or 2 all-reduces) of b s h
+    if s_enc:
+        enc_tokens = b * s_enc
+        work += [_elementwise(*norm), _matmul("cross Q", tokens, h, qa, p), _matmul("cross KV", enc_tokens, h, 2 * kv, p),
+                 *_attention(model, b, s, s_enc, tp), _matmul("cross output", tokens, qa, h, p),
+                 _elementwise(*residual)]
+        # all-gathers of the query input and of the encoder output, one reduce-scatter
+        collective += p * b * h * (2 * s + s_enc)
+    ffn = model.ffn_hidden_size / tp
+    ffn_in = 2 * ffn if model.ffn_activation == "swiglu" else ffn
+    work += [_elementwise(*norm), _matmul("FFN in", tokens, h, ffn_in, p),
+             _elementwise(model.ffn_activation, tokens * ffn_in, tokens * ffn, p),
+             _matmul("FFN out", tokens, ffn, h, p), _elementwise(*residual)]
+    return work, collective
+
+
+def _embedding(model: Model, b: int, s: int, weights: float, tp: int) -> list:
+    """Vocabulary-parallel gather (the rank's rows; a full b s h output before the reduce-scatter), learned
+    positions added, dropout on the shard. Backward: the dense gradient of the rank's table (zeroed, then the
+    rows added), 2 bytes written and the fp32 main gradient accumulated per weight."""
+    p, h, tokens = model.precision_bytes, model.hidden_size, b * s
+    gather = Kernel("embedding gather", 0.0, p * (tokens * h / tp + tokens * h))
+    gather_grad = Kernel("embedding grad", 0.0, p * (tokens * h + tokens * h / tp)
+                         + (p + MAIN_GRAD_BYTES_PER_WEIGHT) * weights, 2)
+    work = [(gather, (gather_grad,))]
+    if model.position_embedding == "learned":
+        work.append(_elementwise("positions", tokens * h + s * h, tokens * h, p))
+    if model.dropout:
+        shard = tokens * h / tp
+        work.append(_elementwise("embedding dropout", shard, shard, p, DROPOUT_MASK_BYTES_PER_ELEMENT * shard))
+    return work
+
+
+def _head(model: Model, b: int, tp: int) -> list:
+    """Final norm, (BERT: LM-head transform, its GeLU and norm), logits, cross-entropy; BERT's pooler and
+    binary head."""
+    p, h, s = model.precision_bytes, model.hidden_size, model.seq_length
+    tokens, shard, vocab = b * s, b * s * h / tp, model.padded_vocab(tp) / tp
+    work = [_elementwise("final norm", shard, shard, p, 0.0, (1, 2))]
+    if model.architecture == "encoder":  # not split over tp
+        work += [_matmul("LM transform", tokens, h, h, p), _elementwise("gelu", tokens * h, tokens * h, p),
+                 _elementwise("LM norm", tokens * h, tokens * h, p, 0.0, (1, 2))]
+    work.append(_matmul("logits", tokens, h, vocab, p))
+    logits = tokens * vocab
+    work.append((Kernel("cross-entropy", 0.0, logits * (p + CROSS_ENTROPY_FP32_BYTES), CROSS_ENTROPY_KERNELS[0]),
+                 (Kernel("cross-entropy grad", 0.0, logits * (FP32_BYTES + p), CROSS_ENTROPY_KERNELS[1]),)))
+    if model.architecture == "encoder":
+        work += [_matmul("pooler", b, h, h, p), _matmul("binary head", b, h, 2, p)]
+    return work
+
+
+def _unit(kind: str, work: list, collective: float) -> UnitWork:
+    return UnitWork(kind, tuple(f for f, _ in work), tuple(k for _, bwd in work for k in bwd), collective)
+
+
+@lru_cache(maxsize=4096)
+def unit_work(model: Model, tp: int, mbs: int) -> dict[str, UnitWork]:
+    """The kernels of every profile kind of `model` at (tp, mbs), in pipeline order."""
+    p, h, b = model.precision_bytes, model.hidden_size, mbs
+    s = model.input_seq_length
+    units = {"embedding": _unit("embedding", _embedding(model, b, s, model.embedding_params(tp), tp), p * b * s * h)}
+    for kind in model.layer_kinds:
+        if kind == "decoder" and model.is_encoder_decoder:
+            s = model.decoder_seq_length
+            units["decoder_embedding"] = _unit("decoder_embedding", _embedding(
+                model, b, s, model.decoder_embedding_params(tp), tp), p * b * s * h)
+        units[kind] = _unit(kind, *_layer(model, kind, b, tp))
+    units["head"] = _unit("head", _head(model, b, tp), p * b * model.seq_length * h)
+    return units
+
+
+# -- times ------------------------------------------------------------------------------------------------
+def pass_s(kernels: tuple[Kernel, ...], rates: Rates) -> float:
+    """Seconds of the kernels of one pass, each at its roofline, plus their launches."""
+    return sum(max(k.flops / rates.flops_per_s, k.bytes / rates.memory_bytes_per_s) + k.launches * rates.kernel_launch_s
+               for k in kernels)
+
+
+def unit_times(work: UnitWork, tp: int, rates: Rates) -> tuple[float, float]:
+    """(forward_s, backward_s) of one unit, the tensor-parallel collectives (ring: (tp - 1) / tp of the bytes
+    over the link, not overlapped) included."""
+    collective = (tp - 1) / tp * work.collective_bytes / rates.link_bytes_per_s
+    return pass_s(work.forward, rates) + collective, pass_s(work.backward, rates) + collective
