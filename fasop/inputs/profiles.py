@@ -68,8 +68,10 @@ class Curve:
     def _roofline_scaled(self, mbs: int) -> tuple[float, float]:
         """q(mbs) r(mbs): the measured-to-roofline ratio, interpolated between profiled sizes (np.interp holds
         it constant beyond them), times the roofline at `mbs`."""
-        anchors = np.array([self.shape(int(b)) for b in self.mbs])
-        forward, backward = self.shape(mbs)
+        shape = self.shape
+        assert shape is not None  # at() calls this only with a shape
+        anchors = np.array([shape(int(b)) for b in self.mbs])
+        forward, backward = shape(mbs)
         return (float(np.interp(mbs, self.mbs, self.forward_s / anchors[:, 0]) * forward),
                 float(np.interp(mbs, self.mbs, self.backward_s / anchors[:, 1]) * backward))
 

@@ -52,6 +52,9 @@ class Kernel:
     launches: int = 1
 
 
+Work = tuple[Kernel, tuple[Kernel, ...]]  # a forward kernel and the backward kernels it causes
+
+
 @dataclass(frozen=True)
 class UnitWork:
     """The kernels of one unit's forward and backward pass, and the bytes it all-gathers or reduce-scatters
@@ -164,7 +167,7 @@ def _elementwise(name: str, read: float, written: float, p: int, mask: float = 0
             (Kernel(f"{name} grad", 0.0, p * (2 * read + written) + mask, launches[1]),))
 
 
-def _attention(model: Model, b: int, s_q: int, s_k: int, tp: int) -> list[tuple[Kernel, tuple[Kernel, ...]]]:
+def _attention(model: Model, b: int, s_q: int, s_k: int, tp: int) -> list[Work]:
     """The attention core for s_q query and s_k key tokens per sample."""
     p, d = model.precision_bytes, model.kv_channels
     heads, groups = model.num_attention_heads / tp, model.num_query_groups / tp
@@ -213,7 +216,7 @@ def _layer(model: Model, kind: str, b: int, tp: int) -> tuple[list, float]:
     return work, collective
 
 
-def _embedding(model: Model, b: int, s: int, weights: float, tp: int) -> list:
+def _embedding(model: Model, b: int, s: int, weights: float, tp: int) -> list[Work]:
     """Vocabulary-parallel gather (the rank's rows; a full b s h output before the reduce-scatter), learned
     positions added, dropout on the shard. Backward: the dense gradient of the rank's table (zeroed, then the
     rows added), 2 bytes written and the fp32 main gradient accumulated per weight."""
@@ -221,7 +224,7 @@ def _embedding(model: Model, b: int, s: int, weights: float, tp: int) -> list:
     gather = Kernel("embedding gather", 0.0, p * (tokens * h / tp + tokens * h))
     gather_grad = Kernel("embedding grad", 0.0, p * (tokens * h + tokens * h / tp)
                          + (p + MAIN_GRAD_BYTES_PER_WEIGHT) * weights, 2)
-    work = [(gather, (gather_grad,))]
+    work: list[Work] = [(gather, (gather_grad,))]
     if model.position_embedding == "learned":
         work.append(_elementwise("positions", tokens * h + s * h, tokens * h, p))
     if model.dropout:
