@@ -40,6 +40,8 @@ class Stage(Table):
     nodes: list[Index]  # node ranks (positions in the placement) holding the stage
     layers: Index
     compute_s: float  # forward and backward of one micro-batch
+    forward_s: float | None = None  # the forward part of compute_s
+    send_s: float | None = None  # one micro-batch's activation sent to the next stage (0 on the last)
     p2p_s: float  # its sends and receives per micro-batch
     dp_allreduce_s: float
     memory_gib: float
@@ -84,6 +86,10 @@ class Plan(Table):
     layers_per_stage: Annotated[list[Index], Field(min_length=1)]
     encoder_stages: Index = 0
     distributed_optimizer: bool | None = None
+    overlap_grad_reduce: bool | None = None  # Megatron's --overlap-grad-reduce
+    overlap_param_gather: bool | None = None  # Megatron's --overlap-param-gather
+    # how step_time_s was found: "exact-schedule", Megatron's 1F1B schedule timed exactly (docs/cost-model.md 4.1)
+    timing: Literal["exact-schedule"] | None = None
     step_time_s: float | None = None
     throughput_samples_per_s: float | None = None
     tokens_per_s: float | None = None
@@ -93,6 +99,9 @@ class Plan(Table):
     p2p_s: float | None = None
     dp_allreduce_s: float | None = None
     embedding_allreduce_s: float | None = None
+    dp_exposed_s: float | None = None  # data-parallel traffic the overlap leaves exposed on the slowest stage
+    optimizer_s: float | None = None  # the optimizer step of the slowest stage
+    closed_form_step_s: float | None = None  # the closed form the partitioner optimised (an estimate, not a bound)
     peak_memory_gib: float | None = None
     memory_capacity_gib: float | None = None
     cost_per_hour_usd: float | None = None

@@ -22,6 +22,8 @@ from fasop.search.placement import placements
 from fasop.search.space import prepare
 
 GIB = 2.0**30
+# how far above the best split under the exact schedule the closed form's split may land (docs/cost-model.md 4.2)
+EXACT_PARTITION_GAP = 0.05
 
 
 def node_type(name, gpus=2, intra="80 GB/s", inter="10 GB/s", memory=16.0, count=1, gpu=None):
@@ -166,17 +168,19 @@ def test_estimate_of_a_two_stage_plan_by_hand(tiny):
     assert row.stages[1].memory_gib == pytest.approx((18 * params1 + act1) / GIB)
 
 
-def test_search_finds_the_best_split_of_every_plan(tiny):
+def test_search_finds_the_best_split_of_every_plan_for_the_closed_form(tiny):
+    """The partitioner is exact for the closed form it optimises; the exact schedule then times that split, and
+    stays within the gap docs/cost-model.md states of the best split under the exact schedule."""
     model, c, profiles = tiny
     result = search_plans(model, c, profiles_dir=profiles)
     for plan in result.plans:
         if plan.pp != 2:
             continue
-        for first in range(0, 5):
-            other = fasop.estimate(model, c, tp=plan.tp, dp=plan.dp, pp=2, mbs=plan.mbs,
-                                   placement=plan.placement, layers=[first, 4 - first], profiles_dir=profiles)
-            if other.fits_memory:
-                assert plan.step_time_s <= other.step_time_s + 1e-12
+        others = [fasop.estimate(model, c, tp=plan.tp, dp=plan.dp, pp=2, mbs=plan.mbs, placement=plan.placement,
+                                 layers=[first, 4 - first], profiles_dir=profiles) for first in range(0, 5)]
+        others = [other for other in others if other.fits_memory]
+        assert plan.closed_form_step_s <= min(other.closed_form_step_s for other in others) + 1e-12
+        assert plan.step_time_s <= min(other.step_time_s for other in others) * (1 + EXACT_PARTITION_GAP)
 
 
 def test_plans_that_do_not_fit_are_removed_and_counted(tiny):
@@ -231,7 +235,7 @@ def test_closed_form_is_exact_on_equal_stages_and_an_upper_bound_otherwise():
     ("gpt2-xl", "fasop-8xA10"), ("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-4xA10"),
     ("bert", "fasop-1xA100-3xA10"), ("t5", "fasop-8xA10"), ("t5", "fasop-1xA100-7xA10"),
 ])
-def test_best_plans_are_within_three_percent_of_the_simulation(model_name, cluster_name):
+def test_best_plans_are_timed_by_the_exact_schedule(model_name, cluster_name):
     model, c = fasop.load_model(model_name), fasop.load_cluster(cluster_name)
     plan = search_plans(model, c).plans[0]
     inputs = prepare(model, c)
@@ -241,9 +245,12 @@ def test_best_plans_are_within_three_percent_of_the_simulation(model_name, clust
     costs = stage_costs(model, c, inputs.profiles, geo, config, [config.mbs])
     compute = np.array([s.compute_s for s in plan.stages])
     send = list(costs.boundary_s[0]) + [0.0]
+    assert [s.send_s for s in plan.stages] == pytest.approx(send)
     m = plan.num_microbatches
-    sim = simulate_1f1b(list(compute / 3), list(2 * compute / 3), send, m)  # these profiles: backward = 2 forward
-    assert makespan_s([compute / 3], [2 * compute / 3], [send[:-1]], m)[0] == pytest.approx(sim)
-    # the record's pipeline time is the closed form of its own stage times and sends
-    assert closed_form(compute / 3, 2 * compute / 3, send, m) == pytest.approx(plan.pipeline_time_s)
-    assert sim - 1e-9 <= plan.pipeline_time_s <= 1.03 * sim
+    forward = np.array([s.forward_s for s in plan.stages])
+    assert forward == pytest.approx(compute / 3)  # these profiles: backward = 2 forward
+    sim = simulate_1f1b(list(forward), list(compute - forward), send, m)
+    # the record's pipeline time is the exact schedule's; the closed form bounds it, within 8% on these plans
+    # (ranked by the exact schedule, the best plans are those the closed form overestimates most)
+    assert plan.pipeline_time_s == pytest.approx(sim, rel=1e-9)
+    assert sim - 1e-9 <= closed_form(forward, compute - forward, send, m) <= 1.08 * sim

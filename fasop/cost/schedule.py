@@ -248,20 +248,30 @@ def makespan_s(forward_s, backward_s, send_s, num_microbatches, *, virtual_stage
     at the start of each backward. send_s: (plans, stages - 1) seconds of one transfer across each boundary;
     wrap_send_s: (plans,) from the last stage to the first, which interleaving needs. num_microbatches: one
     count for all plans or one per plan (plans with equal counts are evaluated together)."""
+    return stage_times(forward_s, backward_s, send_s, num_microbatches, virtual_stages=virtual_stages,
+                       wrap_send_s=wrap_send_s, recompute_s=recompute_s, group_size=group_size)[1].max(-1)
+
+
+def stage_times(forward_s, backward_s, send_s, num_microbatches, *, virtual_stages: int = 1, wrap_send_s=None,
+                recompute_s=None, group_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(first start, last end), each (plans, stages): when each stage starts its first operation (its first
+    forward, once its input has arrived) and when it ends its last (its last backward, send included).
+    Arguments as makespan_s."""
     p, forward, backward, recompute, links = _inputs(forward_s, backward_s, send_s, virtual_stages, wrap_send_s,
                                                      recompute_s)
     plans = forward.shape[0]
     counts = np.broadcast_to(np.asarray(num_microbatches), (plans,))
-    result = np.empty(plans)
+    first, last = np.empty((plans, p)), np.empty((plans, p))
     for m in np.unique(counts):
         rows = np.flatnonzero(counts == m)
         prog = program(p, int(m), virtual_stages, group_size)
+        heads = np.r_[0, prog.last[:-1] + 1]
         block = max(1, BLOCK_ELEMENTS // (prog.ops + 1))
-        for first in range(0, len(rows), block):
-            part = rows[first:first + block]
+        for at in range(0, len(rows), block):
+            part = rows[at:at + block]
             end, _ = _evaluate(prog, forward[part], backward[part], recompute[part], links[part], keep=False)
-            result[part] = end[prog.last].max(0)
-    return result
+            first[part], last[part] = end[prog.waits_for[heads]].T, end[prog.last].T
+    return first, last
 
 
 def op_times(forward_s, backward_s, send_s, num_microbatches: int, *, virtual_stages: int = 1, wrap_send_s=None,

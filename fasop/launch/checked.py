@@ -15,6 +15,8 @@ class LaunchPlan(PlanShape):
     rank: int | None
     encoder_stages: int
     gpus_per_node: int
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
 
 def check_plan(plan: Plan, model: Any, cluster: Any, opts: LaunchOptions, where: str) -> LaunchPlan:
@@ -64,4 +66,6 @@ def check_plan(plan: Plan, model: Any, cluster: Any, opts: LaunchOptions, where:
     return LaunchPlan(tp=tp, dp=dp, pp=pp, mbs=mbs, gbs=gbs, placement=tuple(placement),
                       layers_per_stage=tuple(layers), distributed_optimizer=bool(plan.distributed_optimizer),
                       rank=plan.rank,
-                      encoder_stages=encoder_stages, gpus_per_node=gpn)
+                      encoder_stages=encoder_stages, gpus_per_node=gpn,
+                      overlap_grad_reduce=bool(plan.overlap_grad_reduce),
+                      overlap_param_gather=bool(plan.overlap_param_gather) and bool(plan.distributed_optimizer))

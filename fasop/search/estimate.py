@@ -18,9 +18,11 @@ from fasop.search.space import prepare, tensor_degrees
 
 def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: int, placement: list[str],
              layers: list[int], gbs: int | None = None, profiles_dir: str | None = None,
-             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None) -> Plan:
+             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None,
+             overlap: bool = True) -> Plan:
     """The full breakdown of one explicit plan; `layers` lists transformer layers per stage; `profiles`: already
-    loaded profiles (by GPU type) instead of reading profiles_dir."""
+    loaded profiles (by GPU type) instead of reading profiles_dir; `overlap`: Megatron's --overlap-grad-reduce,
+    and --overlap-param-gather with the distributed optimizer."""
     used = {name: placement.count(name) for name in placement}
     for name, count in used.items():
         if name not in cluster.node_types:
@@ -47,7 +49,8 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
         if model.encoder_num_layers not in prefix[:-1]:
             raise InputError("--layers", f"no stage boundary falls after the {model.encoder_num_layers} encoder layers")
         split = int(np.searchsorted(prefix, model.encoder_num_layers)) + 1
-    config = Config(tp, dp, pp, mbs, inputs.gbs, split, distributed_optimizer)
+    config = Config(tp, dp, pp, mbs, inputs.gbs, split, distributed_optimizer,
+                    **Config.overlaps(overlap, distributed_optimizer))
     geo = with_embedding_group(sub, geometry(sub, tuple(placement), tp, dp, pp), embedding_stages(model, config))
     costs = stage_costs(model, sub, inputs.profiles, geo, config, [mbs])
     counts = np.array(layers) - costs.fixed_layers
