@@ -28,6 +28,9 @@ import numpy as np
 # Plans are evaluated in blocks whose (operations x plans) end times take 32 MiB: wide enough that numpy's cost
 # per call (a few calls per level, hundreds of levels) is small against the work, and memory stays bounded.
 BLOCK_ELEMENTS = 2**22
+# Schedules of more micro-batches are timed at this count and the one before, and extrapolated: past its warm-up
+# the schedule repeats, each micro-batch adding the same time (docs/cost-model.md section 4.1)
+MAX_EXACT_MICROBATCHES = 1024
 
 
 def interleaving_error(stages: int, virtual_stages: int, num_microbatches: int, group_size: int | None = None,
@@ -262,15 +265,26 @@ def stage_times(forward_s, backward_s, send_s, num_microbatches, *, virtual_stag
     plans = forward.shape[0]
     counts = np.broadcast_to(np.asarray(num_microbatches), (plans,))
     first, last = np.empty((plans, p)), np.empty((plans, p))
-    for m in np.unique(counts):
-        rows = np.flatnonzero(counts == m)
-        prog = program(p, int(m), virtual_stages, group_size)
+
+    def run(m: int, rows: np.ndarray) -> None:
+        prog = program(p, m, virtual_stages, group_size)
         heads = np.r_[0, prog.last[:-1] + 1]
         block = max(1, BLOCK_ELEMENTS // (prog.ops + 1))
         for at in range(0, len(rows), block):
             part = rows[at:at + block]
             end, _ = _evaluate(prog, forward[part], backward[part], recompute[part], links[part], keep=False)
             first[part], last[part] = end[prog.waits_for[heads]].T, end[prog.last].T
+
+    for m in np.unique(counts):
+        rows = np.flatnonzero(counts == m)
+        if m <= MAX_EXACT_MICROBATCHES:
+            run(int(m), rows)
+            continue
+        # the steady state adds the same time per micro-batch: extrapolate from the last two exact counts
+        run(MAX_EXACT_MICROBATCHES - 1, rows)
+        before = last[rows].copy()
+        run(MAX_EXACT_MICROBATCHES, rows)
+        last[rows] += (m - MAX_EXACT_MICROBATCHES) * (last[rows] - before)
     return first, last
 
 
