@@ -111,6 +111,41 @@ def test_hierarchical_allreduce_across_nodes():
     assert geo.dp_allreduce_s_per_byte[0] == pytest.approx(2 * (1 / 2) * 2 * 2.0 / 10e9)
 
 
+def test_every_transfer_pays_its_links_latency_once_and_a_ring_two_per_step():
+    x = replace(node_type("X", count=2), intra_node_latency_s=2e-6, inter_node_latency_s=10e-6)
+    y = replace(node_type("Y"), intra_node_latency_s=1e-6, inter_node_latency_s=30e-6)
+    c = cluster(x, y)
+    # dp = 4 over two X nodes of 2 GPUs: 2 (g - 1) intra-node steps and 2 (k - 1) network steps
+    geo = geometry(c, ("X", "X"), tp=1, dp=4, pp=1)
+    assert geo.dp_allreduce_latency_s[0] == pytest.approx(2 * 1 * 2e-6 + 2 * 1 * 10e-6)
+    # a ring of 2 inside a node; a boundary inside a node, and one from X to Y paying Y's slower interface
+    geo = geometry(c, ("X", "X"), tp=1, dp=2, pp=2)
+    assert geo.dp_allreduce_latency_s.tolist() == pytest.approx([2 * 2e-6, 2 * 2e-6])
+    assert geo.boundary_latency_s[0] == pytest.approx(10e-6)
+    assert geometry(c, ("X", "Y"), tp=1, dp=2, pp=2).boundary_latency_s[0] == pytest.approx(30e-6)
+    assert geometry(c, ("X",), tp=1, dp=1, pp=2).boundary_latency_s[0] == pytest.approx(2e-6)
+    # a plan's sends carry them: bytes over the link plus one latency
+    model, a10 = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-4xA10")
+    plan = fasop.estimate(model, a10, tp=1, dp=8, pp=2, mbs=1, placement=["A10"] * 4, layers=[24, 24])
+    geo = geometry(a10, ("A10",) * 4, tp=1, dp=8, pp=2)
+    sent_bytes = 2 * 1024 * 1600  # fp16 activation of one sample, 1024 tokens, hidden 1600
+    assert plan.stages[0].send_s == pytest.approx(geo.boundary_s_per_byte[0] * sent_bytes + 9.6e-6)
+
+
+def test_latencies_read_from_the_cluster_file_with_sourced_defaults(tmp_path):
+    from fasop.inputs.cluster import DEFAULT_INTER_NODE_LATENCY_US, load_cluster
+
+    from fasop.inputs import bundled
+
+    text = (bundled.data_dir("clusters") / "fasop-4xA10.toml").read_text()
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert load_cluster(str(path)).node_types["A10"].inter_node_latency_s == DEFAULT_INTER_NODE_LATENCY_US * 1e-6
+    path.write_text(text.replace("count = 4", "count = 4\nintra_node_latency_us = 5\ninter_node_latency_us = 25"))
+    a10 = load_cluster(str(path)).node_types["A10"]
+    assert (a10.intra_node_latency_s, a10.inter_node_latency_s) == pytest.approx((5e-6, 25e-6))
+
+
 def test_embedding_allreduce_between_first_and_last_stage():
     c = cluster(node_type("X", count=2, inter="10 GB/s"))
     geo = with_embedding_group(c, geometry(c, ("X", "X"), tp=1, dp=2, pp=2), (0, 1))
@@ -147,9 +182,12 @@ def test_estimate_of_a_two_stage_plan_by_hand(tiny):
                          profiles_dir=profiles, distributed_optimizer=False)
     m = 4
     comp0, comp1 = 0.003 + 2 * 0.030, 2 * 0.030 + 0.006  # embedding + 2 layers; 2 layers + head
-    c01 = 2 * 32 * 64 / 1e9  # fp16 activation of one micro-batch over the 1 GB/s interface
+    # fp16 activation of one micro-batch over the 1 GB/s interface, and the default 9.6 us network latency
+    c01 = 2 * 32 * 64 / 1e9 + 9.6e-6
+    # two stages: the exact schedule is the closed form
     pipeline = comp0 + comp1 + 2 * c01 + (m - 1) * max(comp0 + c01, comp1 + c01)
-    embedding = 1000 * 64 * 2 / 1e9  # tied embedding gradients (vocabulary padded to 1000), 2-rank all-reduce
+    # tied embedding gradients (vocabulary padded to 1000), 2-rank all-reduce across the network: 2 latencies
+    embedding = 1000 * 64 * 2 / 1e9 + 2 * 9.6e-6
     assert row.pipeline_time_s == pytest.approx(pipeline)
     assert row.dp_allreduce_s == 0
     assert row.embedding_allreduce_s == pytest.approx(embedding)

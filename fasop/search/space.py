@@ -103,7 +103,9 @@ def encoder_splits(model: Model, pp: int) -> list[int]:
 
 def _signature(geo: Geometry) -> tuple:
     return (geo.stage_node_types, tuple(np.round(geo.boundary_s_per_byte, 18)),
-            tuple(np.round(geo.dp_allreduce_s_per_byte, 18)), round(geo.embedding_allreduce_s_per_byte, 18))
+            tuple(np.round(geo.dp_allreduce_s_per_byte, 18)), round(geo.embedding_allreduce_s_per_byte, 18),
+            tuple(np.round(geo.boundary_latency_s, 15)), tuple(np.round(geo.dp_allreduce_latency_s, 15)),
+            round(geo.embedding_allreduce_latency_s, 15))
 
 
 @dataclass(frozen=True)
