@@ -88,6 +88,10 @@ class Plan(Table):
     distributed_optimizer: bool | None = None
     overlap_grad_reduce: bool | None = None  # Megatron's --overlap-grad-reduce
     overlap_param_gather: bool | None = None  # Megatron's --overlap-param-gather
+    virtual_stages: Count | None = None  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    # layers of each virtual stage, chunk-major (chunk c of stage i is entry c * pp + i); each stage's layers split
+    # as evenly as can be, the first chunks taking one more
+    layers_per_virtual_stage: list[Index] | None = None
     # how step_time_s was found: "exact-schedule", Megatron's 1F1B schedule timed exactly (docs/cost-model.md 4.1)
     timing: Literal["exact-schedule"] | None = None
     step_time_s: float | None = None

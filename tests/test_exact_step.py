@@ -10,9 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fasop
-from fasop.cost.exact import OPTIMIZER_BYTES_MIXED, ScheduleBatch, bucket_params
+from fasop.cost.exact import OPTIMIZER_BYTES_MIXED, ScheduleBatch, bucket_params, chunk_layers
+from fasop.cost.pipeline import in_flight
 from fasop.cost.schedule import makespan_s
-from fasop.cost.simulate import simulate_1f1b
+from fasop.cost.simulate import simulate_1f1b, simulate_interleaved_1f1b
+from fasop.errors import InputError
+from fasop.search import search_plans
 
 
 def batch(forward, backward, send, m, grad, gather, optimizer, params, overlap, embedding=0.0) -> ScheduleBatch:
@@ -26,7 +29,7 @@ def batch(forward, backward, send, m, grad, gather, optimizer, params, overlap, 
         grad_layer_s=zeros, gather_fixed_s=row(gather), gather_layer_s=zeros, optimizer_fixed_s=row(optimizer),
         optimizer_layer_s=zeros, params_fixed=row(params), params_layer=zeros, bucket_params=np.array([100.0]),
         embedding_allreduce_s=np.array([embedding]), overlap_grad_reduce=np.array([overlap]),
-        overlap_param_gather=np.array([overlap]))
+        overlap_param_gather=np.array([overlap]), virtual_stages=np.array([1]), wrap_s=np.array([0.0]))
 
 
 def step(b: ScheduleBatch) -> float:
@@ -105,3 +108,57 @@ def test_the_optimizer_step_is_a_pass_over_the_optimizer_shard():
     assert whole.optimizer_s == pytest.approx(params * OPTIMIZER_BYTES_MIXED / bandwidth)
     assert sharded.optimizer_s == pytest.approx(whole.optimizer_s / 4)
     assert sharded.step_time_s > sharded.pipeline_time_s + sharded.optimizer_s
+
+
+# -- interleaved (virtual) stages ------------------------------------------------------------------------------
+
+
+def test_layers_split_evenly_over_chunks_the_first_taking_one_more():
+    assert chunk_layers(np.array([[7, 4, 0]]), 2).tolist() == [[[4, 3], [2, 2], [0, 0]]]
+
+
+def test_interleaved_stages_hold_more_micro_batches_counted_from_the_schedule():
+    # p = 2, v = 2, m = 4: stage 0 runs 4 warm-up forwards (chunks 0 0 1 1), then a forward before each
+    # backward: 5 chunks of activations at most, 2.5 stages' worth; stage 1 runs 2 warm-up forwards: 3 chunks
+    assert in_flight(2, np.array([4]), 2).tolist() == [[2.5, 1.5]]
+    assert in_flight(2, np.array([4]), 1).tolist() == [[2, 1]]
+    assert in_flight(2, np.array([3]), 2).tolist() == [[2, 1]]  # Megatron does not interleave 3 over 2 stages
+
+
+def test_an_interleaved_estimate_is_the_interleaved_schedule_of_its_chunks():
+    model, cluster = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-4xA10")
+    args = dict(tp=1, dp=4, pp=4, mbs=1, placement=["A10"] * 4, layers=[13, 11, 12, 12], overlap=False)
+    plain, interleaved = fasop.estimate(model, cluster, **args), fasop.estimate(model, cluster, **args, virtual_stages=2)
+    assert interleaved.virtual_stages == 2 and interleaved.layers_per_virtual_stage == [7, 6, 6, 6, 6, 5, 6, 6]
+    stages = interleaved.stages
+    # every chunk's time from the plain plan's per-stage times: layers alike, embedding on chunk 0 of stage 0,
+    # head on chunk 1 of stage 3
+    layer_f, layer_c = stages[1].forward_s / 11, stages[1].compute_s / 11
+    fixed_f = [stages[0].forward_s - 13 * layer_f, 0, 0, stages[3].forward_s - 12 * layer_f]
+    fixed_c = [stages[0].compute_s - 13 * layer_c, 0, 0, stages[3].compute_s - 12 * layer_c]
+    chunks = interleaved.layers_per_virtual_stage
+    forward = [[(fixed_f[i] if (i, c) in ((0, 0), (3, 1)) else 0) + layer_f * chunks[c * 4 + i] for c in range(2)]
+               for i in range(4)]
+    compute = [[(fixed_c[i] if (i, c) in ((0, 0), (3, 1)) else 0) + layer_c * chunks[c * 4 + i] for c in range(2)]
+               for i in range(4)]
+    backward = [[c - f for c, f in zip(cs, fs)] for cs, fs in zip(compute, forward)]
+    sends = [s.send_s for s in stages[:-1]]
+    geo = fasop.cost.communication.geometry(cluster, ("A10",) * 4, 1, 4, 4)
+    wrap = geo.wrap_s_per_byte * 2 * 1024 * 1600 + geo.wrap_latency_s
+    simulated = simulate_interleaved_1f1b(forward, backward, sends, wrap, interleaved.num_microbatches)
+    assert interleaved.pipeline_time_s == pytest.approx(simulated, rel=1e-9)
+    assert interleaved.pipeline_time_s < plain.pipeline_time_s  # the bubble shrinks
+    assert interleaved.peak_memory_gib > plain.peak_memory_gib  # more micro-batches in flight
+    # 64 / (4 x 8) = 2 micro-batches: fewer than the 4 stages Megatron interleaves them over
+    with pytest.raises(InputError, match="--virtual-stages: 2: the micro-batch group size 4 must lie between"):
+        fasop.estimate(model, cluster, **{**args, "mbs": 8}, virtual_stages=2)
+
+
+def test_the_search_tries_interleaving_where_megatron_runs_it():
+    model, cluster = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-1xA100-7xA10")
+    plans = search_plans(model, cluster).plans
+    interleaved = [p for p in plans if p.virtual_stages > 1]
+    assert interleaved and all(p.pp >= 2 and p.num_microbatches % p.pp == 0 for p in interleaved)
+    for plan in interleaved[:5]:
+        assert sum(plan.layers_per_virtual_stage) == model.num_layers
+        assert len(plan.layers_per_virtual_stage) == plan.pp * plan.virtual_stages

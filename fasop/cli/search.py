@@ -145,10 +145,12 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> 
 @common.mismatch_option
 @common.optimizer_option
 @common.overlap_option
+@click.option("--virtual-stages", type=click.IntRange(min=1, max=1024), default=1, show_default=True,
+              help="Model chunks per pipeline rank (interleaved 1F1B when > 1); layers split evenly over them.")
 @click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
 @common.reports_input_errors
 def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, profiles_dir, allow_profile_mismatch,
-             distributed_optimizer, overlap, as_json):
+             distributed_optimizer, overlap, virtual_stages, as_json):
     """Break down the step time, memory and price of one explicit plan."""
     from fasop.search import estimate as run_estimate
 
@@ -156,7 +158,8 @@ def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, 
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch)
     plan = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
                        layers=common.int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
-                       distributed_optimizer=distributed_optimizer, profiles=profiles, overlap=overlap)
+                       distributed_optimizer=distributed_optimizer, profiles=profiles, overlap=overlap,
+                       virtual_stages=virtual_stages)
     if as_json:
         record = plan.record()
         check_finite(record, "estimate")

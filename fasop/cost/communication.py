@@ -38,9 +38,10 @@ def boundary_bytes(model: Model, segment: int, mbs: int, tp: int) -> float:
 
 
 def p2p_times(model: Model, geo: Geometry, config: Config, segment: np.ndarray,
-              mbs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(boundary, exchange): (K, pp-1) seconds to send one micro-batch's activation across each boundary, and
-    (K, pp) the sends and receives each stage waits for in each steady-state step."""
+              mbs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(boundary, exchange, wrap): (K, pp-1) seconds to send one micro-batch's activation across each boundary,
+    (K, pp) the sends and receives each stage waits for in each steady-state step, and (K,) the send from the
+    last stage to the first of an interleaved pipeline."""
     # activation sizes grow linearly with the micro-batch: compute them once for one sample
     per_sample_bytes = np.array([boundary_bytes(model, s, 1, config.tp)
                                  for s in range(len(model.layer_kinds))])[segment[1:]]
@@ -48,7 +49,8 @@ def p2p_times(model: Model, geo: Geometry, config: Config, segment: np.ndarray,
     exchange = np.zeros((len(mbs), config.pp))
     exchange[:, 1:] += boundary
     exchange[:, :-1] += boundary
-    return boundary, exchange
+    wrap = geo.wrap_s_per_byte * per_sample_bytes[:1].sum() * mbs + geo.wrap_latency_s
+    return boundary, exchange, wrap
 
 
 def allreduce_times(model: Model, geo: Geometry, config: Config, fixed_params: np.ndarray,
@@ -79,6 +81,8 @@ class Geometry:
     dp_allreduce_latency_s: np.ndarray  # (pp,)
     embedding_allreduce_s_per_byte: float = 0.0  # all-reduce of the tied embedding between its stages
     embedding_allreduce_latency_s: float = 0.0
+    wrap_s_per_byte: float = 0.0  # last stage to the first: what interleaved pipelines send around
+    wrap_latency_s: float = 0.0
 
 
 def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp: int) -> Geometry:
@@ -93,7 +97,9 @@ def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp:
     boundary, boundary_latency = links.exchange(flat[:-1], flat[1:])
     # one data-parallel group per tensor index
     dp_cost, dp_latency = links.allreduce(node.transpose(0, 2, 1)) if dp > 1 else (np.zeros(pp), np.zeros(pp))
-    return Geometry(placement, stage_types, stage_nodes, boundary, dp_cost, node, boundary_latency, dp_latency)
+    wrap, wrap_latency = links.exchange(flat[-1:], flat[:1])
+    return Geometry(placement, stage_types, stage_nodes, boundary, dp_cost, node, boundary_latency, dp_latency,
+                    wrap_s_per_byte=float(wrap[0]), wrap_latency_s=float(wrap_latency[0]))
 
 
 def with_embedding_group(cluster: Cluster, geo: Geometry, stages: tuple[int, ...]) -> Geometry:

@@ -28,6 +28,14 @@ def bucket_params(dp: int) -> int:
     return max(BUCKET_MIN_PARAMS, BUCKET_PARAMS_PER_DP_RANK * dp)
 
 
+def chunk_layers(counts: np.ndarray, virtual_stages: int) -> np.ndarray:
+    """(..., P) layers per stage -> (..., P, v) layers per model chunk: as even as can be, the first chunks
+    taking one more when the count does not divide."""
+    n = np.asarray(counts)[..., None]
+    chunk = np.arange(virtual_stages)
+    return n // virtual_stages + (chunk < n % virtual_stages)
+
+
 @dataclass(frozen=True)
 class ScheduleBatch:
     """What the exact step needs of B plans with the same number of stages; per-stage arrays are (B, P), each
@@ -51,6 +59,8 @@ class ScheduleBatch:
     embedding_allreduce_s: np.ndarray  # (B,)
     overlap_grad_reduce: np.ndarray  # (B,) bool
     overlap_param_gather: np.ndarray  # (B,) bool
+    virtual_stages: np.ndarray  # (B,) model chunks per stage
+    wrap_s: np.ndarray  # (B,) the last stage's send to the first, interleaved
 
     def __len__(self) -> int:
         return len(self.num_microbatches)
@@ -62,6 +72,19 @@ class ScheduleBatch:
     def take(self, rows: np.ndarray) -> ScheduleBatch:
         return ScheduleBatch(*(getattr(self, f.name)[rows] for f in fields(ScheduleBatch)))
 
+    def _chunks(self, rows: np.ndarray, v: int, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward), each (rows, P, v), of every model chunk: a stage's layers split evenly over its
+        chunks (`chunk_layers`); the first stage's fixed units (the embedding) on its first chunk, the last
+        stage's (the head) on its last."""
+        layers = chunk_layers(n, v)
+        fixed = np.zeros(layers.shape)
+        fixed_forward = np.zeros(layers.shape)
+        fixed[:, 0, 0], fixed_forward[:, 0, 0] = self.fixed_s[rows, 0], self.fixed_forward_s[rows, 0]
+        fixed[:, -1, -1] += self.fixed_s[rows, -1]
+        fixed_forward[:, -1, -1] += self.fixed_forward_s[rows, -1]
+        forward = fixed_forward + self.layer_forward_s[rows, :, None] * layers
+        return forward, fixed + self.layer_s[rows, :, None] * layers - forward
+
     def step_terms(self, counts: np.ndarray) -> dict[str, np.ndarray]:
         """The step of each plan for layer counts (B, P): the schedule's makespan (`pipeline_time_s`), when each
         stage is done (`stage_done_s`), the optimizer step and the data-parallel time left exposed by the
@@ -70,7 +93,12 @@ class ScheduleBatch:
         compute = self.fixed_s + self.layer_s * n
         forward = self.fixed_forward_s + self.layer_forward_s * n
         backward = compute - forward
-        first, end = stage_times(forward, backward, self.boundary_s, self.num_microbatches)
+        first, end = np.empty_like(n), np.empty_like(n)
+        for v in np.unique(self.virtual_stages):
+            rows = np.flatnonzero(self.virtual_stages == v)
+            f, b = (forward[rows], backward[rows]) if v == 1 else self._chunks(rows, int(v), n[rows])
+            first[rows], end[rows] = stage_times(f, b, self.boundary_s[rows], self.num_microbatches[rows],
+                                                 virtual_stages=int(v), wrap_send_s=self.wrap_s[rows])
         grad = self.grad_fixed_s + self.grad_layer_s * n
         gather = self.gather_fixed_s + self.gather_layer_s * n
         optimizer = self.optimizer_fixed_s + self.optimizer_layer_s * n

@@ -18,6 +18,7 @@ from fasop.cost.config import Config, segments
 from fasop.cost.exact import ScheduleBatch, bucket_params, optimizer_times
 from fasop.cost.memory import layers_that_fit, stage_capacity_gib, stage_memory_gib, stage_params
 from fasop.cost.pipeline import pipeline_terms
+from fasop.cost.schedule import interleaving_error
 from fasop.cost.problem import PartitionBatch
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -56,7 +57,7 @@ def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
     fixed_layers = np.zeros(pp, dtype=int)
     if whole:
         fixed_layers[0] = model.num_layers
-    boundary, exchange = p2p_times(model, geo, config, segment, mbs)
+    boundary, exchange, wrap = p2p_times(model, geo, config, segment, mbs)
     params = stage_params(model, config, segment)
     ar_fixed, ar_layer, emb_ar = allreduce_times(model, geo, config, *params, k)
     opt_fixed, opt_layer = optimizer_times(model, cluster, geo.stage_node_types, config, *params)
@@ -68,6 +69,9 @@ def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
     capacity = stage_capacity_gib(cluster, geo.stage_node_types)
     mem_fixed, mem_layer = stage_memory_gib(model, config, segment, params, mbs, m)
     hi = layers_that_fit(mem_fixed, mem_layer, capacity, cluster.memory_margin, whole)
+    if config.virtual_stages > 1:  # micro-batch counts Megatron cannot interleave: nothing fits
+        refused = [interleaving_error(pp, config.virtual_stages, int(count)) is not None for count in m]
+        hi = np.where(np.array(refused)[:, None], -1, hi)
     lo = np.ones(pp, dtype=int)
     if whole:
         lo[:] = 0
@@ -96,7 +100,8 @@ def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
         optimizer_layer_s=np.broadcast_to(opt_layer, (k, pp)),
         params_fixed=np.broadcast_to(params[0], (k, pp)), params_layer=np.broadcast_to(params[1], (k, pp)),
         bucket_params=buckets, embedding_allreduce_s=emb_ar, overlap_grad_reduce=np.full(k, config.overlap_grad_reduce),
-        overlap_param_gather=np.full(k, config.overlap_param_gather))
+        overlap_param_gather=np.full(k, config.overlap_param_gather), virtual_stages=np.full(k, config.virtual_stages),
+        wrap_s=wrap)
     return StageCosts(mbs, problem, compute.gpu, fixed_s, boundary, exchange, mem_fixed, mem_layer, capacity,
                       emb_ar, fixed_layers, schedule)
 

@@ -24,9 +24,16 @@ from fasop.search.partition import admits, lower_bounds, optimal_partitions
 from fasop.search.record import plan_rows
 from fasop.search.space import PLACEMENT_LIMIT, Group, Inputs, combinations, groups, max_stages, prepare, tensor_degrees
 
+VIRTUAL_STAGES = (1, 2)  # model chunks per pipeline rank the search tries (interleaved 1F1B beyond 1)
 PARALLEL_NODES = 32  # clusters this large are searched with one process per core
 PRUNE_CHUNK = 256  # partition problems solved between two updates of the pruning threshold
 PRUNE_SLACK = 1e-9  # relative: pruning never skips a plan within rounding of the threshold
+
+
+def virtual_stage_options(model: Model, pp: int) -> tuple[int, ...]:
+    """Virtual sizes to try: interleaving needs two stages or more, and fasop splits only decoder and encoder
+    stacks into chunks (an encoder-decoder pipeline's layout has no encoder layers in Megatron-LM)."""
+    return (1,) if pp < 2 or model.is_encoder_decoder else VIRTUAL_STAGES
 
 
 def memory_overshoot(costs: StageCosts, row: int, margin: float) -> float:
@@ -137,8 +144,11 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
     items = [(group, geo) for group in todo for geo in group.geos]
     buckets: dict[int, list] = {}
     for group, geo in items:  # plans with the same number of stages are partitioned in one batch
-        costs = stage_costs(model, cluster, inputs.profiles, geo, group.config, group.mbs_values)
-        buckets.setdefault(group.config.pp, []).append((group, geo, costs))
+        for v in virtual_stage_options(model, group.config.pp):  # the best virtual size is the plan's
+            chunked = replace(group, config=replace(group.config, virtual_stages=v))
+            costs = stage_costs(model, cluster, inputs.profiles, geo, chunked.config, group.mbs_values)
+            buckets.setdefault(group.config.pp, []).append((chunked, geo, costs))
+    total = sum(len(bucket) for bucket in buckets.values())
     problems = {pp: PartitionBatch.stack([c.problem for _, _, c in bucket]) for pp, bucket in buckets.items()}
     schedules = {pp: ScheduleBatch.stack([c.schedule for _, _, c in bucket]) for pp, bucket in buckets.items()}
     bounds = {pp: lower_bounds(batch) if keep else np.zeros(len(batch)) for pp, batch in problems.items()}
@@ -167,12 +177,12 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
                          {name: column[at + row] for name, column in terms.items()})
                 if not solved_here[at + row]:
                     skipped.add(key)
-                if key not in best or entry[:2] < best[key][:2]:
+                if key not in best or entry[:2] < best[key][:2]:  # ties: fewer encoder stages, then fewer chunks (tried first)
                     best[key] = entry
             at += len(costs.mbs)
         done += len(bucket)
         if progress:
-            progress(done, len(items))
+            progress(done, total)
     rows = []
     for value, _, group, geo, costs, row, counts, exact in best.values():
         if np.isfinite(value):

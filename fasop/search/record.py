@@ -8,6 +8,7 @@ import numpy as np
 from fasop.cost.communication import Geometry
 from fasop.cost.config import Config
 from fasop.cost.price import price_per_hour_usd
+from fasop.cost.exact import chunk_layers
 from fasop.cost.step import StageCosts, breakdown
 from fasop.search.space import Inputs
 
@@ -45,6 +46,9 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
             "placement": list(geo.placement), "layers_per_stage": layers[k].tolist(),
             "encoder_stages": config.encoder_stages, "distributed_optimizer": config.distributed_optimizer,
             "overlap_grad_reduce": config.overlap_grad_reduce, "overlap_param_gather": config.overlap_param_gather,
+            "virtual_stages": config.virtual_stages,
+            **({"layers_per_virtual_stage": virtual_layout(layers[k], config.virtual_stages)}
+               if config.virtual_stages > 1 else {}),
             "timing": "exact-schedule",
             "step_time_s": step,
             "throughput_samples_per_s": config.gbs / step,
@@ -61,3 +65,8 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
             "stages": stages,
         })
     return rows
+
+
+def virtual_layout(layers: np.ndarray, virtual_stages: int) -> list[int]:
+    """Layers of each virtual stage in Megatron's order (chunk c of stage i is virtual stage c * pp + i)."""
+    return chunk_layers(layers, virtual_stages).T.ravel().astype(int).tolist()
