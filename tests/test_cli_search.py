@@ -116,8 +116,9 @@ def test_bundled_search_prints_ranked_table(bert_search):
     folder, results = bert_search
     header, rows = table_lines(results["plans.json"].stdout)
     lowered = header.lower()
-    for column in ("mbs", "tp", "dp", "pp", "placement", "layers", "step", "mem", "$/step"):
+    for column in ("mbs", "tp", "dp", "pp", "vp", "placement", "layers", "step", "mem", "$/step"):
         assert column in lowered, f"{column!r} missing from {header!r}"
+    assert "step s: Megatron-LM's 1F1B schedule timed exactly" in results["plans.json"].stdout
     assert "throughput" in lowered or "samples/s" in lowered
     plans = json.loads((folder / "plans.json").read_text())
     assert 1 <= len(rows) <= 5 and len(rows) == min(5, len(plans))

@@ -36,6 +36,10 @@ def noise_options(command):
                              "(fasop/search/robust.py).")(command)
 
 
+TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved over vp chunks when vp > 1), then each "
+                 "stage's gradient reduction, optimizer step and parameter gather (docs/cost-model.md 4.2)")
+
+
 @click.command()
 @common.model_option
 @common.cluster_option
@@ -100,6 +104,7 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
                f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
                f"solved), {len(plans)} {'best kept' if prune else 'fit in memory'}, {result.out_of_memory} removed "
                f"as out of memory.")
+    click.echo(TIMING_LEGEND)
     click.echo(format_table(plans, top))
     if result.pruned:
         click.echo(f"{result.pruned} layer partitions skipped: their lower bound cannot reach the best {top}.")
