@@ -162,3 +162,21 @@ def test_the_search_tries_interleaving_where_megatron_runs_it():
     for plan in interleaved[:5]:
         assert sum(plan.layers_per_virtual_stage) == model.num_layers
         assert len(plan.layers_per_virtual_stage) == plan.pp * plan.virtual_stages
+
+
+def test_overlap_is_a_plan_choice_and_emitted_as_megatron_flags():
+    from fasop.launch.write import render_plan
+
+    model, cluster = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-4xA10")
+    args = dict(tp=1, dp=4, pp=4, mbs=1, placement=["A10"] * 4, layers=[12] * 4)
+    overlapped, plain = fasop.estimate(model, cluster, **args), fasop.estimate(model, cluster, **args, overlap=False)
+    assert (overlapped.overlap_grad_reduce, overlapped.overlap_param_gather) == (True, True)
+    assert (plain.overlap_grad_reduce, plain.overlap_param_gather) == (False, False)
+    assert overlapped.pipeline_time_s == plain.pipeline_time_s
+    assert overlapped.step_time_s < plain.step_time_s and overlapped.dp_exposed_s < plain.dp_exposed_s
+    no_sharding = fasop.estimate(model, cluster, **args, distributed_optimizer=False)
+    assert (no_sharding.overlap_grad_reduce, no_sharding.overlap_param_gather) == (True, False)
+    for plan, flags in ((overlapped, {"--overlap-grad-reduce", "--overlap-param-gather"}), (plain, set()),
+                        (no_sharding, {"--overlap-grad-reduce"})):
+        script = render_plan(plan, model, cluster)["run_inter.sh"]
+        assert {flag for flag in ("--overlap-grad-reduce", "--overlap-param-gather") if flag in script} == flags

@@ -8,7 +8,7 @@ from functools import cache
 
 import numpy as np
 
-from fasop.cost.schedule import interleaving_error, stage_program
+from fasop.cost.schedule import interleaving_error, program
 
 
 def in_flight(pp: int, num_microbatches: np.ndarray, virtual_stages: int = 1) -> np.ndarray:
@@ -26,8 +26,10 @@ def in_flight(pp: int, num_microbatches: np.ndarray, virtual_stages: int = 1) ->
 
 @cache
 def _most_chunks(pp: int, m: int, virtual_stages: int) -> tuple[int, ...]:
-    return tuple(int(np.cumsum([1 if kind == "F" else -1 for kind, _, _ in stage_program(pp, rank, m, virtual_stages)]).max())
-                 for rank in range(pp))
+    prog = program(pp, m, virtual_stages)
+    held = np.cumsum(np.where(prog.backward, -1, 1))  # operations are numbered stage by stage in program order
+    first = np.r_[0, prog.last[:-1] + 1]
+    return tuple(int((held[a:b + 1] - (held[a - 1] if a else 0)).max()) for a, b in zip(first, prog.last))
 
 
 def pipeline_terms(compute_s: np.ndarray, exchange_s: np.ndarray, boundary_s: np.ndarray,

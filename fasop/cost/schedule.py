@@ -121,7 +121,7 @@ class Program:
         return len(self.stage)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def program(stages: int, num_microbatches: int, virtual_stages: int = 1, group_size: int | None = None) -> Program:
     """The dependency graph of Megatron's schedule for these sizes (cached: it depends on nothing else)."""
     p, v, m = stages, virtual_stages, num_microbatches

@@ -72,8 +72,11 @@ def check_plan(plan: Plan, model: Any, cluster: Any, opts: LaunchOptions, where:
                       layers_per_stage=tuple(layers), distributed_optimizer=bool(plan.distributed_optimizer),
                       rank=plan.rank,
                       encoder_stages=encoder_stages, gpus_per_node=gpn,
-                      overlap_grad_reduce=bool(plan.overlap_grad_reduce),
-                      overlap_param_gather=bool(plan.overlap_param_gather) and bool(plan.distributed_optimizer),
+                      # a plan that does not say: fasop's default, overlapped; Megatron-LM gathers parameters during
+                      # the forward only with the distributed optimizer and with the gradient reduction overlapped
+                      overlap_grad_reduce=plan.overlap_grad_reduce is not False,
+                      overlap_param_gather=(plan.overlap_param_gather is not False and bool(plan.distributed_optimizer)
+                                            and plan.overlap_grad_reduce is not False),
                       virtual_stages=v, layers_per_virtual_stage=tuple(chunks))
 
 
