@@ -22,7 +22,7 @@ from fasop.inputs.tomlfile import Range, Table, expected, validated
 
 MAX_PLAN_INT = 2**53  # ranks, degrees, batch sizes and layer counts of a plan file: exact in any JSON reader
 DATA_PARALLEL_KINDS = ("ddp", "zero1", "zero2", "zero3")
-CSV_LISTS = ("placement", "layers_per_stage")
+CSV_LISTS = ("placement", "layers_per_stage", "layers_per_virtual_stage")
 # Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.inputs.names),
 # so every node-type name reads back whole ("-" is inside it).
 CSV_LIST_SEPARATOR = " "
@@ -173,14 +173,17 @@ def plans_as_json(records: list[dict]) -> str:
 
 
 def plans_as_csv(records: list[dict]) -> str:
-    """The same columns as the JSON; lists joined with spaces, the per-stage breakdown as compact JSON."""
+    """The same columns as the JSON (every field any plan has, in the schema's order; empty where a plan has
+    none); lists joined with spaces, the per-stage breakdown as compact JSON."""
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(records[0]), lineterminator="\n")
+    columns = [name for name in Plan.model_fields if any(name in record for record in records)]
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for record in records:
         flat = dict(record)
         for key in CSV_LISTS:
-            flat[key] = CSV_LIST_SEPARATOR.join(map(str, record[key]))
+            if key in record:
+                flat[key] = CSV_LIST_SEPARATOR.join(map(str, record[key]))
         flat["stages"] = json.dumps(record["stages"], separators=(",", ":"))
         writer.writerow(flat)
     return out.getvalue()
