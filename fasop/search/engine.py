@@ -25,6 +25,8 @@ from fasop.search.record import plan_rows
 from fasop.search.space import PLACEMENT_LIMIT, Group, Inputs, combinations, groups, max_stages, prepare, tensor_degrees
 
 VIRTUAL_STAGES = (1, 2)  # model chunks per pipeline rank the search tries (interleaved 1F1B beyond 1)
+# deepest pipeline the search interleaves: the schedule of deeper ones costs more to build than it is likely to gain
+INTERLEAVE_MAX_STAGES = 16
 PARALLEL_NODES = 32  # clusters this large are searched with one process per core
 PRUNE_CHUNK = 256  # partition problems solved between two updates of the pruning threshold
 PRUNE_SLACK = 1e-9  # relative: pruning never skips a plan within rounding of the threshold
@@ -33,7 +35,7 @@ PRUNE_SLACK = 1e-9  # relative: pruning never skips a plan within rounding of th
 def virtual_stage_options(model: Model, pp: int) -> tuple[int, ...]:
     """Virtual sizes to try: interleaving needs two stages or more, and fasop splits only decoder and encoder
     stacks into chunks (an encoder-decoder pipeline's layout has no encoder layers in Megatron-LM)."""
-    return (1,) if pp < 2 or model.is_encoder_decoder else VIRTUAL_STAGES
+    return (1,) if not 2 <= pp <= INTERLEAVE_MAX_STAGES or model.is_encoder_decoder else VIRTUAL_STAGES
 
 
 def memory_overshoot(costs: StageCosts, row: int, margin: float) -> float:
