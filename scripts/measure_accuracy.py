@@ -25,8 +25,8 @@ import fasop
 from fasop.cost.communication import geometry, with_embedding_group
 from fasop.cost.config import Config, embedding_stages
 from fasop.cost.problem import PartitionBatch
-from fasop.cost.step import stage_costs
 from fasop.cost.simulate import simulate_1f1b
+from fasop.cost.step import stage_costs
 from fasop.inputs.cluster import Cluster, Derating, NodeType, parse_bandwidth
 from fasop.inputs.model import Model
 from fasop.search import search_plans

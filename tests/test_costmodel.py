@@ -133,9 +133,8 @@ def test_every_transfer_pays_its_links_latency_once_and_a_ring_two_per_step():
 
 
 def test_latencies_read_from_the_cluster_file_with_sourced_defaults(tmp_path):
-    from fasop.inputs.cluster import DEFAULT_INTER_NODE_LATENCY_US, load_cluster
-
     from fasop.inputs import bundled
+    from fasop.inputs.cluster import DEFAULT_INTER_NODE_LATENCY_US, load_cluster
 
     text = (bundled.data_dir("clusters") / "fasop-4xA10.toml").read_text()
     path = tmp_path / "c.toml"

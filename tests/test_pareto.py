@@ -457,15 +457,19 @@ def test_plot_timeline_command(cluster_file, folder):
     plans = folder / "timeline-plans.json"
     assert run("search", "--model", "gpt2-xl", "--cluster", cluster_file, "--output", plans).exit_code == 0
     first, again = folder / "timeline.png", folder / "timeline-again.png"
-    result = run("plot", "--plan", plans, "--rank", 2, "--timeline", first)
+    plan = next(p for p in load_plans(plans) if p.virtual_stages == 1 and p.pp > 1)
+    result = run("plot", "--plan", plans, "--rank", plan.rank, "--timeline", first)
     assert result.exit_code == 0, result.output
-    plan = load_plans(plans)[1]
-    assert f"schedule of plan 2 ({plan.pp} stages, {plan.num_microbatches} micro-batches" in result.output
+    assert f"schedule of plan {plan.rank} ({plan.pp} stages, {plan.num_microbatches} micro-batches" in result.output
     assert first.read_bytes()[:8] == PNG_MAGIC
-    assert run("plot", "--plan", plans, "--rank", 2, "--timeline", again).exit_code == 0
+    assert run("plot", "--plan", plans, "--rank", plan.rank, "--timeline", again).exit_code == 0
     assert again.read_bytes() == first.read_bytes()  # deterministic
+    interleaved = next((p for p in load_plans(plans) if p.virtual_stages > 1), None)
+    if interleaved is not None:
+        one_line_error(run("plot", "--plan", plans, "--rank", interleaved.rank, "--timeline", folder / "t.png"),
+                       "virtual_stages", "plain 1F1B")
     one_line_error(run("plot", "--plan", plans, "--rank", 9999, "--timeline", folder / "t.png"), "--rank 9999")
-    one_line_error(run("plot", "--plan", plans, "--timeline", folder / "t.pdf"), "--timeline")
+    one_line_error(run("plot", "--plan", plans, "--rank", plan.rank, "--timeline", folder / "t.pdf"), "--timeline")
     one_line_error(run("plot", "--plan", plans, "--timeline", folder / "t.png", "--out", folder / "s.png"), "--timeline")
     # a plan file without the per-stage forward times (older fasop) cannot be drawn
     records = json.loads(plans.read_text())

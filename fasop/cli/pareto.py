@@ -157,18 +157,22 @@ def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
                 raise InputError(f"{where}: stages[{index}].{key}",
                                  f"expected seconds from 0 to {top:g}, got {value!r} (plan files of fasop search "
                                  "hold the per-stage forward and send times the schedule needs)")
-    if plan.num_microbatches > TIMELINE_MICROBATCHES:
-        raise InputError(f"{where}: num_microbatches", f"{plan.num_microbatches} micro-batches: a timeline draws at "
-                                                       f"most {TIMELINE_MICROBATCHES}")
+    m = plan.num_microbatches
+    assert m is not None  # _load_plan checked it
+    if m > TIMELINE_MICROBATCHES:
+        raise InputError(f"{where}: num_microbatches", f"{m} micro-batches: a timeline draws at most "
+                                                       f"{TIMELINE_MICROBATCHES}")
+    if (plan.virtual_stages or 1) > 1:
+        raise InputError(f"{where}: virtual_stages", f"{plan.virtual_stages}: the timeline draws plain 1F1B schedules "
+                                                     "only (a plan file holds no per-chunk times)")
     forward = np.array([[s.forward_s for s in stages]], dtype=float)
     backward = np.array([[s.compute_s for s in stages]]) - forward
-    times = op_times(forward, backward, np.array([[s.send_s for s in stages[:-1]]], dtype=float),
-                     plan.num_microbatches)
+    times = op_times(forward, backward, np.array([[s.send_s for s in stages[:-1]]], dtype=float), m)
     drawn = plot_timeline(times, out, inputs=[plan_file],
                           title=f"plan {plan.rank}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}, "
-                                f"{plan.num_microbatches} micro-batches, pipeline {float(times.makespan_s[0]):.4g} s")
+                                f"{m} micro-batches, pipeline {float(times.makespan_s[0]):.4g} s")
     idle = drawn["idle"]["seconds"] / (plan.pp * float(times.makespan_s[0]))
-    click.echo(f"schedule of plan {plan.rank} ({plan.pp} stages, {plan.num_microbatches} micro-batches, "
+    click.echo(f"schedule of plan {plan.rank} ({plan.pp} stages, {m} micro-batches, "
                f"{idle:.0%} idle) written to {out}")
 
 

@@ -123,7 +123,6 @@ class ScheduleBatch:
             "pipeline_time_s": end.max(-1),
             "stage_done_s": done,
             "optimizer_s": optimizer.max(-1),
-            "stage_optimizer_s": optimizer,
             "dp_exposed_s": (done - end - optimizer).max(-1),
         }
 

@@ -18,8 +18,8 @@ from fasop.cost.config import Config, segments
 from fasop.cost.exact import ScheduleBatch, bucket_params, optimizer_times
 from fasop.cost.memory import layers_that_fit, stage_capacity_gib, stage_memory_gib, stage_params
 from fasop.cost.pipeline import pipeline_terms
-from fasop.cost.schedule import interleaving_error
 from fasop.cost.problem import PartitionBatch
+from fasop.cost.schedule import interleaving_error
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile

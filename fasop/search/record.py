@@ -7,8 +7,8 @@ import numpy as np
 
 from fasop.cost.communication import Geometry
 from fasop.cost.config import Config
-from fasop.cost.price import price_per_hour_usd
 from fasop.cost.exact import chunk_layers
+from fasop.cost.price import price_per_hour_usd
 from fasop.cost.step import StageCosts, breakdown
 from fasop.search.space import Inputs
 
