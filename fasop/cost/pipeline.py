@@ -20,7 +20,9 @@ def in_flight(pp: int, num_microbatches: np.ndarray, virtual_stages: int = 1) ->
         return plain
     for m in np.unique(num_microbatches):
         if interleaving_error(pp, virtual_stages, int(m)) is None:
-            plain[num_microbatches == m] = np.array(_most_chunks(pp, int(m), virtual_stages)) / virtual_stages
+            # the count is the warm-up's forwards plus one, which stops growing long before 8 micro-batches a stage
+            counted = min(int(m), 8 * pp)
+            plain[num_microbatches == m] = np.array(_most_chunks(pp, counted, virtual_stages)) / virtual_stages
     return plain
 
 

@@ -28,8 +28,8 @@ import numpy as np
 # Plans are evaluated in blocks whose (operations x plans) end times take 32 MiB: wide enough that numpy's cost
 # per call (a few calls per level, hundreds of levels) is small against the work, and memory stays bounded.
 BLOCK_ELEMENTS = 2**22
-# Schedules of more micro-batches are timed at this count and the one before, and extrapolated: past its warm-up
-# the schedule repeats, each micro-batch adding the same time (docs/cost-model.md section 4.1)
+# Schedules of more micro-batches are timed at about this count and one group fewer, and extrapolated: past its
+# warm-up the schedule repeats, each micro-batch adding the same time (docs/cost-model.md section 4.1)
 MAX_EXACT_MICROBATCHES = 1024
 
 
@@ -280,11 +280,14 @@ def stage_times(forward_s, backward_s, send_s, num_microbatches, *, virtual_stag
         if m <= MAX_EXACT_MICROBATCHES:
             run(int(m), rows)
             continue
-        # the steady state adds the same time per micro-batch: extrapolate from the last two exact counts
-        run(MAX_EXACT_MICROBATCHES - 1, rows)
+        # the steady state adds the same time per micro-batch: extrapolate from two exact counts a group apart
+        # (interleaved schedules run only whole groups)
+        step = 1 if virtual_stages == 1 else (group_size or p)
+        top = MAX_EXACT_MICROBATCHES // step * step
+        run(top - step, rows)
         before = last[rows].copy()
-        run(MAX_EXACT_MICROBATCHES, rows)
-        last[rows] += (m - MAX_EXACT_MICROBATCHES) * (last[rows] - before)
+        run(top, rows)
+        last[rows] += (m - top) * (last[rows] - before) / step
     return first, last
 
 
