@@ -22,7 +22,7 @@ from fasop.inputs.tomlfile import Range, Table, expected, validated
 
 MAX_PLAN_INT = 2**53  # ranks, degrees, batch sizes and layer counts of a plan file: exact in any JSON reader
 DATA_PARALLEL_KINDS = ("ddp", "zero1", "zero2", "zero3")
-CSV_LISTS = ("placement", "layers_per_stage")
+CSV_LISTS = ("placement", "layers_per_stage", "layers_per_virtual_stage")
 # Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.inputs.names),
 # so every node-type name reads back whole ("-" is inside it).
 CSV_LIST_SEPARATOR = " "
@@ -40,6 +40,8 @@ class Stage(Table):
     nodes: list[Index]  # node ranks (positions in the placement) holding the stage
     layers: Index
     compute_s: float  # forward and backward of one micro-batch
+    forward_s: float | None = None  # the forward part of compute_s
+    send_s: float | None = None  # one micro-batch's activation sent to the next stage (0 on the last)
     p2p_s: float  # its sends and receives per micro-batch
     dp_allreduce_s: float
     memory_gib: float
@@ -84,6 +86,14 @@ class Plan(Table):
     layers_per_stage: Annotated[list[Index], Field(min_length=1)]
     encoder_stages: Index = 0
     distributed_optimizer: bool | None = None
+    overlap_grad_reduce: bool | None = None  # Megatron's --overlap-grad-reduce
+    overlap_param_gather: bool | None = None  # Megatron's --overlap-param-gather
+    virtual_stages: Count | None = None  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    # layers of each virtual stage, chunk-major (chunk c of stage i is entry c * pp + i); each stage's layers split
+    # as evenly as can be, the first chunks taking one more
+    layers_per_virtual_stage: list[Index] | None = None
+    # how step_time_s was found: "exact-schedule", Megatron's 1F1B schedule timed exactly (docs/cost-model.md 4.1)
+    timing: Literal["exact-schedule"] | None = None
     step_time_s: float | None = None
     throughput_samples_per_s: float | None = None
     tokens_per_s: float | None = None
@@ -93,6 +103,9 @@ class Plan(Table):
     p2p_s: float | None = None
     dp_allreduce_s: float | None = None
     embedding_allreduce_s: float | None = None
+    dp_exposed_s: float | None = None  # data-parallel traffic the overlap leaves exposed on the slowest stage
+    optimizer_s: float | None = None  # the optimizer step of the slowest stage
+    closed_form_step_s: float | None = None  # the closed form the partitioner optimised (an estimate, not a bound)
     peak_memory_gib: float | None = None
     memory_capacity_gib: float | None = None
     cost_per_hour_usd: float | None = None
@@ -160,14 +173,17 @@ def plans_as_json(records: list[dict]) -> str:
 
 
 def plans_as_csv(records: list[dict]) -> str:
-    """The same columns as the JSON; lists joined with spaces, the per-stage breakdown as compact JSON."""
+    """The same columns as the JSON (every field any plan has, in the schema's order; empty where a plan has
+    none); lists joined with spaces, the per-stage breakdown as compact JSON."""
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(records[0]), lineterminator="\n")
+    columns = [name for name in Plan.model_fields if any(name in record for record in records)]
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for record in records:
         flat = dict(record)
         for key in CSV_LISTS:
-            flat[key] = CSV_LIST_SEPARATOR.join(map(str, record[key]))
+            if key in record:
+                flat[key] = CSV_LIST_SEPARATOR.join(map(str, record[key]))
         flat["stages"] = json.dumps(record["stages"], separators=(",", ":"))
         writer.writerow(flat)
     return out.getvalue()

@@ -45,7 +45,8 @@ def main() -> None:
         plans, partitions = re.search(r"(\d+) plans evaluated.*?\((\d+) layer partitions", out).groups()
         best = out.strip().splitlines()[-1].split()
         print(f"{model:8} {cluster:20} {min(times):7.2f} {plans:>6} {partitions:>10}  "
-              f"mbs={best[1]} tp={best[2]} dp={best[3]} pp={best[4]} {best[5]} layers {best[6]} step {best[7]} s")
+              f"mbs={best[1]} tp={best[2]} dp={best[3]} pp={best[4]} vp={best[5]} {best[6]} layers {best[7]} "
+              f"step {best[8]} s")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""How far fasop's two approximations land from what they approximate.
+"""How far fasop's approximations land from what they approximate.
 
     python scripts/measure_accuracy.py [--instances 200] [--seed 0]
 
@@ -7,11 +7,14 @@
 2. The placement subset that large searches use (type blocks and their rotations, docs/cost-model.md
    section 1) against exhaustive search, on random clusters of up to 16 nodes of up to 3 GPU types that are
    small enough to search exhaustively. tests/test_scale.py runs the same comparison on fewer instances.
+3. The layer partition, optimal for the closed form, against the best partition under the exact step
+   (docs/cost-model.md section 4.2), by brute force over every partition of the best plans of random clusters.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import tempfile
 from pathlib import Path
@@ -19,12 +22,16 @@ from pathlib import Path
 import numpy as np
 
 import fasop
+from fasop.cost.communication import geometry, with_embedding_group
+from fasop.cost.config import Config, embedding_stages
 from fasop.cost.problem import PartitionBatch
 from fasop.cost.simulate import simulate_1f1b
+from fasop.cost.step import stage_costs
 from fasop.inputs.cluster import Cluster, Derating, NodeType, parse_bandwidth
 from fasop.inputs.model import Model
 from fasop.search import search_plans
 from fasop.search.placement import more_sequences_than, placement_unit, type_order
+from fasop.search.space import prepare
 
 EXPERIMENTS = [("gpt2-xl", "fasop-8xA10"), ("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-4xA10"),
                ("bert", "fasop-1xA100-3xA10"), ("t5", "fasop-8xA10"), ("t5", "fasop-1xA100-7xA10")]
@@ -100,13 +107,14 @@ def main() -> None:
     print("1F1B closed form against the event simulation (closed / simulated - 1)")
     for model_name, cluster_name in EXPERIMENTS:
         plan = search_plans(fasop.load_model(model_name), fasop.load_cluster(cluster_name)).plans[0]
-        compute = np.array([s.compute_s for s in plan.stages])  # these profiles: backward = 2 x forward
-        sends = np.array([s.p2p_s for s in plan.stages])
-        boundary = np.zeros(len(compute) - 1)
-        for j in range(len(boundary)):  # stage p2p = sends across its two boundaries; unwind from stage 0
-            boundary[j] = sends[j] - (boundary[j - 1] if j else 0.0)
-        sim = simulate_1f1b(list(compute / 3), list(2 * compute / 3), list(boundary) + [0.0], plan.num_microbatches)
-        print(f"  best plan of {model_name} on {cluster_name}: {plan.pipeline_time_s / sim - 1:+.2%}")
+        compute = np.array([s.compute_s for s in plan.stages])
+        forward = np.array([s.forward_s for s in plan.stages])
+        boundary = np.array([s.send_s for s in plan.stages[:-1]])
+        sim = simulate_1f1b(list(forward), list(compute - forward), list(boundary) + [0.0], plan.num_microbatches)
+        closed = closed_form(compute, boundary, plan.num_microbatches)
+        exact = (f"its exact pipeline time: {plan.pipeline_time_s / sim - 1:+.1e}" if plan.virtual_stages == 1 else
+                 f"interleaved over {plan.virtual_stages} chunks, {plan.pipeline_time_s / sim - 1:+.2%}")
+        print(f"  best plan of {model_name} on {cluster_name}: {closed / sim - 1:+.2%} ({exact})")
     gaps = []
     for _ in range(args.instances):
         p, m = rng.randint(1, 8), rng.randint(1, 16)
@@ -128,6 +136,37 @@ def main() -> None:
                 gaps.append(gap)
     print(f"  {len(gaps)} random clusters (of {tried} drawn; the rest too large to search exhaustively or without "
           f"a plan): mean {np.mean(gaps):+.3%}, worst {max(gaps):+.3%}, within 1%: {sum(g <= 0.01 for g in gaps)}")
+
+    print("closed-form partition against the best partition under the exact step (found / best - 1)")
+    with tempfile.TemporaryDirectory() as folder:
+        write_profiles(Path(folder))
+        gaps = []
+        while len(gaps) < args.instances:
+            gaps += partition_gaps(*random_instance(rng), folder)
+    print(f"  {len(gaps)} plans (the 3 best of random clusters, 2 to 4 stages): mean {np.mean(gaps):+.3%}, "
+          f"worst {max(gaps):+.3%}, optimal: {sum(g <= 1e-12 for g in gaps)}")
+
+
+def partition_gaps(model: Model, cluster: Cluster, profiles: str) -> list[float]:
+    """For the 3 best plans of 2 to 4 stages: exact step of the partition found over the best exact step of any
+    partition, minus one."""
+    try:
+        plans = search_plans(model, cluster, profiles_dir=profiles, workers=1).plans
+    except fasop.InputError:
+        return []
+    inputs = prepare(model, cluster, profiles_dir=profiles)
+    gaps = []
+    for plan in [p for p in plans if 2 <= p.pp <= 4][:3]:
+        config = Config(plan.tp, plan.dp, plan.pp, plan.mbs, plan.gbs, 0, True, True, True, plan.virtual_stages or 1)
+        geo = with_embedding_group(cluster, geometry(cluster, tuple(plan.placement), plan.tp, plan.dp, plan.pp),
+                                   embedding_stages(model, config))
+        costs = stage_costs(model, cluster, inputs.profiles, geo, config, [plan.mbs])
+        splits = np.array([c for c in itertools.product(range(model.num_layers + 1), repeat=plan.pp)
+                           if sum(c) == model.num_layers])
+        splits = splits[((splits >= costs.problem.lo[0]) & (splits <= costs.problem.hi[0])).all(-1)]
+        steps = costs.schedule.take(np.zeros(len(splits), dtype=int)).step_terms(splits)["step_time_s"]
+        gaps.append(plan.step_time_s / steps.min() - 1)
+    return gaps
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 The tiny inputs use round numbers so that tests can reason about them: a 4-layer decoder (hidden 64,
 4 heads, sequence 32, vocabulary 1000, global batch 8, fp16), profiled on two GPU types "fast" and "slow"
 at tensor degrees 1 and 2 (micro-batch size 1 only), on a cluster of one "fast" and one "slow" node with
-2 GPUs each and 16 GiB per GPU. Every part can be overridden or broken on purpose.
+2 GPUs each and 16 GiB per GPU, links without latency (times stay proportional to bytes and profile times).
+Every part can be overridden or broken on purpose.
 """
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ TINY_NODE_TYPES = {
     "fast": {
         "name": "fast", "gpu": "fast", "instance": "test-fast", "gpus_per_node": 2, "gpu_memory_gib": 16.0,
         "intra_node_bandwidth": "800 Gbit/s", "inter_node_bandwidth": "100 Gbit/s",
+        "intra_node_latency_us": 0.0, "inter_node_latency_us": 0.0,
         "price_per_hour_usd": 4.0, "price_source": "round number for tests", "price_date": "2024-01-01",
         "count": 1,
     },
     "slow": {
         "name": "slow", "gpu": "slow", "instance": "test-slow", "gpus_per_node": 2, "gpu_memory_gib": 16.0,
         "intra_node_bandwidth": "200 Gbit/s", "inter_node_bandwidth": "50 Gbit/s",
+        "intra_node_latency_us": 0.0, "inter_node_latency_us": 0.0,
         "price_per_hour_usd": 2.0, "price_source": "round number for tests", "price_date": "2024-01-01",
         "count": 1,
     },

@@ -22,6 +22,8 @@ from fasop.search.placement import placements
 from fasop.search.space import prepare
 
 GIB = 2.0**30
+# how far above the best split under the exact schedule the closed form's split may land (docs/cost-model.md 4.2)
+EXACT_PARTITION_GAP = 0.05
 
 
 def node_type(name, gpus=2, intra="80 GB/s", inter="10 GB/s", memory=16.0, count=1, gpu=None):
@@ -109,6 +111,40 @@ def test_hierarchical_allreduce_across_nodes():
     assert geo.dp_allreduce_s_per_byte[0] == pytest.approx(2 * (1 / 2) * 2 * 2.0 / 10e9)
 
 
+def test_every_transfer_pays_its_links_latency_once_and_a_ring_two_per_step():
+    x = replace(node_type("X", count=2), intra_node_latency_s=2e-6, inter_node_latency_s=10e-6)
+    y = replace(node_type("Y"), intra_node_latency_s=1e-6, inter_node_latency_s=30e-6)
+    c = cluster(x, y)
+    # dp = 4 over two X nodes of 2 GPUs: 2 (g - 1) intra-node steps and 2 (k - 1) network steps
+    geo = geometry(c, ("X", "X"), tp=1, dp=4, pp=1)
+    assert geo.dp_allreduce_latency_s[0] == pytest.approx(2 * 1 * 2e-6 + 2 * 1 * 10e-6)
+    # a ring of 2 inside a node; a boundary inside a node, and one from X to Y paying Y's slower interface
+    geo = geometry(c, ("X", "X"), tp=1, dp=2, pp=2)
+    assert geo.dp_allreduce_latency_s.tolist() == pytest.approx([2 * 2e-6, 2 * 2e-6])
+    assert geo.boundary_latency_s[0] == pytest.approx(10e-6)
+    assert geometry(c, ("X", "Y"), tp=1, dp=2, pp=2).boundary_latency_s[0] == pytest.approx(30e-6)
+    assert geometry(c, ("X",), tp=1, dp=1, pp=2).boundary_latency_s[0] == pytest.approx(2e-6)
+    # a plan's sends carry them: bytes over the link plus one latency
+    model, a10 = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-4xA10")
+    plan = fasop.estimate(model, a10, tp=1, dp=8, pp=2, mbs=1, placement=["A10"] * 4, layers=[24, 24])
+    geo = geometry(a10, ("A10",) * 4, tp=1, dp=8, pp=2)
+    sent_bytes = 2 * 1024 * 1600  # fp16 activation of one sample, 1024 tokens, hidden 1600
+    assert plan.stages[0].send_s == pytest.approx(geo.boundary_s_per_byte[0] * sent_bytes + 9.6e-6)
+
+
+def test_latencies_read_from_the_cluster_file_with_sourced_defaults(tmp_path):
+    from fasop.inputs import bundled
+    from fasop.inputs.cluster import DEFAULT_INTER_NODE_LATENCY_US, load_cluster
+
+    text = (bundled.data_dir("clusters") / "fasop-4xA10.toml").read_text()
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert load_cluster(str(path)).node_types["A10"].inter_node_latency_s == DEFAULT_INTER_NODE_LATENCY_US * 1e-6
+    path.write_text(text.replace("count = 4", "count = 4\nintra_node_latency_us = 5\ninter_node_latency_us = 25"))
+    a10 = load_cluster(str(path)).node_types["A10"]
+    assert (a10.intra_node_latency_s, a10.inter_node_latency_s) == pytest.approx((5e-6, 25e-6))
+
+
 def test_embedding_allreduce_between_first_and_last_stage():
     c = cluster(node_type("X", count=2, inter="10 GB/s"))
     geo = with_embedding_group(c, geometry(c, ("X", "X"), tp=1, dp=2, pp=2), (0, 1))
@@ -145,9 +181,12 @@ def test_estimate_of_a_two_stage_plan_by_hand(tiny):
                          profiles_dir=profiles, distributed_optimizer=False)
     m = 4
     comp0, comp1 = 0.003 + 2 * 0.030, 2 * 0.030 + 0.006  # embedding + 2 layers; 2 layers + head
-    c01 = 2 * 32 * 64 / 1e9  # fp16 activation of one micro-batch over the 1 GB/s interface
+    # fp16 activation of one micro-batch over the 1 GB/s interface, and the default 9.6 us network latency
+    c01 = 2 * 32 * 64 / 1e9 + 9.6e-6
+    # two stages: the exact schedule is the closed form
     pipeline = comp0 + comp1 + 2 * c01 + (m - 1) * max(comp0 + c01, comp1 + c01)
-    embedding = 1000 * 64 * 2 / 1e9  # tied embedding gradients (vocabulary padded to 1000), 2-rank all-reduce
+    # tied embedding gradients (vocabulary padded to 1000), 2-rank all-reduce across the network: 2 latencies
+    embedding = 1000 * 64 * 2 / 1e9 + 2 * 9.6e-6
     assert row.pipeline_time_s == pytest.approx(pipeline)
     assert row.dp_allreduce_s == 0
     assert row.embedding_allreduce_s == pytest.approx(embedding)
@@ -166,17 +205,19 @@ def test_estimate_of_a_two_stage_plan_by_hand(tiny):
     assert row.stages[1].memory_gib == pytest.approx((18 * params1 + act1) / GIB)
 
 
-def test_search_finds_the_best_split_of_every_plan(tiny):
+def test_search_finds_the_best_split_of_every_plan_for_the_closed_form(tiny):
+    """The partitioner is exact for the closed form it optimises; the exact schedule then times that split, and
+    stays within the gap docs/cost-model.md states of the best split under the exact schedule."""
     model, c, profiles = tiny
     result = search_plans(model, c, profiles_dir=profiles)
     for plan in result.plans:
         if plan.pp != 2:
             continue
-        for first in range(0, 5):
-            other = fasop.estimate(model, c, tp=plan.tp, dp=plan.dp, pp=2, mbs=plan.mbs,
-                                   placement=plan.placement, layers=[first, 4 - first], profiles_dir=profiles)
-            if other.fits_memory:
-                assert plan.step_time_s <= other.step_time_s + 1e-12
+        others = [fasop.estimate(model, c, tp=plan.tp, dp=plan.dp, pp=2, mbs=plan.mbs, placement=plan.placement,
+                                 layers=[first, 4 - first], profiles_dir=profiles) for first in range(0, 5)]
+        others = [other for other in others if other.fits_memory]
+        assert plan.closed_form_step_s <= min(other.closed_form_step_s for other in others) + 1e-12
+        assert plan.step_time_s <= min(other.step_time_s for other in others) * (1 + EXACT_PARTITION_GAP)
 
 
 def test_plans_that_do_not_fit_are_removed_and_counted(tiny):
@@ -231,9 +272,9 @@ def test_closed_form_is_exact_on_equal_stages_and_an_upper_bound_otherwise():
     ("gpt2-xl", "fasop-8xA10"), ("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-4xA10"),
     ("bert", "fasop-1xA100-3xA10"), ("t5", "fasop-8xA10"), ("t5", "fasop-1xA100-7xA10"),
 ])
-def test_best_plans_are_within_three_percent_of_the_simulation(model_name, cluster_name):
+def test_best_plans_are_timed_by_the_exact_schedule(model_name, cluster_name):
     model, c = fasop.load_model(model_name), fasop.load_cluster(cluster_name)
-    plan = search_plans(model, c).plans[0]
+    plan = next(p for p in search_plans(model, c).plans if p.virtual_stages == 1)  # the best plain 1F1B plan
     inputs = prepare(model, c)
     config = Config(plan.tp, plan.dp, plan.pp, plan.mbs, plan.gbs, plan.encoder_stages, True)
     geo = with_embedding_group(c, geometry(c, tuple(plan.placement), config.tp, config.dp, config.pp),
@@ -241,9 +282,12 @@ def test_best_plans_are_within_three_percent_of_the_simulation(model_name, clust
     costs = stage_costs(model, c, inputs.profiles, geo, config, [config.mbs])
     compute = np.array([s.compute_s for s in plan.stages])
     send = list(costs.boundary_s[0]) + [0.0]
+    assert [s.send_s for s in plan.stages] == pytest.approx(send)
     m = plan.num_microbatches
-    sim = simulate_1f1b(list(compute / 3), list(2 * compute / 3), send, m)  # these profiles: backward = 2 forward
-    assert makespan_s([compute / 3], [2 * compute / 3], [send[:-1]], m)[0] == pytest.approx(sim)
-    # the record's pipeline time is the closed form of its own stage times and sends
-    assert closed_form(compute / 3, 2 * compute / 3, send, m) == pytest.approx(plan.pipeline_time_s)
-    assert sim - 1e-9 <= plan.pipeline_time_s <= 1.03 * sim
+    forward = np.array([s.forward_s for s in plan.stages])
+    assert forward == pytest.approx(compute / 3)  # these profiles: backward = 2 forward
+    sim = simulate_1f1b(list(forward), list(compute - forward), send, m)
+    # the record's pipeline time is the exact schedule's; the closed form bounds it, within 8% on these plans
+    # (ranked by the exact schedule, the best plans are those the closed form overestimates most)
+    assert plan.pipeline_time_s == pytest.approx(sim, rel=1e-9)
+    assert sim - 1e-9 <= closed_form(forward, compute - forward, send, m) <= 1.08 * sim

@@ -687,11 +687,11 @@ def test_an_untouched_plan_from_search_is_emitted_as_it_is(searched):
         assert json.loads((out / "plan.json").read_text()) == plans[rank - 1]
 
 
-def edit(plans_file: Path, change) -> dict:
-    """Apply `change` to plan 1 of the list in place; returns the plan as it was."""
+def edit(plans_file: Path, change, index: int = 0) -> dict:
+    """Apply `change` to plan `index` (default plan 1) of the list in place; returns the plan as it was."""
     plans = json.loads(plans_file.read_text())
-    before = json.loads(json.dumps(plans[0]))
-    change(plans[0])
+    before = json.loads(json.dumps(plans[index]))
+    change(plans[index])
     plans_file.write_text(json.dumps(plans))
     return before
 
@@ -711,10 +711,11 @@ def _move_a_layer(plan):
 ])
 def test_a_hand_edited_plan_is_refused(searched, change, fragment):
     plans = json.loads(searched.read_text())
-    assert plans[0]["pp"] == 4 and plans[0]["layers_per_stage"][-1] > 1
-    edit(searched, change)
-    result = emit_rank(searched, 1, searched.parent / "out")
-    one_line_error(result, "plan 1", "stale plan", fragment, "--force")
+    index = next(i for i, plan in enumerate(plans) if plan["pp"] == 4 and plan["layers_per_stage"][-1] > 1)
+    edit(searched, change, index)
+    rank = plans[index]["rank"]
+    result = emit_rank(searched, rank, searched.parent / "out")
+    one_line_error(result, f"plan {rank}", "stale plan", fragment, "--force")
     assert not (searched.parent / "out").exists()
 
 

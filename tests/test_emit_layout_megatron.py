@@ -59,3 +59,49 @@ def test_layout_is_what_auto_picks_when_the_older_form_does_not_fit(tmp_path):
     args = flag_values(megatron_args(render_plan(Plan.model_validate(make_plan()), model, cluster)["run_inter.sh"]))
     layout = PipelineParallelLayerLayout(args["--pipeline-model-parallel-layout"][0], 4)
     assert [row[0].count(LayerType.decoder) for row in layout.layout] == make_plan()["layers_per_stage"]
+
+
+INTERLEAVED = [
+    # (layers per stage, virtual stages, the flag fasop writes)
+    ([10, 13, 14, 11], 2, "--pipeline-model-parallel-layout"),
+    ([0, 16, 16, 16], 2, "--pipeline-model-parallel-layout"),  # the first stage's first chunk: the embedding alone
+    ([12, 12, 12, 12], 2, "--num-virtual-stages-per-pipeline-rank"),  # every virtual stage holds 6 layers
+    ([13, 11, 12, 12], 4, "--pipeline-model-parallel-layout"),
+]
+
+
+@pytest.mark.parametrize("layers, v, flag", INTERLEAVED)
+def test_megatron_core_reads_the_interleaved_layout(tmp_path, layers, v, flag):
+    model = load_model("gpt2-xl")
+    cluster = load_cluster(str(write_cluster(tmp_path)))
+    chunks = [layers[i] // v + (c < layers[i] % v) for c in range(v) for i in range(4)]  # virtual-stage order
+    plan = launchable(tp=1, dp=2, pp=4, placement=["small", "big", "big", "small"], layers_per_stage=layers, gbs=64,
+                      mbs=1, virtual_stages=v, layers_per_virtual_stage=chunks)
+    args = flag_values(megatron_args(render_plan(plan, model, cluster)["run_inter.sh"]))
+    # one of the two ways to give the virtual size, never both
+    assert flag in args and len({"--pipeline-model-parallel-layout", "--num-virtual-stages-per-pipeline-rank"}
+                                & set(args)) == 1
+    if flag == "--num-virtual-stages-per-pipeline-rank":
+        assert args[flag] == [str(v)] and int(args["--num-layers"][0]) == 4 * v * chunks[0]
+        return
+    layout = PipelineParallelLayerLayout(args[flag][0], 4)
+    assert layout.virtual_pipeline_model_parallel_size == v
+    layout.validate_layer_layout(num_layers=int(args["--num-layers"][0]), mtp_num_layers=None)
+    assert [[chunk.count(LayerType.decoder) for chunk in row] for row in layout.layout] == \
+        [[chunks[c * 4 + i] for c in range(v)] for i in range(4)]
+    assert layout.layout[0][0][0] == LayerType.embedding and layout.layout[-1][-1][-1] == LayerType.loss
+
+
+def test_an_interleaved_layout_that_is_not_the_even_split_is_refused(tmp_path):
+    from fasop.errors import InputError
+
+    model = load_model("gpt2-xl")
+    cluster = load_cluster(str(write_cluster(tmp_path)))
+    plan = launchable(tp=1, dp=2, pp=4, placement=["small", "big", "big", "small"], layers_per_stage=[12] * 4, gbs=64,
+                      mbs=1, virtual_stages=2, layers_per_virtual_stage=[7, 6, 6, 6, 5, 6, 6, 6])
+    with pytest.raises(InputError, match="layers_per_virtual_stage"):
+        render_plan(plan, model, cluster)
+    odd = launchable(tp=1, dp=2, pp=4, placement=["small", "big", "big", "small"], layers_per_stage=[12] * 4, gbs=36,
+                     mbs=1, virtual_stages=2)  # 18 micro-batches: not a multiple of the 4 stages
+    with pytest.raises(InputError, match="virtual_stages: 2: 18 micro-batches leave a last group of 2"):
+        render_plan(odd, model, cluster)

@@ -19,6 +19,7 @@ from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.market.frontfile import REQUIRED_COLUMNS, front_as_csv, read_front_csv, write_front_csv
 from fasop.market.pareto import DEFAULT_TRAIN_STEPS, check_limits, choose, compositions, pareto_front, sweep
+from fasop.plans import load_plans
 from fasop.plot import plot_front, plot_stages, stage_times
 from fasop.search import search_plans
 
@@ -450,6 +451,34 @@ def test_plot_plan_command(cluster_file, folder):
     result = run("plot", "--plan", plans, "--rank", 2, "--out", out)
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_timeline_command(cluster_file, folder):
+    plans = folder / "timeline-plans.json"
+    assert run("search", "--model", "gpt2-xl", "--cluster", cluster_file, "--output", plans).exit_code == 0
+    first, again = folder / "timeline.png", folder / "timeline-again.png"
+    plan = next(p for p in load_plans(plans) if p.virtual_stages == 1 and p.pp > 1)
+    result = run("plot", "--plan", plans, "--rank", plan.rank, "--timeline", first)
+    assert result.exit_code == 0, result.output
+    assert f"schedule of plan {plan.rank} ({plan.pp} stages, {plan.num_microbatches} micro-batches" in result.output
+    assert first.read_bytes()[:8] == PNG_MAGIC
+    assert run("plot", "--plan", plans, "--rank", plan.rank, "--timeline", again).exit_code == 0
+    assert again.read_bytes() == first.read_bytes()  # deterministic
+    interleaved = next((p for p in load_plans(plans) if p.virtual_stages > 1), None)
+    if interleaved is not None:
+        one_line_error(run("plot", "--plan", plans, "--rank", interleaved.rank, "--timeline", folder / "t.png"),
+                       "virtual_stages", "plain 1F1B")
+    one_line_error(run("plot", "--plan", plans, "--rank", 9999, "--timeline", folder / "t.png"), "--rank 9999")
+    one_line_error(run("plot", "--plan", plans, "--rank", plan.rank, "--timeline", folder / "t.pdf"), "--timeline")
+    one_line_error(run("plot", "--plan", plans, "--timeline", folder / "t.png", "--out", folder / "s.png"), "--timeline")
+    # a plan file without the per-stage forward times (older fasop) cannot be drawn
+    records = json.loads(plans.read_text())
+    for stage in records[0]["stages"]:
+        del stage["forward_s"]
+    old = folder / "old-plans.json"
+    old.write_text(json.dumps(records))
+    one_line_error(run("plot", "--plan", old, "--timeline", folder / "t.png"), "stages[0].forward_s")
+    assert not (folder / "t.png").exists() and not (folder / "t.pdf").exists()
 
 
 @pytest.mark.parametrize("args, words", [

@@ -262,3 +262,15 @@ def test_timeline_refuses_to_overwrite_an_input_and_odd_suffixes(tmp_path):
     with pytest.raises(InputError, match="--timeline .*png or .svg"):
         plot_timeline(times, plans)
     assert plans.read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["plans.json"]
+
+
+def test_long_schedules_are_extrapolated_from_their_steady_state(monkeypatch):
+    rng = np.random.default_rng(5)
+    forward, backward, send = rng.uniform(1, 3, (20, 4)), rng.uniform(1, 6, (20, 4)), rng.uniform(0, 1, (20, 3))
+    chunks_f, chunks_b = rng.uniform(1, 3, (20, 4, 2)), rng.uniform(1, 6, (20, 4, 2))
+    full = makespan_s(forward, backward, send, 200)
+    interleaved = makespan_s(chunks_f, chunks_b, send, 200, virtual_stages=2, wrap_send_s=np.full(20, 0.5))
+    monkeypatch.setattr(schedule, "MAX_EXACT_MICROBATCHES", 66)  # interleaved: 64 and 60 micro-batches, whole groups
+    assert makespan_s(forward, backward, send, 200) == pytest.approx(full, rel=1e-2)
+    assert makespan_s(chunks_f, chunks_b, send, 200, virtual_stages=2, wrap_send_s=np.full(20, 0.5)) == \
+        pytest.approx(interleaved, rel=1e-2)

@@ -48,4 +48,4 @@ def test_the_wheel_installed_elsewhere_runs_a_search(tmp_path):
     search = run([str(env_dir / "bin" / "fasop"), "search", "--model", "gpt2-xl", "--cluster", "fasop-1xA100-7xA10",
                   "--top", "1"], cwd=elsewhere)
     assert search.returncode == 0, search.stderr
-    assert "gpt2-xl on fasop-1xA100-7xA10: 32 GPUs" in search.stdout and "A10*7,A100" in search.stdout
+    assert "gpt2-xl on fasop-1xA100-7xA10: 32 GPUs" in search.stdout and "A100,A10*7" in search.stdout

@@ -45,6 +45,11 @@ mismatch_option = click.option("--allow-profile-mismatch", is_flag=True,
 optimizer_option = click.option("--distributed-optimizer/--no-distributed-optimizer", default=True, show_default=True,
                                 help="Shard optimizer state over data parallelism (Megatron's --use-distributed-optimizer).")
 
+overlap_option = click.option("--overlap/--no-overlap", default=True, show_default=True,
+                              help="Overlap the data-parallel gradient reduction with the backward pass (Megatron's "
+                                   "--overlap-grad-reduce) and, with the distributed optimizer, the parameter "
+                                   "all-gather with the next forward (--overlap-param-gather).")
+
 
 def profile_options(gpu_help: str, tp_default: str, tp_help: str, mbs_help: str):
     """--gpu, --tp and --mbs: the GPU type and the sizes a profile command writes a profile of."""

@@ -137,9 +137,48 @@ def _load_plan(plan_file: Path, rank: int) -> Plan:
     return plan
 
 
+TIMELINE_MICROBATCHES = 1024  # more bars than a chart can show
+
+
+def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
+    """The exact schedule of `plan` from its per-stage forward and send times."""
+    import numpy as np
+
+    from fasop.cost.schedule import op_times
+    from fasop.plot import MAX_SECONDS
+    from fasop.timeline import plot_timeline
+
+    where = f"{plan_file}: plan {plan.rank}"
+    stages = plan.stages or []
+    for index, stage in enumerate(stages):
+        for key, top in (("forward_s", stage.compute_s), ("send_s", MAX_SECONDS)):
+            value = getattr(stage, key)
+            if value is None or not 0 <= value <= top:
+                raise InputError(f"{where}: stages[{index}].{key}",
+                                 f"expected seconds from 0 to {top:g}, got {value!r} (plan files of fasop search "
+                                 "hold the per-stage forward and send times the schedule needs)")
+    m = plan.num_microbatches
+    assert m is not None  # _load_plan checked it
+    if m > TIMELINE_MICROBATCHES:
+        raise InputError(f"{where}: num_microbatches", f"{m} micro-batches: a timeline draws at most "
+                                                       f"{TIMELINE_MICROBATCHES}")
+    if (plan.virtual_stages or 1) > 1:
+        raise InputError(f"{where}: virtual_stages", f"{plan.virtual_stages}: the timeline draws plain 1F1B schedules "
+                                                     "only (a plan file holds no per-chunk times)")
+    forward = np.array([[s.forward_s for s in stages]], dtype=float)
+    backward = np.array([[s.compute_s for s in stages]]) - forward
+    times = op_times(forward, backward, np.array([[s.send_s for s in stages[:-1]]], dtype=float), m)
+    drawn = plot_timeline(times, out, inputs=[plan_file],
+                          title=f"plan {plan.rank}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}, "
+                                f"{m} micro-batches, pipeline {float(times.makespan_s[0]):.4g} s")
+    idle = drawn["idle"]["seconds"] / (plan.pp * float(times.makespan_s[0]))
+    click.echo(f"schedule of plan {plan.rank} ({plan.pp} stages, {m} micro-batches, "
+               f"{idle:.0%} idle) written to {out}")
+
+
 @click.command()
 @click.argument("front_file", required=False, type=click.Path(dir_okay=False, path_type=Path), metavar="[FRONT.csv]")
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="chart.png or chart.svg")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="chart.png or chart.svg")
 @click.option("--x", "x_axis", type=click.Choice(["throughput", "time"]), default=None,
               help="Horizontal axis of a front chart: throughput (default) or time to train.")
 @click.option("--budget", type=float, default=None, metavar="USD",
@@ -149,21 +188,29 @@ def _load_plan(plan_file: Path, rank: int) -> Plan:
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Instead of a front: chart the stages of one plan of a fasop search --output plans.json file.")
 @click.option("--rank", type=int, default=None, help="Which plan of --plan (default 1, the best).")
+@click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --plan, instead of --out: the plan's pipeline schedule as a Gantt chart (png or svg).")
 @common.reports_input_errors
-def plot(front_file, out, x_axis, budget, deadline, plan_file, rank):
+def plot(front_file, out, x_axis, budget, deadline, plan_file, rank, timeline):
     """Chart a front file of fasop pareto (cost against throughput), or with --plan the compute,
-    communication and idle time of each pipeline stage of one plan."""
+    communication and idle time of each pipeline stage of one plan (--out), or its schedule (--timeline)."""
     if (front_file is None) == (plan_file is None):
         raise InputError("fasop plot", "give either a front file (FRONT.csv from fasop pareto --output) or --plan plans.json")
-    if out.suffix.lower() not in (".png", ".svg"):
+    if (out is None) == (timeline is None) or (timeline is not None and plan_file is None):
+        raise InputError("fasop plot", "give --out chart.png, or with --plan either --out or --timeline schedule.png")
+    if out is not None and out.suffix.lower() not in (".png", ".svg"):
         raise InputError(f"--out {out}", "expected a file name ending in .png or .svg")
-    check_outputs([(out, "--out")], [plan_file or front_file])
+    if out is not None:
+        check_outputs([(out, "--out")], [plan_file or front_file])
     if plan_file is not None:
         if budget is not None or deadline is not None or x_axis is not None:
             raise InputError("--plan", "--budget, --deadline and --x apply to a front chart, not to a plan's stages")
+        plan = _load_plan(plan_file, 1 if rank is None else rank)
+        if timeline is not None:
+            _plot_timeline(plan, timeline, plan_file)
+            return
         from fasop.plot import plot_stages
 
-        plan = _load_plan(plan_file, 1 if rank is None else rank)
         plot_stages(plan, out)
         click.echo(f"stages of plan {plan.rank} ({plan.pp} stages) written to {out}")
         return

@@ -37,6 +37,10 @@ def noise_options(command):
                              "(fasop/search/robust.py).")(command)
 
 
+TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved over vp chunks when vp > 1), then each "
+                 "stage's gradient reduction, optimizer step and parameter gather (docs/cost-model.md 4.2)")
+
+
 @click.command()
 @common.model_option
 @common.cluster_option
@@ -61,10 +65,11 @@ def noise_options(command):
 @common.profiles_option
 @common.mismatch_option
 @common.optimizer_option
+@common.overlap_option
 @noise_options
 @common.reports_input_errors
 def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, prune, workers, emit_dir,
-           profiles_dir, allow_profile_mismatch, distributed_optimizer, noise, trials, seed):
+           profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, noise, trials, seed):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
     from fasop.search import search_plans
     from fasop.search.space import prepare
@@ -86,7 +91,7 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     with common.progress_bar("searching") as progress:
         result = search_plans(model, cluster, gbs, profiles_dir, distributed_optimizer=distributed_optimizer,
                               train_steps=train_steps, train_tokens=train_tokens, sort=sort, progress=progress,
-                              keep=top if prune else None, workers=workers, profiles=profiles)
+                              keep=top if prune else None, workers=workers, profiles=profiles, overlap=overlap)
     elapsed = time.perf_counter() - started
     plans = result.plans
     if not plans:
@@ -101,6 +106,7 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
                f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
                f"solved), {len(plans)} {'best kept' if prune else 'fit in memory'}, {result.out_of_memory} removed "
                f"as out of memory.")
+    click.echo(TIMING_LEGEND)
     click.echo(format_table(plans, top))
     if result.pruned:
         click.echo(f"{result.pruned} layer partitions skipped: their lower bound cannot reach the best {top}.")
@@ -108,7 +114,7 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
         click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
                    "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
     if noise is not None:
-        prepared = prepare(model, cluster, plans[0].gbs, profiles_dir, distributed_optimizer, profiles)
+        prepared = prepare(model, cluster, plans[0].gbs, profiles_dir, distributed_optimizer, profiles, overlap)
         click.echo(noise_report(prepared, plans, noise, trials, seed, sort, top))
     if output is not None:
         click.echo(f"{len(plans)} plans written to {output}")
@@ -145,10 +151,13 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> 
 @common.profiles_option
 @common.mismatch_option
 @common.optimizer_option
+@common.overlap_option
+@click.option("--virtual-stages", type=click.IntRange(min=1, max=1024), default=1, show_default=True,
+              help="Model chunks per pipeline rank (interleaved 1F1B when > 1); layers split evenly over them.")
 @click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
 @common.reports_input_errors
 def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, profiles_dir, allow_profile_mismatch,
-             distributed_optimizer, as_json):
+             distributed_optimizer, overlap, virtual_stages, as_json):
     """Break down the step time, memory and price of one explicit plan."""
     from fasop.search import estimate as run_estimate
 
@@ -157,7 +166,8 @@ def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, 
                              merged_specs(own=cluster.gpus))
     plan = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
                        layers=common.int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
-                       distributed_optimizer=distributed_optimizer, profiles=profiles)
+                       distributed_optimizer=distributed_optimizer, profiles=profiles, overlap=overlap,
+                       virtual_stages=virtual_stages)
     if as_json:
         record = plan.record()
         check_finite(record, "estimate")

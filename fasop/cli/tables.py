@@ -12,10 +12,10 @@ def aligned(cells: list[list[str]]) -> str:
 
 
 def format_table(plans: list[Plan], top: int) -> str:
-    """The ranked plans as a fixed-width table."""
+    """The ranked plans as a fixed-width table (vp: model chunks per pipeline rank, interleaved when > 1)."""
     columns = [
         ("rank", "rank", "{}"), ("mbs", "mbs", "{}"), ("tp", "tp", "{}"), ("dp", "dp", "{}"), ("pp", "pp", "{}"),
-        ("placement", "placement", ""), ("layers_per_stage", "layers/stage", ""),
+        ("virtual_stages", "vp", "{}"), ("placement", "placement", ""), ("layers_per_stage", "layers/stage", ""),
         ("step_time_s", "step s", "{:.4f}"), ("throughput_samples_per_s", "samples/s", "{:.1f}"),
         ("peak_memory_gib", "mem GiB", "{:.1f}"), ("cost_per_step_usd", "$/step", "{:.5f}"),
     ]
@@ -30,6 +30,8 @@ def format_table(plans: list[Plan], top: int) -> str:
                 line.append(compress_placement(value))
             elif key == "layers_per_stage":
                 line.append(",".join(map(str, value)))
+            elif key == "virtual_stages":
+                line.append(str(value or 1))
             else:
                 line.append(fmt.format(value))
         cells.append(line)
@@ -39,7 +41,8 @@ def format_table(plans: list[Plan], top: int) -> str:
 def format_estimate(row: Plan, model_name: str, cluster_name: str, memory_margin: float) -> str:
     """One plan's per-stage table and the terms of its step time, memory and price."""
     lines = [f"{model_name} on {cluster_name}: tp={row.tp} dp={row.dp} pp={row.pp} mbs={row.mbs} "
-             f"({row.num_microbatches} micro-batches), placement {compress_placement(row.placement)}",
+             f"({row.num_microbatches} micro-batches), placement {compress_placement(row.placement)}"
+             + (f", {row.virtual_stages} virtual stages" if (row.virtual_stages or 1) > 1 else ""),
              f"{'stage':>5}  {'gpu':>9}  {'layers':>6}  {'compute s':>9}  {'p2p s':>8}  {'allreduce s':>11}  "
              f"{'mem GiB':>7}  {'of GiB':>6}"]
     for s in row.stages or []:
@@ -48,7 +51,8 @@ def format_estimate(row: Plan, model_name: str, cluster_name: str, memory_margin
     lines += [
         f"step time        {row.step_time_s:.4f} s  ({row.throughput_samples_per_s:.1f} samples/s)",
         f"  pipeline       {row.pipeline_time_s:.4f} s  (bubble {row.bubble_s:.4f} s, p2p {row.p2p_s:.4f} s)",
-        f"  dp all-reduce  {row.dp_allreduce_s:.4f} s",
+        f"  dp all-reduce  {row.dp_allreduce_s:.4f} s  (exposed after overlap {row.dp_exposed_s or 0:.4f} s)",
+        f"  optimizer      {row.optimizer_s or 0:.4f} s",
         f"  emb all-reduce {row.embedding_allreduce_s:.4f} s",
         f"peak memory      {row.peak_memory_gib:.2f} of {row.memory_capacity_gib:.2f} GiB"
         + ("" if row.fits_memory else f"  (does NOT fit with margin {memory_margin})"),

@@ -38,17 +38,19 @@ def boundary_bytes(model: Model, segment: int, mbs: int, tp: int) -> float:
 
 
 def p2p_times(model: Model, geo: Geometry, config: Config, segment: np.ndarray,
-              mbs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(boundary, exchange): (K, pp-1) seconds to send one micro-batch's activation across each boundary, and
-    (K, pp) the sends and receives each stage waits for in each steady-state step."""
+              mbs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(boundary, exchange, wrap): (K, pp-1) seconds to send one micro-batch's activation across each boundary,
+    (K, pp) the sends and receives each stage waits for in each steady-state step, and (K,) the send from the
+    last stage to the first of an interleaved pipeline."""
     # activation sizes grow linearly with the micro-batch: compute them once for one sample
     per_sample_bytes = np.array([boundary_bytes(model, s, 1, config.tp)
                                  for s in range(len(model.layer_kinds))])[segment[1:]]
-    boundary = geo.boundary_s_per_byte[None, :] * per_sample_bytes[None, :] * mbs[:, None]
+    boundary = geo.boundary_s_per_byte[None, :] * per_sample_bytes[None, :] * mbs[:, None] + geo.boundary_latency_s
     exchange = np.zeros((len(mbs), config.pp))
     exchange[:, 1:] += boundary
     exchange[:, :-1] += boundary
-    return boundary, exchange
+    wrap = geo.wrap_s_per_byte * per_sample_bytes[:1].sum() * mbs + geo.wrap_latency_s
+    return boundary, exchange, wrap
 
 
 def allreduce_times(model: Model, geo: Geometry, config: Config, fixed_params: np.ndarray,
@@ -56,16 +58,18 @@ def allreduce_times(model: Model, geo: Geometry, config: Config, fixed_params: n
     """(fixed, per layer, embedding): (K, pp) data-parallel all-reduce of each stage's gradients beyond its
     layers, (K, pp) what each layer adds, and (K,) the tied embedding's all-reduce between its stages."""
     grad_bytes = gradient_comm_bytes(model)
-    ar_fixed = np.broadcast_to(geo.dp_allreduce_s_per_byte * grad_bytes * fixed_params, (k, config.pp))
+    ar_fixed = np.broadcast_to(geo.dp_allreduce_s_per_byte * grad_bytes * fixed_params + geo.dp_allreduce_latency_s,
+                               (k, config.pp))
     ar_layer = np.broadcast_to(geo.dp_allreduce_s_per_byte * grad_bytes * layer_params, (k, config.pp))
     emb_ar = np.full(k, geo.embedding_allreduce_s_per_byte * grad_bytes * model.padded_vocab(config.tp)
-                     * model.hidden_size / config.tp)
+                     * model.hidden_size / config.tp + geo.embedding_allreduce_latency_s)
     return ar_fixed, ar_layer, emb_ar
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """Where the ranks of a (tp, dp, pp) plan land for one placement; all times are seconds per byte."""
+    """Where the ranks of a (tp, dp, pp) plan land for one placement: seconds per byte, and the latency each
+    transfer or collective pays once."""
 
     placement: tuple[str, ...]
     stage_node_types: tuple[tuple[str, ...], ...]  # distinct node types hosting each stage
@@ -73,7 +77,12 @@ class Geometry:
     boundary_s_per_byte: np.ndarray  # (pp-1,): one micro-batch's send per rank across boundary j
     dp_allreduce_s_per_byte: np.ndarray  # (pp,): all-reduce of one byte of each rank's gradients
     node: np.ndarray  # (pp, dp, tp): node of every rank
+    boundary_latency_s: np.ndarray  # (pp-1,)
+    dp_allreduce_latency_s: np.ndarray  # (pp,)
     embedding_allreduce_s_per_byte: float = 0.0  # all-reduce of the tied embedding between its stages
+    embedding_allreduce_latency_s: float = 0.0
+    wrap_s_per_byte: float = 0.0  # last stage to the first: what interleaved pipelines send around
+    wrap_latency_s: float = 0.0
 
 
 def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp: int) -> Geometry:
@@ -85,27 +94,32 @@ def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp:
     stage_nodes = tuple(tuple(range(s * per_stage // gpn, ((s + 1) * per_stage - 1) // gpn + 1)) for s in range(pp))
     stage_types = tuple(tuple(sorted({placement[n] for n in nodes})) for nodes in stage_nodes)
     flat = node.reshape(pp, -1)
-    boundary = links.exchange(flat[:-1], flat[1:])
-    dp_cost = links.allreduce(node.transpose(0, 2, 1)) if dp > 1 else np.zeros(pp)  # one group per tensor index
-    return Geometry(placement, stage_types, stage_nodes, boundary, dp_cost, node)
+    boundary, boundary_latency = links.exchange(flat[:-1], flat[1:])
+    # one data-parallel group per tensor index
+    dp_cost, dp_latency = links.allreduce(node.transpose(0, 2, 1)) if dp > 1 else (np.zeros(pp), np.zeros(pp))
+    wrap, wrap_latency = links.exchange(flat[-1:], flat[:1])
+    return Geometry(placement, stage_types, stage_nodes, boundary, dp_cost, node, boundary_latency, dp_latency,
+                    wrap_s_per_byte=float(wrap[0]), wrap_latency_s=float(wrap_latency[0]))
 
 
 def with_embedding_group(cluster: Cluster, geo: Geometry, stages: tuple[int, ...]) -> Geometry:
     """`geo` with the cost of all-reducing the tied embedding between `stages` (one group per (d, t))."""
     if len(stages) < 2:
-        return replace(geo, embedding_allreduce_s_per_byte=0.0)
+        return replace(geo, embedding_allreduce_s_per_byte=0.0, embedding_allreduce_latency_s=0.0)
     groups = geo.node[list(stages)].reshape(len(stages), -1).T
-    cost = _Links(cluster, geo.placement).allreduce(groups[None])[0]
-    return replace(geo, embedding_allreduce_s_per_byte=float(cost))
+    cost, latency = _Links(cluster, geo.placement).allreduce(groups[None])
+    return replace(geo, embedding_allreduce_s_per_byte=float(cost[0]), embedding_allreduce_latency_s=float(latency[0]))
 
 
 class _Links:
-    """The links of one placement: per-GPU intra-node and per-node inter-node bandwidth, derated."""
+    """The links of one placement: per-GPU intra-node and per-node inter-node bandwidth, derated, and latency."""
 
     def __init__(self, cluster: Cluster, placement: tuple[str, ...]):
         types = [cluster.node_types[n] for n in placement]
         self.intra = np.array([t.intra_node_bytes_per_s for t in types])
         self.inter = np.array([t.inter_node_bytes_per_s for t in types])
+        self.intra_latency = np.array([t.intra_node_latency_s for t in types])
+        self.inter_latency = np.array([t.inter_node_latency_s for t in types])
         self.derating = cluster.derating
 
     def _per_node(self, sets: np.ndarray, nodes: np.ndarray, weight) -> np.ndarray:
@@ -114,12 +128,13 @@ class _Links:
         np.add.at(out, (np.broadcast_to(sets, nodes.shape), nodes), weight)
         return out
 
-    def exchange(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-        """(J,) seconds per byte: across each boundary j every rank of one stage sends the same bytes to its
-        partner in the next stage (rows of src and dst), all at once.
+    def exchange(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(J,) seconds per byte and (J,) latency: across each boundary j every rank of one stage sends the same
+        bytes to its partner in the next stage (rows of src and dst), all at once.
 
         Pairs inside a node use the per-GPU intra-node link; pairs across nodes share the network interface
-        of their sending and of their receiving node, so the busiest interface sets the time.
+        of their sending and of their receiving node, so the busiest interface sets the time. Each pair pays
+        its link's latency once; the slowest pair counts.
         """
         der = self.derating
         boundary = np.arange(len(src))[:, None]
@@ -129,16 +144,21 @@ class _Links:
         sends = self._per_node(boundary, src, crossing)
         receives = self._per_node(boundary, dst, crossing)
         inter = (np.maximum(sends, receives) * der.p2p_inter_node / self.inter).max(axis=1, initial=0.0)
-        return np.maximum(intra, inter)
+        pair_latency = np.where(local, self.intra_latency[src],
+                                np.maximum(self.inter_latency[src], self.inter_latency[dst]))
+        return np.maximum(intra, inter), pair_latency.max(axis=1, initial=0.0)
 
-    def allreduce(self, groups: np.ndarray) -> np.ndarray:
-        """(S,) seconds per gradient byte: for each set s, all-reduces run at once, one per row of groups[s]
-        (the nodes of its members); the slowest counts.
+    def allreduce(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(S,) seconds per gradient byte and (S,) latency: for each set s, all-reduces run at once, one per row
+        of groups[s] (the nodes of its members); the slowest counts.
 
         A group inside one node runs a ring over the intra-node links: 2(n-1)/n bytes per byte. A group across
         k nodes runs hierarchically: reduce-scatter and all-gather inside each node over its g local members
         (2(g-1)/g), and an all-reduce between the k nodes (2(k-1)/k) whose traffic every group of the set with
         members on a node pushes through that node's one interface.
+
+        A ring of n steps' worth pays 2 (n - 1) latencies: 2 (g - 1) of the slowest intra-node link of the
+        group, 2 (k - 1) of the slowest network interface.
         """
         der = self.derating
         sets, rows, _ = groups.shape
@@ -160,4 +180,9 @@ class _Links:
         busiest = np.zeros(sets * rows)
         np.maximum.at(busiest, group, nic_load[set_node] / self.inter[node])
         inter_part = np.where(spanning, 2 * (k - 1) / np.maximum(k, 1) * der.collective_inter_node * busiest, 0.0)
-        return (intra_part + inter_part).reshape(sets, rows).max(axis=1)
+        intra_latency, inter_latency = np.zeros(sets * rows), np.zeros(sets * rows)
+        np.maximum.at(intra_latency, group, self.intra_latency[node])
+        np.maximum.at(inter_latency, group, self.inter_latency[node])
+        latency = 2 * np.maximum(g - 1, 0) * intra_latency + 2 * (k - 1) * inter_latency
+        return ((intra_part + inter_part).reshape(sets, rows).max(axis=1),
+                latency.reshape(sets, rows).max(axis=1))

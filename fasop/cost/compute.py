@@ -18,6 +18,8 @@ class StageCompute:
     gpu: tuple[str, ...]  # GPU types hosting each stage, '+'-joined when a stage spans two types
     layer_s: np.ndarray  # (K, pp) one transformer layer of the stage's segment
     fixed_s: np.ndarray  # (K, pp) the embedding and head units on the stage (everything when pp = 1)
+    layer_forward_s: np.ndarray  # (K, pp) the forward part of layer_s
+    fixed_forward_s: np.ndarray  # (K, pp) the forward part of fixed_s
 
 
 def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
@@ -29,20 +31,31 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
     gpu_sets = sorted(set(stage_gpus))
     stage_set = np.array([gpu_sets.index(g) for g in stage_gpus])
 
-    def unit_s(kind: str) -> np.ndarray:
-        """(K, pp): forward + backward of one unit of `kind` for one micro-batch on each stage."""
-        per_set = np.array([np.max([profiles[g].step_s(tp, kind, sizes) for g in gpus], axis=0) for gpus in gpu_sets])
+    def unit_s(kind: str, forward: bool) -> np.ndarray:
+        """(K, pp): forward + backward (or the forward alone) of one unit of `kind` for one micro-batch on each
+        stage; a stage of two GPU types takes the slower type's step, and that type's forward."""
+        steps = [np.array([profiles[g].step_s(tp, kind, sizes) for g in gpus]) for gpus in gpu_sets]
+        if forward:
+            per_set = np.array([np.array([profiles[g].forward_s(tp, kind, sizes) for g in gpus])[s.argmax(0), range(len(sizes))]
+                                for gpus, s in zip(gpu_sets, steps)])
+        else:
+            per_set = np.array([s.max(0) for s in steps])
         return per_set[stage_set].T
 
-    kinds = model.layer_kinds
-    layer_by_kind = [unit_s(kind) for kind in kinds]
-    layer_s = np.choose(segment, layer_by_kind) if len(kinds) > 1 else layer_by_kind[0]
-    first_decoder = min(config.encoder_stages, pp - 1)
-    fixed_s = np.zeros((len(sizes), pp))
-    fixed_s[:, 0] += unit_s("embedding")[:, 0]
-    fixed_s[:, -1] += unit_s("head")[:, -1]
-    if model.is_encoder_decoder:
-        fixed_s[:, first_decoder] += unit_s("decoder_embedding")[:, first_decoder]
-    if whole:
-        fixed_s[:, 0] += sum(n * t[:, 0] for n, t in zip(model.segment_layers, layer_by_kind))
-    return StageCompute(tuple("+".join(g) for g in stage_gpus), layer_s, fixed_s)
+    def totals(forward: bool) -> tuple[np.ndarray, np.ndarray]:
+        kinds = model.layer_kinds
+        layer_by_kind = [unit_s(kind, forward) for kind in kinds]
+        layer_s = np.choose(segment, layer_by_kind) if len(kinds) > 1 else layer_by_kind[0]
+        first_decoder = min(config.encoder_stages, pp - 1)
+        fixed_s = np.zeros((len(sizes), pp))
+        fixed_s[:, 0] += unit_s("embedding", forward)[:, 0]
+        fixed_s[:, -1] += unit_s("head", forward)[:, -1]
+        if model.is_encoder_decoder:
+            fixed_s[:, first_decoder] += unit_s("decoder_embedding", forward)[:, first_decoder]
+        if whole:
+            fixed_s[:, 0] += sum(n * t[:, 0] for n, t in zip(model.segment_layers, layer_by_kind))
+        return layer_s, fixed_s
+
+    layer_s, fixed_s = totals(forward=False)
+    layer_forward_s, fixed_forward_s = totals(forward=True)
+    return StageCompute(tuple("+".join(g) for g in stage_gpus), layer_s, fixed_s, layer_forward_s, fixed_forward_s)

@@ -18,6 +18,15 @@ class Config:
     gbs: int
     encoder_stages: int  # encoder-decoder models: stages holding the encoder; else 0
     distributed_optimizer: bool
+    overlap_grad_reduce: bool = False  # --overlap-grad-reduce: gradients reduced bucket by bucket during the backward
+    overlap_param_gather: bool = False  # --overlap-param-gather (distributed optimizer): during the next forward
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
+
+    @staticmethod
+    def overlaps(overlap: bool, distributed_optimizer: bool) -> dict[str, bool]:
+        """The overlap fields for `--overlap/--no-overlap`: the parameter gather exists only with the
+        distributed optimizer."""
+        return {"overlap_grad_reduce": overlap, "overlap_param_gather": overlap and distributed_optimizer}
 
 
 def segments(model: Model, config: Config) -> tuple[np.ndarray, np.ndarray]:

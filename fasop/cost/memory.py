@@ -117,7 +117,7 @@ def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: 
     fixed_act[-1] += head_activation_bytes(model, 1, tp)
     if pp == 1:
         fixed_act[0] += float(np.dot(model.segment_layers, kind_act))
-    held = in_flight(pp, num_microbatches) * mbs[:, None]  # samples whose activations a stage holds
+    held = in_flight(pp, num_microbatches, config.virtual_stages) * mbs[:, None]  # samples whose activations a stage holds
     mem_fixed = (fixed_params * per_param + fixed_act * held) / GIB
     mem_layer = (layer_params * per_param + kind_act[segment] * held) / GIB
     return mem_fixed, mem_layer

@@ -4,12 +4,34 @@ schedule event by event)."""
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 
+from fasop.cost.schedule import interleaving_error, program
 
-def in_flight(pp: int, num_microbatches: np.ndarray) -> np.ndarray:
-    """(K, pp): micro-batches whose activations stage s holds at once under 1F1B, min(pp - s, m)."""
-    return np.minimum(pp - np.arange(pp)[None, :], num_microbatches[:, None])
+
+def in_flight(pp: int, num_microbatches: np.ndarray, virtual_stages: int = 1) -> np.ndarray:
+    """(K, pp): micro-batches whose activations stage s holds at once under 1F1B, min(pp - s, m); interleaved,
+    the most model chunks whose forward has run and backward has not, counted along the stage's program, over
+    v (each chunk holds 1/v of the stage's layers). Counts Megatron does not run interleaved get the plain one."""
+    plain = np.minimum(pp - np.arange(pp)[None, :], num_microbatches[:, None]).astype(float)
+    if virtual_stages == 1:
+        return plain
+    for m in np.unique(num_microbatches):
+        if interleaving_error(pp, virtual_stages, int(m)) is None:
+            # the count is the warm-up's forwards plus one, which stops growing long before 8 micro-batches a stage
+            counted = min(int(m), 8 * pp)
+            plain[num_microbatches == m] = np.array(_most_chunks(pp, counted, virtual_stages)) / virtual_stages
+    return plain
+
+
+@cache
+def _most_chunks(pp: int, m: int, virtual_stages: int) -> tuple[int, ...]:
+    prog = program(pp, m, virtual_stages)
+    held = np.cumsum(np.where(prog.backward, -1, 1))  # operations are numbered stage by stage in program order
+    first = np.r_[0, prog.last[:-1] + 1]
+    return tuple(int((held[a:b + 1] - (held[a - 1] if a else 0)).max()) for a, b in zip(first, prog.last))
 
 
 def pipeline_terms(compute_s: np.ndarray, exchange_s: np.ndarray, boundary_s: np.ndarray,

@@ -28,6 +28,9 @@ import numpy as np
 # Plans are evaluated in blocks whose (operations x plans) end times take 32 MiB: wide enough that numpy's cost
 # per call (a few calls per level, hundreds of levels) is small against the work, and memory stays bounded.
 BLOCK_ELEMENTS = 2**22
+# Schedules of more micro-batches are timed at about this count and one group fewer, and extrapolated: past its
+# warm-up the schedule repeats, each micro-batch adding the same time (docs/cost-model.md section 4.1)
+MAX_EXACT_MICROBATCHES = 1024
 
 
 def interleaving_error(stages: int, virtual_stages: int, num_microbatches: int, group_size: int | None = None,
@@ -118,7 +121,7 @@ class Program:
         return len(self.stage)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def program(stages: int, num_microbatches: int, virtual_stages: int = 1, group_size: int | None = None) -> Program:
     """The dependency graph of Megatron's schedule for these sizes (cached: it depends on nothing else)."""
     p, v, m = stages, virtual_stages, num_microbatches
@@ -248,20 +251,44 @@ def makespan_s(forward_s, backward_s, send_s, num_microbatches, *, virtual_stage
     at the start of each backward. send_s: (plans, stages - 1) seconds of one transfer across each boundary;
     wrap_send_s: (plans,) from the last stage to the first, which interleaving needs. num_microbatches: one
     count for all plans or one per plan (plans with equal counts are evaluated together)."""
+    return stage_times(forward_s, backward_s, send_s, num_microbatches, virtual_stages=virtual_stages,
+                       wrap_send_s=wrap_send_s, recompute_s=recompute_s, group_size=group_size)[1].max(-1)
+
+
+def stage_times(forward_s, backward_s, send_s, num_microbatches, *, virtual_stages: int = 1, wrap_send_s=None,
+                recompute_s=None, group_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(first start, last end), each (plans, stages): when each stage starts its first operation (its first
+    forward, once its input has arrived) and when it ends its last (its last backward, send included).
+    Arguments as makespan_s."""
     p, forward, backward, recompute, links = _inputs(forward_s, backward_s, send_s, virtual_stages, wrap_send_s,
                                                      recompute_s)
     plans = forward.shape[0]
     counts = np.broadcast_to(np.asarray(num_microbatches), (plans,))
-    result = np.empty(plans)
+    first, last = np.empty((plans, p)), np.empty((plans, p))
+
+    def run(m: int, rows: np.ndarray) -> None:
+        prog = program(p, m, virtual_stages, group_size)
+        heads = np.r_[0, prog.last[:-1] + 1]
+        block = max(1, BLOCK_ELEMENTS // (prog.ops + 1))
+        for at in range(0, len(rows), block):
+            part = rows[at:at + block]
+            end, _ = _evaluate(prog, forward[part], backward[part], recompute[part], links[part], keep=False)
+            first[part], last[part] = end[prog.waits_for[heads]].T, end[prog.last].T
+
     for m in np.unique(counts):
         rows = np.flatnonzero(counts == m)
-        prog = program(p, int(m), virtual_stages, group_size)
-        block = max(1, BLOCK_ELEMENTS // (prog.ops + 1))
-        for first in range(0, len(rows), block):
-            part = rows[first:first + block]
-            end, _ = _evaluate(prog, forward[part], backward[part], recompute[part], links[part], keep=False)
-            result[part] = end[prog.last].max(0)
-    return result
+        if m <= MAX_EXACT_MICROBATCHES:
+            run(int(m), rows)
+            continue
+        # the steady state adds the same time per micro-batch: extrapolate from two exact counts a group apart
+        # (interleaved schedules run only whole groups)
+        step = 1 if virtual_stages == 1 else (group_size or p)
+        top = MAX_EXACT_MICROBATCHES // step * step
+        run(top - step, rows)
+        before = last[rows].copy()
+        run(top, rows)
+        last[rows] += (m - top) * (last[rows] - before) / step
+    return first, last
 
 
 def op_times(forward_s, backward_s, send_s, num_microbatches: int, *, virtual_stages: int = 1, wrap_send_s=None,

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fasop.cost.communication import Geometry, allreduce_times, p2p_times
+from fasop.cost.communication import Geometry, allreduce_times, gradient_comm_bytes, p2p_times
 from fasop.cost.compute import stage_compute
 from fasop.cost.config import Config, segments
+from fasop.cost.exact import ScheduleBatch, bucket_params, optimizer_times
 from fasop.cost.memory import layers_that_fit, stage_capacity_gib, stage_memory_gib, stage_params
 from fasop.cost.pipeline import pipeline_terms
 from fasop.cost.problem import PartitionBatch
+from fasop.cost.schedule import interleaving_error
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
@@ -39,6 +41,7 @@ class StageCosts:
     capacity_gib: np.ndarray  # (pp,) memory of the smallest GPU on the stage
     embedding_allreduce_s: np.ndarray  # (K,)
     fixed_layers: np.ndarray  # (pp,) layers that are not partitioned (one stage holds the whole model)
+    schedule: ScheduleBatch  # what the exact step needs
 
 
 def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
@@ -54,41 +57,76 @@ def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
     fixed_layers = np.zeros(pp, dtype=int)
     if whole:
         fixed_layers[0] = model.num_layers
-    boundary, exchange = p2p_times(model, geo, config, segment, mbs)
+    boundary, exchange, wrap = p2p_times(model, geo, config, segment, mbs)
     params = stage_params(model, config, segment)
     ar_fixed, ar_layer, emb_ar = allreduce_times(model, geo, config, *params, k)
+    opt_fixed, opt_layer = optimizer_times(model, cluster, geo.stage_node_types, config, *params)
+    # the distributed optimizer reduce-scatters the gradients (half the all-reduce's traffic) and all-gathers
+    # the parameters, in the training precision rather than the gradients'
+    grad_share = 0.5 if config.distributed_optimizer else 1.0
+    gather_share = 0.5 * model.precision_bytes / gradient_comm_bytes(model) if config.distributed_optimizer else 0.0
+    buckets = np.full(k, float(bucket_params(config.dp)))
     capacity = stage_capacity_gib(cluster, geo.stage_node_types)
     mem_fixed, mem_layer = stage_memory_gib(model, config, segment, params, mbs, m)
     hi = layers_that_fit(mem_fixed, mem_layer, capacity, cluster.memory_margin, whole)
+    if config.virtual_stages > 1:  # micro-batch counts Megatron cannot interleave: nothing fits
+        refused = [interleaving_error(pp, config.virtual_stages, int(count)) is not None for count in m]
+        hi = np.where(np.array(refused)[:, None], -1, hi)
     lo = np.ones(pp, dtype=int)
     if whole:
         lo[:] = 0
     elif not model.is_encoder_decoder:
         lo[0] = lo[-1] = 0  # a first stage may hold only the embedding, a last one only the head
     fixed_s = compute.fixed_s
+    # the closed form the partitioner optimises charges each stage its gradient reduction, its parameter gather
+    # and its optimizer step; with overlap, only one bucket of the reduction and none of the gather
+    gather = 0.0 if config.overlap_param_gather else gather_share
+    post_fixed = gather * ar_fixed + opt_fixed
+    post_layer = gather * ar_layer + opt_layer
+    if config.overlap_grad_reduce:
+        post_fixed = post_fixed + grad_share * geo.dp_allreduce_s_per_byte * gradient_comm_bytes(model) * buckets[:, None]
+    else:
+        post_fixed, post_layer = post_fixed + grad_share * ar_fixed, post_layer + grad_share * ar_layer
     problem = PartitionBatch(
         segment_of_stage=segment, segment_layers=segment_layers, lo=np.broadcast_to(lo, (k, pp)), hi=hi,
-        layer_s=compute.layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=ar_fixed, ar_layer_s=ar_layer,
+        layer_s=compute.layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=post_fixed, ar_layer_s=post_layer,
         num_microbatches=m, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
     )
+    schedule = ScheduleBatch(
+        fixed_s=fixed_s, layer_s=compute.layer_s, fixed_forward_s=compute.fixed_forward_s,
+        layer_forward_s=compute.layer_forward_s, boundary_s=boundary, num_microbatches=m,
+        grad_fixed_s=grad_share * ar_fixed, grad_layer_s=grad_share * ar_layer, gather_fixed_s=gather_share * ar_fixed,
+        gather_layer_s=gather_share * ar_layer, optimizer_fixed_s=np.broadcast_to(opt_fixed, (k, pp)),
+        optimizer_layer_s=np.broadcast_to(opt_layer, (k, pp)),
+        params_fixed=np.broadcast_to(params[0], (k, pp)), params_layer=np.broadcast_to(params[1], (k, pp)),
+        bucket_params=buckets, embedding_allreduce_s=emb_ar, overlap_grad_reduce=np.full(k, config.overlap_grad_reduce),
+        overlap_param_gather=np.full(k, config.overlap_param_gather), virtual_stages=np.full(k, config.virtual_stages),
+        wrap_s=wrap)
     return StageCosts(mbs, problem, compute.gpu, fixed_s, boundary, exchange, mem_fixed, mem_layer, capacity,
-                      emb_ar, fixed_layers)
+                      emb_ar, fixed_layers, schedule)
 
 
-def breakdown(costs: StageCosts, counts: np.ndarray) -> dict[str, np.ndarray]:
-    """Every term of the step time and memory of each row for the layer counts `counts` (K, pp)."""
+def breakdown(costs: StageCosts, counts: np.ndarray, exact: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Every term of the step time and memory of each row for the layer counts `counts` (K, pp): the step is the
+    exact schedule's (fasop.cost.exact; `exact`: its terms when already computed); `closed_form_step_s` is the
+    closed form the partitioner optimises."""
     p = costs.problem
     n = np.asarray(counts, dtype=float)
     compute = costs.fixed_s + p.layer_s * n
-    allreduce = p.ar_fixed_s + p.ar_layer_s * n
-    pipeline = pipeline_terms(compute, costs.exchange_s, costs.boundary_s, p.num_microbatches)
+    sched = costs.schedule
+    allreduce = (sched.grad_fixed_s + sched.gather_fixed_s) + (sched.grad_layer_s + sched.gather_layer_s) * n
+    closed = pipeline_terms(compute, costs.exchange_s, costs.boundary_s, p.num_microbatches)
+    exact = sched.step_terms(n) if exact is None else exact
     memory = costs.mem_fixed_gib + costs.mem_layer_gib * n
     return {
-        "step_time_s": pipeline["pipeline_time_s"] + allreduce.max(-1) + costs.embedding_allreduce_s,
-        **pipeline,
+        **exact,
+        "bubble_s": exact["pipeline_time_s"] - p.num_microbatches * compute.max(-1),
+        "p2p_s": closed["p2p_s"],
+        "closed_form_step_s": p.objective(n),
         "dp_allreduce_s": allreduce.max(-1),
         "embedding_allreduce_s": costs.embedding_allreduce_s,
         "stage_compute_s": compute,
+        "stage_forward_s": sched.fixed_forward_s + sched.layer_forward_s * n,
         "stage_p2p_s": costs.exchange_s,
         "stage_allreduce_s": allreduce,
         "stage_memory_gib": memory,

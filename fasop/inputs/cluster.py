@@ -22,6 +22,12 @@ _BANDWIDTH_UNITS = {
     "B/s": 1.0, "kB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12, "GiB/s": 2.0**30,
 }
 MIN_BANDWIDTH_BYTES_PER_S, MAX_BANDWIDTH_BYTES_PER_S = 1e3, 1e15
+# Latency of one step of a transfer, microseconds: NCCL's own tuning model (src/graph/tuning.cc, hwLat, ring
+# algorithm with the Simple protocol, which large transfers use) charges 3.4 us per NVLink hop and 9.6 us per
+# network hop.
+DEFAULT_INTRA_NODE_LATENCY_US = 3.4
+DEFAULT_INTER_NODE_LATENCY_US = 9.6
+MAX_LATENCY_US = 1e6
 _BANDWIDTH = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
 
 
@@ -59,6 +65,8 @@ class NodeType:
     inter_node_bytes_per_s: float  # per node, through its network interface
     price_per_hour_usd: float  # per node
     count: int
+    intra_node_latency_s: float = DEFAULT_INTRA_NODE_LATENCY_US * 1e-6  # one step of a transfer inside the node
+    inter_node_latency_s: float = DEFAULT_INTER_NODE_LATENCY_US * 1e-6  # one step across its network interface
     instance: str = ""
     price_source: str = ""
     price_date: str = ""
@@ -128,6 +136,8 @@ class NodeTypeTable(Table):
     gpu_memory_gib: Annotated[float, Range(0.0, MAX_GPU_MEMORY_GIB, low_allowed=False)] | None = None
     intra_node_bandwidth: Bandwidth
     inter_node_bandwidth: Bandwidth
+    intra_node_latency_us: Annotated[float, Range(0.0, MAX_LATENCY_US)] = DEFAULT_INTRA_NODE_LATENCY_US
+    inter_node_latency_us: Annotated[float, Range(0.0, MAX_LATENCY_US)] = DEFAULT_INTER_NODE_LATENCY_US
     price_per_hour_usd: Annotated[float, Range(0.0, MAX_PRICE_PER_HOUR_USD)]
     price_source: Text = ""
     price_date: Text = ""
@@ -181,6 +191,8 @@ def _node_type(table: NodeTypeTable, file: str, catalogue: Callable[[], dict[str
         inter_node_bytes_per_s=table.inter_node_bandwidth,
         price_per_hour_usd=table.price_per_hour_usd,
         count=table.count,
+        intra_node_latency_s=table.intra_node_latency_us * 1e-6,
+        inter_node_latency_s=table.inter_node_latency_us * 1e-6,
         instance=table.instance,
         price_source=table.price_source,
         price_date=table.price_date,

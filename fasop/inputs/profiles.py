@@ -129,6 +129,13 @@ class GpuProfile:
             self._memo[key] = np.array([sum(self.time(tp, kind, b)) for b in mbs_values])
         return self._memo[key]
 
+    def forward_s(self, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
+        """Forward seconds of one unit for each micro-batch size (memoised)."""
+        key = ("forward", tp, kind, mbs_values)
+        if key not in self._memo:
+            self._memo[key] = np.array([self.time(tp, kind, b)[0] for b in mbs_values])
+        return self._memo[key]
+
 
 def required_kinds(model: Model) -> tuple[str, ...]:
     if model.is_encoder_decoder:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from fasop.errors import InputError
 from fasop.launch.options import LaunchOptions
 from fasop.plans import Plan, PlanShape
@@ -15,6 +17,10 @@ class LaunchPlan(PlanShape):
     rank: int | None
     encoder_stages: int
     gpus_per_node: int
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    virtual_stages: int = 1
+    layers_per_virtual_stage: tuple[int, ...] = ()  # chunk-major, when virtual_stages > 1
 
 
 def check_plan(plan: Plan, model: Any, cluster: Any, opts: LaunchOptions, where: str) -> LaunchPlan:
@@ -61,7 +67,38 @@ def check_plan(plan: Plan, model: Any, cluster: Any, opts: LaunchOptions, where:
             raise InputError(f"{where}: layers_per_stage",
                              f"the first {encoder_stages} stages hold {sum(layers[:encoder_stages])} layers, "
                              f"the encoder has {model.encoder_num_layers}")
+    v, chunks = _virtual_layout(plan, model, where)
     return LaunchPlan(tp=tp, dp=dp, pp=pp, mbs=mbs, gbs=gbs, placement=tuple(placement),
                       layers_per_stage=tuple(layers), distributed_optimizer=bool(plan.distributed_optimizer),
                       rank=plan.rank,
-                      encoder_stages=encoder_stages, gpus_per_node=gpn)
+                      encoder_stages=encoder_stages, gpus_per_node=gpn,
+                      # a plan that does not say: fasop's default, overlapped; Megatron-LM gathers parameters during
+                      # the forward only with the distributed optimizer and with the gradient reduction overlapped
+                      overlap_grad_reduce=plan.overlap_grad_reduce is not False,
+                      overlap_param_gather=(plan.overlap_param_gather is not False and bool(plan.distributed_optimizer)
+                                            and plan.overlap_grad_reduce is not False),
+                      virtual_stages=v, layers_per_virtual_stage=tuple(chunks))
+
+
+def _virtual_layout(plan: Plan, model: Any, where: str) -> tuple[int, list[int]]:
+    """(virtual stages, layers per virtual stage): the plan's, checked to be what Megatron-LM runs and what fasop
+    estimates (each stage's layers split evenly over its chunks)."""
+    from fasop.cost.schedule import interleaving_error
+    from fasop.search.record import virtual_layout
+
+    v = plan.virtual_stages or 1
+    if plan.layers_per_virtual_stage is not None and v == 1:
+        raise InputError(f"{where}: layers_per_virtual_stage", "given, but virtual_stages is 1 or missing")
+    if v == 1:
+        return 1, []
+    refusal = interleaving_error(plan.pp, v, plan.gbs // (plan.dp * plan.mbs))
+    if refusal is None and model.architecture == "encoder-decoder":
+        refusal = "fasop interleaves decoder and encoder models only"
+    if refusal is not None:
+        raise InputError(f"{where}: virtual_stages", f"{v}: {refusal}")
+    even = virtual_layout(np.array(plan.layers_per_stage), v)
+    if plan.layers_per_virtual_stage is not None and list(plan.layers_per_virtual_stage) != even:
+        raise InputError(f"{where}: layers_per_virtual_stage",
+                         f"expected {even}: each stage's layers split evenly over its {v} chunks, the first chunks "
+                         f"taking one more, in virtual-stage order; got {list(plan.layers_per_virtual_stage)}")
+    return v, even

@@ -90,11 +90,25 @@ def fasop_units_to_layers(units: Sequence[int], architecture: str, encoder_stage
     return layers
 
 
+def _interleaved_flags(p: LaunchPlan, opts: LaunchOptions) -> list[tuple[str, ...]]:
+    """An interleaved plan's layers: `--num-virtual-stages-per-pipeline-rank` when every virtual stage holds the
+    same layers, else the layout with one entry per virtual stage (which implies the virtual size); never both."""
+    if opts.megatron_flavor == "fasop-fork":
+        raise InputError("--megatron-flavor fasop-fork", "runs no interleaved pipeline; emit this plan for stock "
+                                                         "Megatron-LM")
+    chunks = list(p.layers_per_virtual_stage)
+    if len(set(chunks)) == 1 and opts.pipeline_split != "layout":
+        return [("--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages))]
+    return [("--pipeline-model-parallel-layout", pipeline_layout(chunks))]
+
+
 def split_layer_flags(p: LaunchPlan, model: Any, opts: LaunchOptions, where: str) -> list[tuple[str, ...]]:
     """The flags that tell Megatron-LM how many layers each pipeline stage holds."""
     if p.pp == 1:
         return []
     layers = list(p.layers_per_stage)
+    if p.virtual_stages > 1:
+        return _interleaved_flags(p, opts)
     if opts.megatron_flavor == "fasop-fork":
         flags: list[tuple[str, ...]] = [("--balance", "-".join(str(n) for n in layers))]
         if model.architecture == "encoder-decoder":

@@ -47,7 +47,8 @@ def restate_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | None 
     try:
         fresh = estimate(model, cluster, tp=p.tp, dp=p.dp, pp=p.pp, mbs=p.mbs, placement=list(p.placement),
                          layers=list(p.layers_per_stage), gbs=p.gbs, profiles_dir=profiles_dir,
-                         distributed_optimizer=p.distributed_optimizer)
+                         distributed_optimizer=p.distributed_optimizer,
+                         overlap=p.overlap_grad_reduce or p.overlap_param_gather, virtual_stages=p.virtual_stages)
     except InputError as err:
         raise InputError(where, f"cannot be estimated afresh from model {model.name} and cluster {cluster.name} "
                                 f"({err})") from None

@@ -23,6 +23,10 @@ def run_inter_script(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: 
         parallel.append(("--sequence-parallel",))
     if p.distributed_optimizer:
         parallel.append(("--use-distributed-optimizer",))
+    if p.overlap_grad_reduce:
+        parallel.append(("--overlap-grad-reduce",))
+    if p.overlap_param_gather:
+        parallel.append(("--overlap-param-gather",))
     parallel += [("--micro-batch-size", str(p.mbs)), ("--global-batch-size", str(p.gbs))]
     lines = [
         "#!/usr/bin/env bash",

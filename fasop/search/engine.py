@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from fasop.cost.config import Config
+from fasop.cost.exact import ScheduleBatch
 from fasop.cost.price import add_training_run, price_per_hour_usd
 from fasop.cost.problem import PartitionBatch
 from fasop.cost.step import StageCosts, stage_costs
@@ -23,9 +24,18 @@ from fasop.search.partition import admits, lower_bounds, optimal_partitions
 from fasop.search.record import plan_rows
 from fasop.search.space import PLACEMENT_LIMIT, Group, Inputs, combinations, groups, max_stages, prepare, tensor_degrees
 
+VIRTUAL_STAGES = (1, 2)  # model chunks per pipeline rank the search tries (interleaved 1F1B beyond 1)
+# deepest pipeline the search interleaves: the schedule of deeper ones costs more to build than it is likely to gain
+INTERLEAVE_MAX_STAGES = 16
 PARALLEL_NODES = 32  # clusters this large are searched with one process per core
 PRUNE_CHUNK = 256  # partition problems solved between two updates of the pruning threshold
 PRUNE_SLACK = 1e-9  # relative: pruning never skips a plan within rounding of the threshold
+
+
+def virtual_stage_options(model: Model, pp: int) -> tuple[int, ...]:
+    """Virtual sizes to try: interleaving needs two stages or more, and fasop splits only decoder and encoder
+    stacks into chunks (an encoder-decoder pipeline's layout has no encoder layers in Megatron-LM)."""
+    return (1,) if not 2 <= pp <= INTERLEAVE_MAX_STAGES or model.is_encoder_decoder else VIRTUAL_STAGES
 
 
 def memory_overshoot(costs: StageCosts, row: int, margin: float) -> float:
@@ -78,16 +88,17 @@ class SearchResult:
             self.closest_memory_factor, self.closest_plan = other.closest_memory_factor, other.closest_plan
 
 
-def _solve(batch: PartitionBatch, bound: np.ndarray, keep: int | None, keys: list[tuple], weight: np.ndarray,
-           found: dict[tuple, float]):
-    """(counts, step times, solved mask) of a batch, most promising problems first.
+def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, keep: int | None, keys: list[tuple],
+           weight: np.ndarray, found: dict[tuple, float]):
+    """(counts, exact step terms, solved mask) of a batch, most promising problems first: each problem's layers
+    are partitioned for the closed form, and the partition is timed with the exact schedule.
 
-    With `keep`, a problem is skipped when its lower bound, times its ranking weight (1 to rank by time, the
-    price per second to rank by cost), exceeds the keep-th best ranking value among the plans in `found`
-    (plan key -> its best value so far; several problems, the encoder splits of one encoder-decoder plan, can
-    share a key and count once). The threshold tightens chunk by chunk as problems are solved."""
+    With `keep`, a problem is skipped when its lower bound on the exact step time, times its ranking weight (1 to
+    rank by time, the price per second to rank by cost), exceeds the keep-th best ranking value among the plans in
+    `found` (plan key -> its best value so far; several problems, the encoder splits of one encoder-decoder plan,
+    can share a key and count once). The threshold tightens chunk by chunk as problems are solved."""
     counts = np.zeros(batch.lo.shape, dtype=int)
-    value = np.full(len(batch), np.inf)
+    terms: dict[str, np.ndarray] = {"step_time_s": np.full(len(batch), np.inf)}
     solved = np.zeros(len(batch), dtype=bool)
     ranking_bound = np.full(len(bound), np.inf)  # inf: no partition fits, also for a plan that costs nothing
     fits = np.isfinite(bound)
@@ -102,11 +113,16 @@ def _solve(batch: PartitionBatch, bound: np.ndarray, keep: int | None, keys: lis
         chunk = order[start:start + step]
         chunk = chunk[ranking_bound[chunk] <= threshold]
         if len(chunk):
-            counts[chunk], value[chunk], _ = optimal_partitions(batch.take(chunk))
+            counts[chunk], value, _ = optimal_partitions(batch.take(chunk))
             solved[chunk] = True
-            for i in chunk[np.isfinite(value[chunk])]:
-                found[keys[i]] = min(found.get(keys[i], np.inf), float(value[i] * weight[i]))
-    return counts, value, solved
+            timed = chunk[np.isfinite(value)]
+            for name, column in schedule.take(timed).step_terms(counts[timed]).items():
+                if name not in terms:
+                    terms[name] = np.full((len(batch),) + column.shape[1:], np.nan)
+                terms[name][timed] = column
+            for i in timed:
+                found[keys[i]] = min(found.get(keys[i], np.inf), float(terms["step_time_s"][i] * weight[i]))
+    return counts, terms, solved
 
 
 def _oversized_plans(todo: list[Group]) -> int:
@@ -130,9 +146,13 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
     items = [(group, geo) for group in todo for geo in group.geos]
     buckets: dict[int, list] = {}
     for group, geo in items:  # plans with the same number of stages are partitioned in one batch
-        costs = stage_costs(model, cluster, inputs.profiles, geo, group.config, group.mbs_values)
-        buckets.setdefault(group.config.pp, []).append((group, geo, costs))
+        for v in virtual_stage_options(model, group.config.pp):  # the best virtual size is the plan's
+            chunked = replace(group, config=replace(group.config, virtual_stages=v))
+            costs = stage_costs(model, cluster, inputs.profiles, geo, chunked.config, group.mbs_values)
+            buckets.setdefault(group.config.pp, []).append((chunked, geo, costs))
+    total = sum(len(bucket) for bucket in buckets.values())
     problems = {pp: PartitionBatch.stack([c.problem for _, _, c in bucket]) for pp, bucket in buckets.items()}
+    schedules = {pp: ScheduleBatch.stack([c.schedule for _, _, c in bucket]) for pp, bucket in buckets.items()}
     bounds = {pp: lower_bounds(batch) if keep else np.zeros(len(batch)) for pp, batch in problems.items()}
     # encoder-decoder plans differing only in their encoder/decoder split compete: the best split is the plan's
     best: dict[tuple, tuple] = {}
@@ -147,34 +167,38 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
             for mbs in costs.mbs:
                 keys.append((group.config.tp, group.config.dp, group.config.pp, geo.placement, int(mbs)))
                 weight.append(price_per_s if sort == "cost" else 1.0)
-        counts, value, solved_here = _solve(batch, bounds[pp], keep, keys, np.array(weight), found)
+        counts, terms, solved_here = _solve(batch, schedules[pp], bounds[pp], keep, keys, np.array(weight), found)
+        value = terms["step_time_s"]
         solved += int(solved_here.sum())
         pruned += len(batch) - int(solved_here.sum())
         at = 0
         for group, geo, costs in bucket:
             for row in range(len(costs.mbs)):
                 key = keys[at + row]
-                entry = (value[at + row], group.config.encoder_stages, group, geo, costs, row, counts[at + row])
+                entry = (value[at + row], group.config.encoder_stages, group, geo, costs, row, counts[at + row],
+                         {name: column[at + row] for name, column in terms.items()})
                 if not solved_here[at + row]:
                     skipped.add(key)
-                if key not in best or entry[:2] < best[key][:2]:
+                if key not in best or entry[:2] < best[key][:2]:  # ties: fewer encoder stages, then fewer chunks (tried first)
                     best[key] = entry
             at += len(costs.mbs)
         done += len(bucket)
         if progress:
-            progress(done, len(items))
+            progress(done, total)
     rows = []
-    for value, _, group, geo, costs, row, counts in best.values():
+    for value, _, group, geo, costs, row, counts, exact in best.values():
         if np.isfinite(value):
             chosen = np.zeros(len(costs.mbs), dtype=bool)
             chosen[row] = True
-            rows += plan_rows(inputs, group.config, geo, costs, np.broadcast_to(counts, costs.problem.lo.shape), chosen,
-                              group.exhaustive)
+            shape = costs.problem.lo.shape
+            exact = {name: np.broadcast_to(column, shape[:1] + np.shape(column)) for name, column in exact.items()}
+            rows += plan_rows(inputs, group.config, geo, costs, np.broadcast_to(counts, shape), chosen,
+                              group.exhaustive, exact)
     oom = sum(1 for key, entry in best.items() if np.isinf(entry[0]) and key not in skipped)
     oversized = _oversized_plans(todo)
     result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned)
     if not rows:
-        for _, _, group, _, costs, row, _ in best.values():
+        for _, _, group, _, costs, row, _, _ in best.values():
             factor = memory_overshoot(costs, row, cluster.memory_margin)
             if result.closest_memory_factor is None or factor < result.closest_memory_factor:
                 result.closest_memory_factor, result.closest_plan = factor, replace(group.config, mbs=int(costs.mbs[row]))
@@ -185,15 +209,17 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  distributed_optimizer: bool = True, train_steps: int | None = None, train_tokens: float | None = None,
                  sort: str = "time", progress: Callable[[int, int], None] | None = None,
                  placement_limit: int = PLACEMENT_LIMIT, keep: int | None = None,
-                 workers: int | None = None, profiles: dict[str, GpuProfile] | None = None) -> SearchResult:
+                 workers: int | None = None, profiles: dict[str, GpuProfile] | None = None,
+                 overlap: bool = True) -> SearchResult:
     """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
     workers: processes to use; default: one per core for clusters of 32 nodes or more, else one (small
     searches finish before extra processes would have started).
     profiles: already loaded profiles (by GPU type) instead of reading profiles_dir.
+    overlap: Megatron's --overlap-grad-reduce, and --overlap-param-gather with the distributed optimizer.
     """
-    inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles)
+    inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap)
     if not tensor_degrees(inputs):
         profiled = {g: p.tensor_degrees for g, p in inputs.profiles.items()}
         raise InputError("profiles", f"no tensor degree dividing {cluster.gpus_per_node} GPUs per node, the attention "

@@ -6,6 +6,7 @@ import numpy as np
 
 from fasop.cost.communication import geometry, with_embedding_group
 from fasop.cost.config import Config, embedding_stages
+from fasop.cost.schedule import interleaving_error
 from fasop.cost.step import stage_costs
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
@@ -18,9 +19,12 @@ from fasop.search.space import prepare, tensor_degrees
 
 def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: int, placement: list[str],
              layers: list[int], gbs: int | None = None, profiles_dir: str | None = None,
-             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None) -> Plan:
+             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None,
+             overlap: bool = True, virtual_stages: int = 1) -> Plan:
     """The full breakdown of one explicit plan; `layers` lists transformer layers per stage; `profiles`: already
-    loaded profiles (by GPU type) instead of reading profiles_dir."""
+    loaded profiles (by GPU type) instead of reading profiles_dir; `overlap`: Megatron's --overlap-grad-reduce,
+    and --overlap-param-gather with the distributed optimizer; `virtual_stages`: model chunks per pipeline rank,
+    each stage's layers split evenly over them."""
     used = {name: placement.count(name) for name in placement}
     for name, count in used.items():
         if name not in cluster.node_types:
@@ -47,7 +51,14 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
         if model.encoder_num_layers not in prefix[:-1]:
             raise InputError("--layers", f"no stage boundary falls after the {model.encoder_num_layers} encoder layers")
         split = int(np.searchsorted(prefix, model.encoder_num_layers)) + 1
-    config = Config(tp, dp, pp, mbs, inputs.gbs, split, distributed_optimizer)
+    if virtual_stages > 1:
+        refusal = interleaving_error(pp, virtual_stages, inputs.gbs // (dp * mbs))
+        if refusal is None and model.is_encoder_decoder:
+            refusal = "fasop interleaves decoder and encoder models only"
+        if refusal is not None:
+            raise InputError("--virtual-stages", f"{virtual_stages}: {refusal}")
+    config = Config(tp, dp, pp, mbs, inputs.gbs, split, distributed_optimizer,
+                    **Config.overlaps(overlap, distributed_optimizer), virtual_stages=virtual_stages)
     geo = with_embedding_group(sub, geometry(sub, tuple(placement), tp, dp, pp), embedding_stages(model, config))
     costs = stage_costs(model, sub, inputs.profiles, geo, config, [mbs])
     counts = np.array(layers) - costs.fixed_layers

@@ -124,10 +124,13 @@ def admits(batch: PartitionBatch, caps: np.ndarray) -> np.ndarray:
 
 
 def lower_bounds(batch: PartitionBatch) -> np.ndarray:
-    """(B,) a bound no partition of each problem can beat (inf when none fits), for pruning searches.
+    """(B,) a bound no partition of each problem can beat under the exact schedule (inf when none fits), for
+    pruning searches.
 
-    The cheapest layer sum any partition can have, plus (m - 1) times the larger of the smallest possible
-    stage period and the average period, plus the smallest possible all-reduce."""
+    The first micro-batch passes every stage and boundary forward and back (the cheapest layer sum any partition
+    can have, plus the fixed computes and sends: `base_s`), and the busiest stage works its m periods one after
+    another (m times the larger of the smallest possible stage period and the average period); what follows the
+    pipeline can be hidden entirely, so it adds nothing."""
     p = batch
     hi = _clipped_hi(p)
     widest, feasible = _Filler(p).fill(hi[:, None, :])
@@ -135,8 +138,7 @@ def lower_bounds(batch: PartitionBatch) -> np.ndarray:
     layer_sum = (p.layer_s * widest).sum(-1)
     stages = p.lo.shape[1]
     period = np.maximum((p.period_fixed_s + p.layer_s * p.lo).max(-1), (p.period_fixed_s.sum(-1) + layer_sum) / stages)
-    allreduce = (p.ar_fixed_s + p.ar_layer_s * p.lo).max(-1)
-    bound = p.base_s + layer_sum + (p.num_microbatches - 1) * period + allreduce
+    bound = np.maximum(p.base_s + layer_sum, p.num_microbatches * period)
     return np.where(feasible, bound, np.inf)
 
 

@@ -7,16 +7,18 @@ import numpy as np
 
 from fasop.cost.communication import Geometry
 from fasop.cost.config import Config
+from fasop.cost.exact import chunk_layers
 from fasop.cost.price import price_per_hour_usd
 from fasop.cost.step import StageCosts, breakdown
 from fasop.search.space import Inputs
 
 
 def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, counts: np.ndarray,
-              keep: np.ndarray, exhaustive: bool) -> list[dict]:
-    """One row per kept micro-batch size of `costs`, with the layer counts `counts` (K, pp)."""
+              keep: np.ndarray, exhaustive: bool, exact: dict[str, np.ndarray] | None = None) -> list[dict]:
+    """One row per kept micro-batch size of `costs`, with the layer counts `counts` (K, pp); `exact`: the exact
+    step terms of those rows when already computed."""
     model, cluster = inputs.model, inputs.cluster
-    terms = breakdown(costs, counts)
+    terms = breakdown(costs, counts, exact)
     layers = (counts + costs.fixed_layers).astype(int)
     price = price_per_hour_usd(cluster, geo.placement)
     load = terms["stage_memory_gib"] / terms["stage_capacity_gib"]
@@ -25,13 +27,16 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
         worst = int(np.argmax(load[k]))
         step = float(terms["step_time_s"][k])
         mbs = int(costs.mbs[k])
+        sends = [*costs.boundary_s[k].tolist(), 0.0]
         columns = zip(range(config.pp), costs.gpu, geo.stage_nodes, layers[k].tolist(), terms["stage_compute_s"][k].tolist(),
-                      terms["stage_p2p_s"][k].tolist(), terms["stage_allreduce_s"][k].tolist(),
-                      terms["stage_memory_gib"][k].tolist(), terms["stage_capacity_gib"][k].tolist())
+                      terms["stage_forward_s"][k].tolist(), sends, terms["stage_p2p_s"][k].tolist(),
+                      terms["stage_allreduce_s"][k].tolist(), terms["stage_memory_gib"][k].tolist(),
+                      terms["stage_capacity_gib"][k].tolist())
         stages = [
-            {"stage": s, "gpu": gpu, "nodes": list(nodes), "layers": n, "compute_s": compute, "p2p_s": p2p,
-             "dp_allreduce_s": allreduce, "memory_gib": memory, "memory_capacity_gib": capacity}
-            for s, gpu, nodes, n, compute, p2p, allreduce, memory, capacity in columns
+            {"stage": s, "gpu": gpu, "nodes": list(nodes), "layers": n, "compute_s": compute, "forward_s": forward,
+             "send_s": send, "p2p_s": p2p, "dp_allreduce_s": allreduce, "memory_gib": memory,
+             "memory_capacity_gib": capacity}
+            for s, gpu, nodes, n, compute, forward, send, p2p, allreduce, memory, capacity in columns
         ]
         rows.append({
             "model": model.name, "model_file": model.file, "cluster": cluster.name, "cluster_file": cluster.file,
@@ -40,12 +45,19 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
             "num_microbatches": config.gbs // (config.dp * mbs),
             "placement": list(geo.placement), "layers_per_stage": layers[k].tolist(),
             "encoder_stages": config.encoder_stages, "distributed_optimizer": config.distributed_optimizer,
+            "overlap_grad_reduce": config.overlap_grad_reduce, "overlap_param_gather": config.overlap_param_gather,
+            "virtual_stages": config.virtual_stages,
+            **({"layers_per_virtual_stage": virtual_layout(layers[k], config.virtual_stages)}
+               if config.virtual_stages > 1 else {}),
+            "timing": "exact-schedule",
             "step_time_s": step,
             "throughput_samples_per_s": config.gbs / step,
             "tokens_per_s": config.gbs * model.seq_length / step,
             "pipeline_time_s": float(terms["pipeline_time_s"][k]), "bubble_s": float(terms["bubble_s"][k]),
             "p2p_s": float(terms["p2p_s"][k]), "dp_allreduce_s": float(terms["dp_allreduce_s"][k]),
             "embedding_allreduce_s": float(terms["embedding_allreduce_s"][k]),
+            "dp_exposed_s": float(terms["dp_exposed_s"][k]), "optimizer_s": float(terms["optimizer_s"][k]),
+            "closed_form_step_s": float(terms["closed_form_step_s"][k]),
             "peak_memory_gib": float(terms["stage_memory_gib"][k, worst]),
             "memory_capacity_gib": float(terms["stage_capacity_gib"][k, worst]),
             "cost_per_hour_usd": price, "cost_per_step_usd": price * step / 3600.0,
@@ -53,3 +65,8 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
             "stages": stages,
         })
     return rows
+
+
+def virtual_layout(layers: np.ndarray, virtual_stages: int) -> list[int]:
+    """Layers of each virtual stage in Megatron's order (chunk c of stage i is virtual stage c * pp + i)."""
+    return chunk_layers(layers, virtual_stages).T.ravel().astype(int).tolist()

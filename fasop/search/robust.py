@@ -79,7 +79,8 @@ def perturbed(cluster: Cluster, profiles: dict[str, GpuProfile], factors: dict[t
 
 def plan_metric(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plan: Plan, sort: str) -> float:
     """Step time (sort "time") or dollars per step (sort "cost") of a search row, its partition kept."""
-    config = Config(plan.tp, plan.dp, plan.pp, plan.mbs, plan.gbs, plan.encoder_stages, bool(plan.distributed_optimizer))
+    config = Config(plan.tp, plan.dp, plan.pp, plan.mbs, plan.gbs, plan.encoder_stages, bool(plan.distributed_optimizer),
+                    bool(plan.overlap_grad_reduce), bool(plan.overlap_param_gather), plan.virtual_stages or 1)
     placement = tuple(plan.placement)
     geo = with_embedding_group(cluster, geometry(cluster, placement, config.tp, config.dp, config.pp),
                                embedding_stages(model, config))

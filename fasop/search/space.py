@@ -67,16 +67,18 @@ class Inputs:
     profiles: dict[str, GpuProfile]
     gbs: int
     distributed_optimizer: bool = True
+    overlap: bool = True  # Megatron's --overlap-grad-reduce, and --overlap-param-gather with the distributed optimizer
 
 
 def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None,
-            distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None) -> Inputs:
+            distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None,
+            overlap: bool = True) -> Inputs:
     """Checked inputs of one search; `profiles` (already loaded, e.g. for many compositions) skips the files."""
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
     gpus = sorted({t.gpu for t in cluster.node_types.values()})
     if profiles is None:
         profiles = load_profiles(model, gpus, profiles_dir)
-    return Inputs(model, cluster, {g: profiles[g] for g in gpus}, gbs, distributed_optimizer)
+    return Inputs(model, cluster, {g: profiles[g] for g in gpus}, gbs, distributed_optimizer, overlap)
 
 
 def tensor_degrees(inputs: Inputs) -> list[int]:
@@ -101,7 +103,9 @@ def encoder_splits(model: Model, pp: int) -> list[int]:
 
 def _signature(geo: Geometry) -> tuple:
     return (geo.stage_node_types, tuple(np.round(geo.boundary_s_per_byte, 18)),
-            tuple(np.round(geo.dp_allreduce_s_per_byte, 18)), round(geo.embedding_allreduce_s_per_byte, 18))
+            tuple(np.round(geo.dp_allreduce_s_per_byte, 18)), round(geo.embedding_allreduce_s_per_byte, 18),
+            tuple(np.round(geo.boundary_latency_s, 15)), tuple(np.round(geo.dp_allreduce_latency_s, 15)),
+            round(geo.embedding_allreduce_latency_s, 15))
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,8 @@ def groups(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int =
         nodes, exhaustive = placements(cluster, tp * dp, placement_limit)
         geos = [geometry(cluster, placement, tp, dp, pp) for placement in nodes]
         for split in encoder_splits(model, pp):
-            config = Config(tp, dp, pp, 1, inputs.gbs, split, inputs.distributed_optimizer)
+            config = Config(tp, dp, pp, 1, inputs.gbs, split, inputs.distributed_optimizer,
+                            **Config.overlaps(inputs.overlap, inputs.distributed_optimizer))
             emb = embedding_stages(model, config)
             unique: dict[tuple, Geometry] = {}
             for geo in geos:

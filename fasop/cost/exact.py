@@ -1,0 +1,167 @@
+"""The step time a plan's layer counts give: the exact pipeline schedule (fasop.cost.schedule), then what each
+stage does once its last backward has ended: its data-parallel gradient reduction, its optimizer step and its
+parameter all-gather, overlapped with compute where Megatron-LM overlaps them (docs/cost-model.md sections 4.1,
+5 and 7).
+
+The partitioner (fasop.search.partition) optimises a closed form; the search ranks plans by `step_terms`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cache
+
+import numpy as np
+
+from fasop.cost.config import Config
+from fasop.cost.schedule import stage_times
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.model import Model
+
+# Megatron-core's default gradient bucket (DistributedDataParallelConfig.bucket_size): max(40M, 1M x dp) parameters
+BUCKET_MIN_PARAMS = 40_000_000
+BUCKET_PARAMS_PER_DP_RANK = 1_000_000
+
+
+def bucket_params(dp: int) -> int:
+    """Parameters per gradient bucket under Megatron-core's default."""
+    return max(BUCKET_MIN_PARAMS, BUCKET_PARAMS_PER_DP_RANK * dp)
+
+
+def chunk_layers(counts: np.ndarray, virtual_stages: int) -> np.ndarray:
+    """(..., P) layers per stage -> (..., P, v) layers per model chunk: as even as can be, the first chunks
+    taking one more when the count does not divide."""
+    n = np.asarray(counts)[..., None]
+    chunk = np.arange(virtual_stages)
+    return n // virtual_stages + (chunk < n % virtual_stages)
+
+
+@dataclass(frozen=True)
+class ScheduleBatch:
+    """What the exact step needs of B plans with the same number of stages; per-stage arrays are (B, P), each
+    the value beyond the stage's partitioned layers (`*_fixed`) or what one of those layers adds (`*_layer`)."""
+
+    fixed_s: np.ndarray  # forward + backward of one micro-batch
+    layer_s: np.ndarray
+    fixed_forward_s: np.ndarray  # its forward part
+    layer_forward_s: np.ndarray
+    boundary_s: np.ndarray  # (B, P - 1) one micro-batch's send across each boundary
+    num_microbatches: np.ndarray  # (B,)
+    grad_fixed_s: np.ndarray  # the gradient all-reduce (reduce-scatter with the distributed optimizer)
+    grad_layer_s: np.ndarray
+    gather_fixed_s: np.ndarray  # the parameter all-gather of the distributed optimizer (0 without it)
+    gather_layer_s: np.ndarray
+    optimizer_fixed_s: np.ndarray  # the optimizer step
+    optimizer_layer_s: np.ndarray
+    params_fixed: np.ndarray  # parameters per rank, for the bucket count
+    params_layer: np.ndarray
+    bucket_params: np.ndarray  # (B,)
+    embedding_allreduce_s: np.ndarray  # (B,)
+    overlap_grad_reduce: np.ndarray  # (B,) bool
+    overlap_param_gather: np.ndarray  # (B,) bool
+    virtual_stages: np.ndarray  # (B,) model chunks per stage
+    wrap_s: np.ndarray  # (B,) the last stage's send to the first, interleaved
+
+    def __len__(self) -> int:
+        return len(self.num_microbatches)
+
+    @staticmethod
+    def stack(batches: list[ScheduleBatch]) -> ScheduleBatch:
+        return ScheduleBatch(*(np.concatenate([getattr(b, f.name) for b in batches]) for f in fields(ScheduleBatch)))
+
+    def take(self, rows: np.ndarray) -> ScheduleBatch:
+        return ScheduleBatch(*(getattr(self, f.name)[rows] for f in fields(ScheduleBatch)))
+
+    def _chunks(self, rows: np.ndarray, v: int, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward), each (rows, P, v), of every model chunk: a stage's layers split evenly over its
+        chunks (`chunk_layers`); the first stage's fixed units (the embedding) on its first chunk, the last
+        stage's (the head) on its last."""
+        layers = chunk_layers(n, v)
+        fixed = np.zeros(layers.shape)
+        fixed_forward = np.zeros(layers.shape)
+        fixed[:, 0, 0], fixed_forward[:, 0, 0] = self.fixed_s[rows, 0], self.fixed_forward_s[rows, 0]
+        fixed[:, -1, -1] += self.fixed_s[rows, -1]
+        fixed_forward[:, -1, -1] += self.fixed_forward_s[rows, -1]
+        forward = fixed_forward + self.layer_forward_s[rows, :, None] * layers
+        return forward, fixed + self.layer_s[rows, :, None] * layers - forward
+
+    def step_terms(self, counts: np.ndarray) -> dict[str, np.ndarray]:
+        """The step of each plan for layer counts (B, P): the schedule's makespan (`pipeline_time_s`), when each
+        stage is done (`stage_done_s`), the optimizer step and the data-parallel time left exposed by the
+        slowest stage (`optimizer_s`, `dp_exposed_s`), and `step_time_s`."""
+        n = np.asarray(counts, dtype=float)
+        compute = self.fixed_s + self.layer_s * n
+        forward = self.fixed_forward_s + self.layer_forward_s * n
+        backward = compute - forward
+        first, end = np.empty_like(n), np.empty_like(n)
+        for v in np.unique(self.virtual_stages):
+            rows = np.flatnonzero(self.virtual_stages == v)
+            f, b = (forward[rows], backward[rows]) if v == 1 else self._chunks(rows, int(v), n[rows])
+            first[rows], end[rows] = stage_times(f, b, self.boundary_s[rows], self.num_microbatches[rows],
+                                                 virtual_stages=int(v), wrap_send_s=self.wrap_s[rows])
+        grad = self.grad_fixed_s + self.grad_layer_s * n
+        gather = self.gather_fixed_s + self.gather_layer_s * n
+        optimizer = self.optimizer_fixed_s + self.optimizer_layer_s * n
+        buckets = np.maximum(1.0, np.ceil((self.params_fixed + self.params_layer * n) / self.bucket_params[:, None]))
+        # the last backward of each stage: it ends computing before its gradient send upstream (none on stage 0)
+        send = np.zeros_like(end)
+        send[:, 1:] = self.boundary_s
+        computed = end - send
+        # gradients become ready evenly over the last backward; a bucket's reduction starts once it is full and
+        # the previous bucket's has ended, so the first and the last bucket bound when the reduction ends
+        bucketed = np.maximum(computed - backward + backward / buckets + grad, computed + grad / buckets)
+        reduced = np.where(self.overlap_grad_reduce[:, None], np.maximum(end, bucketed), end + grad)
+        # the next step's first forward needs its parameters bucket by bucket; before it the stage waits for its
+        # input anyway: only what the first bucket, or the whole gather, cannot fit in that time is exposed
+        hidden_gather = np.maximum.reduce([gather / buckets - first, gather - first - forward * (buckets - 1) / buckets,
+                                           np.zeros_like(gather)])
+        gathered = np.where(self.overlap_param_gather[:, None], hidden_gather, gather)
+        done = reduced + optimizer + gathered
+        step = done.max(-1) + self.embedding_allreduce_s
+        return {
+            "step_time_s": step,
+            "pipeline_time_s": end.max(-1),
+            "stage_done_s": done,
+            "optimizer_s": optimizer.max(-1),
+            "dp_exposed_s": (done - end - optimizer).max(-1),
+        }
+
+
+# Bytes each parameter of a rank's optimizer shard moves through GPU memory in one Adam step (Megatron-core's
+# DistributedOptimizer / Float16OptimizerWithFloat16Params, then torch's fused Adam): the gradient-norm pass
+# reads the fp32 main gradient (4); Adam reads it again (4), reads and writes the fp32 master weight (8) and the
+# two fp32 moments (16), and the updated weight is written back into the model's fp16/bf16 copy (2). fp32
+# training has no master copy: 4 + 4 + 8 + 16.
+OPTIMIZER_BYTES_MIXED = 34
+OPTIMIZER_BYTES_FP32 = 32
+
+
+def optimizer_bytes_per_param(model: Model) -> int:
+    return OPTIMIZER_BYTES_FP32 if model.precision == "fp32" else OPTIMIZER_BYTES_MIXED
+
+
+@cache
+def _catalogue_bandwidths() -> dict[str, float]:
+    from fasop.inputs.catalogue import load_gpu_specs
+
+    return {name: spec.memory_bytes_per_s for name, spec in load_gpu_specs().items()}
+
+
+def memory_bytes_per_s(cluster: Cluster, gpu: str) -> float:
+    """The GPU's memory bandwidth: the cluster file's own [[gpu]] table, else the bundled catalogue; 0 for a GPU
+    in neither (its optimizer step is then not charged)."""
+    own = cluster.gpus.get(gpu)
+    return own.memory_bytes_per_s if own is not None else _catalogue_bandwidths().get(gpu, 0.0)
+
+
+def optimizer_times(model: Model, cluster: Cluster, stage_node_types: tuple[tuple[str, ...], ...], config: Config,
+                    fixed_params: np.ndarray, layer_params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fixed, per layer): (pp,) seconds of each stage's optimizer step, a memory-bound pass over its ranks'
+    optimizer state (sharded over the data-parallel group with the distributed optimizer) at the memory
+    bandwidth of the stage's slowest GPU."""
+    bandwidth = np.array([min(memory_bytes_per_s(cluster, cluster.node_types[n].gpu) for n in names)
+                          for names in stage_node_types])
+    shard = config.dp if config.distributed_optimizer else 1
+    with np.errstate(divide="ignore"):
+        per_param = np.where(bandwidth > 0, optimizer_bytes_per_param(model) / shard / bandwidth, 0.0)
+    return fixed_params * per_param, layer_params * per_param
