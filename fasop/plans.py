@@ -10,7 +10,7 @@ import itertools
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -39,7 +39,8 @@ class Stage(Table):
     gpu: str  # the stage's GPU type; "A100+A10" for a stage whose ranks span two types
     nodes: list[Index]  # node ranks (positions in the placement) holding the stage
     layers: Index
-    compute_s: float  # forward and backward of one micro-batch
+    compute_s: float  # forward and backward of one micro-batch, with the forwards it recomputes
+    recompute_s: float | None = None  # of which recomputed forwards
     p2p_s: float  # its sends and receives per micro-batch
     dp_allreduce_s: float
     memory_gib: float
@@ -84,6 +85,10 @@ class Plan(Table):
     layers_per_stage: Annotated[list[Index], Field(min_length=1)]
     encoder_stages: Index = 0
     distributed_optimizer: bool | None = None
+    recompute: Literal["none", "selective", "full"] | None = None  # --recompute-granularity (none: left out)
+    recompute_method: Literal["uniform", "block"] | None = None  # full only
+    recompute_num_layers: Count | None = None  # full only
+    sequence_parallel: bool | None = None
     step_time_s: float | None = None
     throughput_samples_per_s: float | None = None
     tokens_per_s: float | None = None
@@ -93,6 +98,7 @@ class Plan(Table):
     p2p_s: float | None = None
     dp_allreduce_s: float | None = None
     embedding_allreduce_s: float | None = None
+    recompute_s: float | None = None  # forwards the bottleneck stage (largest compute) recomputes per step
     peak_memory_gib: float | None = None
     memory_capacity_gib: float | None = None
     cost_per_hour_usd: float | None = None
@@ -143,6 +149,11 @@ class PlanShape:
     placement: tuple[str, ...]
     layers_per_stage: tuple[int, ...]
     distributed_optimizer: bool
+    _: KW_ONLY  # defaulted: plan files written before these fields existed
+    recompute: str = "none"
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    sequence_parallel: bool = False
 
 
 def placement_runs(placement: Sequence[str]) -> list[tuple[str, int]]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fasop.cost.config import Config
+from fasop.cost.flops import attention_core_share
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
@@ -18,6 +19,18 @@ class StageCompute:
     gpu: tuple[str, ...]  # GPU types hosting each stage, '+'-joined when a stage spans two types
     layer_s: np.ndarray  # (K, pp) one transformer layer of the stage's segment
     fixed_s: np.ndarray  # (K, pp) the embedding and head units on the stage (everything when pp = 1)
+    forward_s: tuple[np.ndarray, ...]  # (K, pp) per layer kind: the forward alone, what recomputation repeats
+
+
+def recompute_shares(model: Model, config: Config) -> list[float]:
+    """Share of each layer kind's forward that recomputation repeats for every layer: the attention core's
+    share of the forward FLOPs for selective recomputation (with flash attention too: Megatron checkpoints the
+    fused kernel and reruns its forward), the whole forward for full uniform recomputation, nothing otherwise
+    (the block method recomputes a fixed number of layers per stage instead)."""
+    if config.recompute == "selective":
+        return [attention_core_share(model, kind) for kind in model.layer_kinds]
+    full = config.recompute == "full" and not config.blocked_layers
+    return [1.0 if full else 0.0 for _ in model.layer_kinds]
 
 
 def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
@@ -29,9 +42,10 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
     gpu_sets = sorted(set(stage_gpus))
     stage_set = np.array([gpu_sets.index(g) for g in stage_gpus])
 
-    def unit_s(kind: str) -> np.ndarray:
-        """(K, pp): forward + backward of one unit of `kind` for one micro-batch on each stage."""
-        per_set = np.array([np.max([profiles[g].step_s(tp, kind, sizes) for g in gpus], axis=0) for gpus in gpu_sets])
+    def unit_s(kind: str, forward_only: bool = False) -> np.ndarray:
+        """(K, pp): forward + backward (or the forward) of one unit of `kind` for one micro-batch on each stage."""
+        per_set = np.array([np.max([profiles[g].step_s(tp, kind, sizes, forward_only) for g in gpus], axis=0)
+                            for gpus in gpu_sets])
         return per_set[stage_set].T
 
     kinds = model.layer_kinds
@@ -45,4 +59,19 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
         fixed_s[:, first_decoder] += unit_s("decoder_embedding")[:, first_decoder]
     if whole:
         fixed_s[:, 0] += sum(n * t[:, 0] for n, t in zip(model.segment_layers, layer_by_kind))
-    return StageCompute(tuple("+".join(g) for g in stage_gpus), layer_s, fixed_s)
+    forward_s = tuple(unit_s(kind, True) for kind in kinds)
+    return StageCompute(tuple("+".join(g) for g in stage_gpus), layer_s, fixed_s, forward_s)
+
+
+def recompute_times(model: Model, config: Config, compute: StageCompute,
+                    segment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(per layer, fixed): (K, pp) seconds of forwards each stage recomputes per micro-batch, for each of its
+    layers and whatever its layers (the block method's k layers; everything when one stage holds the model)."""
+    recomputed = [share * f for share, f in zip(recompute_shares(model, config), compute.forward_s)]
+    per_layer = np.choose(segment, recomputed)
+    blocked = config.blocked_layers
+    fixed = blocked * np.choose(segment, compute.forward_s)
+    if config.pp == 1:  # one stage: every layer as above, and the block's k layers of each segment
+        fixed[:, 0] = sum((n * r + blocked * f)[:, 0] for n, r, f in
+                          zip(model.segment_layers, recomputed, compute.forward_s))
+    return per_layer, fixed

@@ -8,14 +8,15 @@ picks the layer counts, and `breakdown` reports every term of the result.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from fasop.cost.communication import Geometry, allreduce_times, p2p_times
-from fasop.cost.compute import stage_compute
+from fasop.cost.compute import recompute_times, stage_compute
 from fasop.cost.config import Config, segments
-from fasop.cost.memory import layers_that_fit, stage_capacity_gib, stage_memory_gib, stage_params
+from fasop.cost.memory import layers_that_fit, stage_capacity_gib, stage_memory_gib, stage_params, usable_gib
 from fasop.cost.pipeline import pipeline_terms
 from fasop.cost.problem import PartitionBatch
 from fasop.inputs.cluster import Cluster
@@ -31,7 +32,9 @@ class StageCosts:
     mbs: np.ndarray  # (K,)
     problem: PartitionBatch
     gpu: tuple[str, ...]  # GPU types hosting each stage, '+'-joined when a stage spans two types
-    fixed_s: np.ndarray  # compute of the embedding/head units on the stage, one micro-batch
+    fixed_s: np.ndarray  # compute of the embedding/head units on the stage, one micro-batch (with recomputation)
+    recompute_fixed_s: np.ndarray  # (K, pp) of which recomputed forwards (fasop.cost.compute)
+    recompute_layer_s: np.ndarray  # (K, pp) forward recomputed per layer and micro-batch, part of problem.layer_s
     boundary_s: np.ndarray  # (K, pp-1) send of one micro-batch's activation across each boundary
     exchange_s: np.ndarray  # sends and receives a stage waits for in each steady-state step
     mem_fixed_gib: np.ndarray
@@ -44,6 +47,14 @@ class StageCosts:
 def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
                 config: Config, mbs_values: list[int]) -> StageCosts:
     """Per-stage costs of `config` (its mbs is ignored) on `geo`, for each micro-batch size in mbs_values."""
+    return next(recompute_variants(model, cluster, profiles, geo, [config], mbs_values))
+
+
+def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
+                       configs: list[Config], mbs_values: list[int]) -> Iterator[StageCosts]:
+    """stage_costs of each of `configs` in turn, one plan under several recompute settings (nothing else
+    differs): what recomputation leaves alone is computed once, and variants not asked for are not built."""
+    config = configs[0]
     pp, whole = config.pp, config.pp == 1
     mbs = np.array(mbs_values)
     k = len(mbs)
@@ -58,21 +69,26 @@ def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
     params = stage_params(model, config, segment)
     ar_fixed, ar_layer, emb_ar = allreduce_times(model, geo, config, *params, k)
     capacity = stage_capacity_gib(cluster, geo.stage_node_types)
-    mem_fixed, mem_layer = stage_memory_gib(model, config, segment, params, mbs, m)
-    hi = layers_that_fit(mem_fixed, mem_layer, capacity, cluster.memory_margin, whole)
+    usable = usable_gib(cluster, capacity)
     lo = np.ones(pp, dtype=int)
     if whole:
         lo[:] = 0
     elif not model.is_encoder_decoder:
         lo[0] = lo[-1] = 0  # a first stage may hold only the embedding, a last one only the head
-    fixed_s = compute.fixed_s
-    problem = PartitionBatch(
-        segment_of_stage=segment, segment_layers=segment_layers, lo=np.broadcast_to(lo, (k, pp)), hi=hi,
-        layer_s=compute.layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=ar_fixed, ar_layer_s=ar_layer,
-        num_microbatches=m, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
-    )
-    return StageCosts(mbs, problem, compute.gpu, fixed_s, boundary, exchange, mem_fixed, mem_layer, capacity,
-                      emb_ar, fixed_layers)
+    for variant in configs:
+        mem_fixed, mem_layer = stage_memory_gib(model, variant, segment, params, mbs, m)
+        hi = layers_that_fit(mem_fixed, mem_layer, usable, whole)
+        # block recomputation: every stage holds the k layers it recomputes (keeps the costs affine)
+        variant_lo = lo if whole else np.maximum(lo, variant.blocked_layers)
+        recompute_layer_s, recompute_fixed_s = recompute_times(model, variant, compute, segment)
+        fixed_s = compute.fixed_s + recompute_fixed_s
+        problem = PartitionBatch(
+            segment_of_stage=segment, segment_layers=segment_layers, lo=np.broadcast_to(variant_lo, (k, pp)), hi=hi,
+            layer_s=compute.layer_s + recompute_layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=ar_fixed,
+            ar_layer_s=ar_layer, num_microbatches=m, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
+        )
+        yield StageCosts(mbs, problem, compute.gpu, fixed_s, recompute_fixed_s, recompute_layer_s, boundary, exchange,
+                         mem_fixed, mem_layer, capacity, emb_ar, fixed_layers)
 
 
 def breakdown(costs: StageCosts, counts: np.ndarray) -> dict[str, np.ndarray]:
@@ -83,12 +99,17 @@ def breakdown(costs: StageCosts, counts: np.ndarray) -> dict[str, np.ndarray]:
     allreduce = p.ar_fixed_s + p.ar_layer_s * n
     pipeline = pipeline_terms(compute, costs.exchange_s, costs.boundary_s, p.num_microbatches)
     memory = costs.mem_fixed_gib + costs.mem_layer_gib * n
+    recompute = costs.recompute_fixed_s + costs.recompute_layer_s * n
+    bottleneck = compute.argmax(-1)[:, None]  # the stage whose compute sets the pipeline's pace
     return {
         "step_time_s": pipeline["pipeline_time_s"] + allreduce.max(-1) + costs.embedding_allreduce_s,
         **pipeline,
         "dp_allreduce_s": allreduce.max(-1),
         "embedding_allreduce_s": costs.embedding_allreduce_s,
         "stage_compute_s": compute,
+        "stage_recompute_s": recompute,
+        # forwards the bottleneck stage recomputes in one step
+        "recompute_s": p.num_microbatches * np.take_along_axis(recompute, bottleneck, -1)[:, 0],
         "stage_p2p_s": costs.exchange_s,
         "stage_allreduce_s": allreduce,
         "stage_memory_gib": memory,

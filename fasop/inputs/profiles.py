@@ -63,11 +63,13 @@ class GpuProfile:
             raise InputError(self.file, f"no rows for tp={tp} kind={kind}")
         return curve.at(mbs)
 
-    def step_s(self, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
-        """Forward + backward seconds of one unit for each micro-batch size (memoised: searches ask often)."""
-        key = (tp, kind, mbs_values)
+    def step_s(self, tp: int, kind: str, mbs_values: tuple[int, ...], forward_only: bool = False) -> np.ndarray:
+        """Forward + backward seconds of one unit for each micro-batch size, or the forward alone (memoised:
+        searches ask often)."""
+        key = (tp, kind, mbs_values, forward_only)
         if key not in self._memo:
-            self._memo[key] = np.array([sum(self.time(tp, kind, b)) for b in mbs_values])
+            times = [self.time(tp, kind, b) for b in mbs_values]
+            self._memo[key] = np.array([t[0] if forward_only else sum(t) for t in times])
         return self._memo[key]
 
 

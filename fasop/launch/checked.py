@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fasop.cost.config import recompute_error
 from fasop.errors import InputError
 from fasop.launch.options import LaunchOptions
 from fasop.plans import Plan, PlanShape
@@ -61,7 +62,18 @@ def check_plan(plan: Plan, model: Any, cluster: Any, opts: LaunchOptions, where:
             raise InputError(f"{where}: layers_per_stage",
                              f"the first {encoder_stages} stages hold {sum(layers[:encoder_stages])} layers, "
                              f"the encoder has {model.encoder_num_layers}")
+    recompute = plan.recompute or "none"
+    problem = recompute_error(recompute, plan.recompute_method, plan.recompute_num_layers)
+    if problem:
+        raise InputError(f"{where}: recompute", problem)
+    if plan.recompute_method == "block" and min(layers) < plan.recompute_num_layers:
+        raise InputError(f"{where}: recompute_num_layers", f"{plan.recompute_num_layers} layers recomputed per stage, "
+                                                            f"but a stage holds {min(layers)} (fasop needs at least as many)")
+    sequence_parallel = tp > 1 if plan.sequence_parallel is None else plan.sequence_parallel
+    if sequence_parallel and tp == 1:
+        raise InputError(f"{where}: sequence_parallel", "needs tensor parallelism (tp > 1), as Megatron-LM does")
     return LaunchPlan(tp=tp, dp=dp, pp=pp, mbs=mbs, gbs=gbs, placement=tuple(placement),
                       layers_per_stage=tuple(layers), distributed_optimizer=bool(plan.distributed_optimizer),
-                      rank=plan.rank,
-                      encoder_stages=encoder_stages, gpus_per_node=gpn)
+                      rank=plan.rank, encoder_stages=encoder_stages, gpus_per_node=gpn, recompute=recompute,
+                      recompute_method=plan.recompute_method, recompute_num_layers=plan.recompute_num_layers,
+                      sequence_parallel=sequence_parallel)

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from fasop.cost.flops import layer_forward_flops
 from fasop.cost.memory import DROPOUT_MASK_BYTES, FP32_BYTES, head_activation_bytes, layer_activation_bytes
 from fasop.errors import InputError
 from fasop.files import write_atomically
@@ -86,32 +87,6 @@ class UnitCost:
     @property
     def backward_flops(self) -> float:
         return 2 * self.forward_flops
-
-
-def _attention_matmul_weights(model: Model) -> int:
-    """Q, K, V and output projections (no biases)."""
-    h, qa, kv = model.hidden_size, model.attention_width, model.kv_width
-    return h * qa + 2 * h * kv + qa * h
-
-
-def _mlp_matmul_weights(model: Model) -> int:
-    h, f = model.hidden_size, model.ffn_hidden_size
-    return (3 if model.ffn_activation == "swiglu" else 2) * h * f
-
-
-def layer_forward_flops(model: Model, kind: str, mbs: int, tp: int = 1) -> float:
-    """Matmul FLOPs of one transformer layer's forward pass for one micro-batch, per GPU of a tp group."""
-    b, h, qa, kv = mbs, model.hidden_size, model.attention_width, model.kv_width
-    if kind == "decoder" and model.is_encoder_decoder:
-        s, s_enc = model.decoder_seq_length, model.encoder_seq_length
-    else:
-        s = model.encoder_seq_length if kind == "encoder" else model.seq_length
-    flops = 2.0 * b * s * (_attention_matmul_weights(model) + _mlp_matmul_weights(model))
-    flops += 2 * 2 * b * s * s * qa  # scores Q.K^T and context scores.V, full s x s matrix
-    if kind == "decoder" and model.is_encoder_decoder:  # cross-attention
-        flops += 2.0 * b * (s * (h * qa + qa * h) + s_enc * 2 * h * kv)
-        flops += 2 * 2 * b * s * s_enc * qa
-    return flops / tp
 
 
 def head_forward_flops(model: Model, mbs: int, tp: int = 1) -> float:

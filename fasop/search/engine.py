@@ -10,10 +10,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from fasop.cost.config import Config
+from fasop.cost.config import RECOMPUTE_MODES, Config
+from fasop.cost.memory import usable_gib
 from fasop.cost.price import add_training_run, price_per_hour_usd
 from fasop.cost.problem import PartitionBatch
-from fasop.cost.step import StageCosts, stage_costs
+from fasop.cost.step import StageCosts, recompute_variants
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -28,14 +29,13 @@ PRUNE_CHUNK = 256  # partition problems solved between two updates of the prunin
 PRUNE_SLACK = 1e-9  # relative: pruning never skips a plan within rounding of the threshold
 
 
-def memory_overshoot(costs: StageCosts, row: int, margin: float) -> float:
+def memory_overshoot(costs: StageCosts, row: int, cluster: Cluster) -> float:
     """Smallest factor by which the GPUs' memory would have to grow for some partition of row `row` to fit."""
     one = costs.problem.take(np.array([row]))
-    usable = costs.capacity_gib / margin
     mem_fixed, mem_layer = costs.mem_fixed_gib[row], costs.mem_layer_gib[row]
 
     def fits(ratio: float) -> bool:
-        room = ratio * usable - mem_fixed
+        room = usable_gib(cluster, ratio * costs.capacity_gib) - mem_fixed
         if (room < -1e-12).any():
             return False
         with np.errstate(divide="ignore"):
@@ -63,6 +63,8 @@ class SearchResult:
     partitions_solved: int  # layer-partition problems solved (one per encoder/decoder split)
     out_of_memory: int  # plans for which no partition fits memory
     pruned: int = 0  # partition problems skipped because their lower bound cannot reach the kept plans
+    dominated: int = 0  # partition problems skipped because a lighter recompute mode of the plan is never worse,
+    # or their lower bound exceeds what a lighter mode of the plan reached
     closest_memory_factor: float | None = None  # when nothing fits: how much more memory the closest plan needs
     closest_plan: Config | None = None
     plans: list[Plan] = field(default_factory=list)
@@ -73,19 +75,24 @@ class SearchResult:
         self.partitions_solved += other.partitions_solved
         self.out_of_memory += other.out_of_memory
         self.pruned += other.pruned
+        self.dominated += other.dominated
         if other.closest_memory_factor is not None and (self.closest_memory_factor is None
                                                         or other.closest_memory_factor < self.closest_memory_factor):
             self.closest_memory_factor, self.closest_plan = other.closest_memory_factor, other.closest_plan
 
 
 def _solve(batch: PartitionBatch, bound: np.ndarray, keep: int | None, keys: list[tuple], weight: np.ndarray,
-           found: dict[tuple, float]):
-    """(counts, step times, solved mask) of a batch, most promising problems first.
+           found: dict[tuple, float], dominated: np.ndarray):
+    """(counts, step times, solved mask) of a batch, most promising problems first; `dominated` problems (a
+    lighter recompute mode of the same plan is never worse, or another recompute mode is solved apart) are not
+    solved.
 
     With `keep`, a problem is skipped when its lower bound, times its ranking weight (1 to rank by time, the
     price per second to rank by cost), exceeds the keep-th best ranking value among the plans in `found`
     (plan key -> its best value so far; several problems, the encoder splits of one encoder-decoder plan, can
-    share a key and count once). The threshold tightens chunk by chunk as problems are solved."""
+    share a key and count once). The threshold tightens chunk by chunk as problems are solved. Whatever `keep`,
+    a problem whose bound exceeds what another problem of its plan reached (a split, a recompute mode) is
+    skipped: it cannot become the plan's."""
     counts = np.zeros(batch.lo.shape, dtype=int)
     value = np.full(len(batch), np.inf)
     solved = np.zeros(len(batch), dtype=bool)
@@ -93,14 +100,16 @@ def _solve(batch: PartitionBatch, bound: np.ndarray, keep: int | None, keys: lis
     fits = np.isfinite(bound)
     ranking_bound[fits] = bound[fits] * weight[fits]
     order = np.argsort(ranking_bound, kind="stable")
-    step = PRUNE_CHUNK if keep else len(order)
+    order = order[~dominated[order]]
+    step = PRUNE_CHUNK if keep or bound.any() else max(1, len(order))
     for start in range(0, len(order), step):
         best = sorted(found.values())
         # the slack keeps plans whose bound ties the threshold up to rounding (bound, step time and the
         # ranking figures are computed along different paths)
         threshold = best[keep - 1] * (1 + PRUNE_SLACK) if keep and len(best) >= keep else np.inf
         chunk = order[start:start + step]
-        chunk = chunk[ranking_bound[chunk] <= threshold]
+        reached = np.array([found.get(keys[i], np.inf) for i in chunk])  # by another split or mode of the plan
+        chunk = chunk[(ranking_bound[chunk] <= threshold) & (ranking_bound[chunk] <= reached * (1 + PRUNE_SLACK))]
         if len(chunk):
             counts[chunk], value[chunk], _ = optimal_partitions(batch.take(chunk))
             solved[chunk] = True
@@ -128,56 +137,92 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
     model, cluster = inputs.model, inputs.cluster
     todo = groups(inputs, combos, placement_limit)
     items = [(group, geo) for group in todo for geo in group.geos]
-    buckets: dict[int, list] = {}
+    buckets: dict[int, list] = {}  # (group, config, geo, costs) of each recompute variant of each plan
+    beaten_of: dict[int, list[np.ndarray]] = {}  # by pipeline depth: rows a lighter mode dominates
+    items_of: dict[int, int] = {}
+    dominated = 0
     for group, geo in items:  # plans with the same number of stages are partitioned in one batch
-        costs = stage_costs(model, cluster, inputs.profiles, geo, group.config, group.mbs_values)
-        buckets.setdefault(group.config.pp, []).append((group, geo, costs))
-    problems = {pp: PartitionBatch.stack([c.problem for _, _, c in bucket]) for pp, bucket in buckets.items()}
-    bounds = {pp: lower_bounds(batch) if keep else np.zeros(len(batch)) for pp, batch in problems.items()}
+        configs = list(group.variants or (group.config,))
+        lighter: list[StageCosts] = []
+        for config, costs in zip(configs, recompute_variants(model, cluster, inputs.profiles, geo, configs,
+                                                             group.mbs_values)):
+            buckets.setdefault(config.pp, []).append((group, config, geo, costs))
+            beaten = np.zeros(len(costs.mbs), dtype=bool)
+            for light in lighter:
+                beaten |= light.problem.dominates(costs.problem)
+            beaten_of.setdefault(config.pp, []).append(beaten)
+            lighter.append(costs)
+            if not costs.problem.memory_binds().any():
+                # free of memory limits: this mode beats the heavier ones, which are not even built
+                dominated += len(costs.mbs) * (len(configs) - len(lighter))
+                break
+        items_of[group.config.pp] = items_of.get(group.config.pp, 0) + 1
+    problems = {pp: PartitionBatch.stack([c.problem for *_, c in bucket]) for pp, bucket in buckets.items()}
+    # bounds prune what cannot reach the kept plans, and heavier recompute modes that cannot beat a lighter one
+    bounded = keep or len(inputs.recompute) > 1
+    bounds = {pp: lower_bounds(batch) if bounded else np.zeros(len(batch)) for pp, batch in problems.items()}
     # encoder-decoder plans differing only in their encoder/decoder split compete: the best split is the plan's
     best: dict[tuple, tuple] = {}
     found: dict[tuple, float] = {}  # best ranking value found so far of each plan (for the pruning threshold)
     solved = pruned = done = 0
     skipped: set[tuple] = set()  # plans with a split that was pruned rather than found not to fit
+    unfit: list[tuple] = []  # (config, costs, row) of every problem found not to fit, each split and mode
     for pp in sorted(buckets, key=lambda pp: bounds[pp].min()):  # most promising first
         bucket, batch = buckets[pp], problems[pp]
         keys, weight = [], []
-        for group, geo, costs in bucket:
+        for _, config, geo, costs in bucket:
             price_per_s = price_per_hour_usd(cluster, geo.placement) / 3600.0
             for mbs in costs.mbs:
-                keys.append((group.config.tp, group.config.dp, group.config.pp, geo.placement, int(mbs)))
+                keys.append((config.tp, config.dp, config.pp, geo.placement, int(mbs)))
                 weight.append(price_per_s if sort == "cost" else 1.0)
-        counts, value, solved_here = _solve(batch, bounds[pp], keep, keys, np.array(weight), found)
+        beaten = np.concatenate(beaten_of[pp])
+        mode_of_row = np.concatenate([np.full(len(costs.mbs), RECOMPUTE_MODES.index(config.recompute))
+                                      for _, config, _, costs in bucket])
+        weights = np.array(weight)
+        counts, value = np.zeros(batch.lo.shape, dtype=int), np.full(len(batch), np.inf)
+        solved_here = np.zeros(len(batch), dtype=bool)
+        for mode in np.unique(mode_of_row):  # lightest first: a heavier mode has to beat what they reached
+            this = mode_of_row == mode
+            reached = np.array([found.get(key, np.inf) for key in keys])
+            beaten |= this & (bounds[pp] * weights > reached * (1 + PRUNE_SLACK))
+            mode_counts, mode_value, mode_solved = _solve(batch, bounds[pp], keep, keys, weights, found, beaten | ~this)
+            counts[mode_solved], value[mode_solved] = mode_counts[mode_solved], mode_value[mode_solved]
+            solved_here |= mode_solved
         solved += int(solved_here.sum())
-        pruned += len(batch) - int(solved_here.sum())
+        pruned += len(batch) - int(solved_here.sum()) - int(beaten.sum())
+        dominated += int(beaten.sum())
         at = 0
-        for group, geo, costs in bucket:
+        for group, config, geo, costs in bucket:
+            mode = RECOMPUTE_MODES.index(config.recompute)
             for row in range(len(costs.mbs)):
                 key = keys[at + row]
-                entry = (value[at + row], group.config.encoder_stages, group, geo, costs, row, counts[at + row])
-                if not solved_here[at + row]:
+                # the best split and recompute mode are the plan's; ties go to fewer encoder stages, then the lighter mode
+                entry = (value[at + row], config.encoder_stages, mode, group, config, geo, costs, row, counts[at + row])
+                if not solved_here[at + row] and not beaten[at + row]:
                     skipped.add(key)
-                if key not in best or entry[:2] < best[key][:2]:
+                if np.isinf(value[at + row]) and (solved_here[at + row] or beaten[at + row]):
+                    unfit.append((config, costs, row))
+                if key not in best or entry[:3] < best[key][:3]:
                     best[key] = entry
             at += len(costs.mbs)
-        done += len(bucket)
+        done += items_of[pp]
         if progress:
             progress(done, len(items))
     rows = []
-    for value, _, group, geo, costs, row, counts in best.values():
+    for value, _, _, group, config, geo, costs, row, counts in best.values():
         if np.isfinite(value):
             chosen = np.zeros(len(costs.mbs), dtype=bool)
             chosen[row] = True
-            rows += plan_rows(inputs, group.config, geo, costs, np.broadcast_to(counts, costs.problem.lo.shape), chosen,
+            rows += plan_rows(inputs, config, geo, costs, np.broadcast_to(counts, costs.problem.lo.shape), chosen,
                               group.exhaustive)
     oom = sum(1 for key, entry in best.items() if np.isinf(entry[0]) and key not in skipped)
     oversized = _oversized_plans(todo)
-    result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned)
+    result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned, dominated)
     if not rows:
-        for _, _, group, _, costs, row, _ in best.values():
-            factor = memory_overshoot(costs, row, cluster.memory_margin)
+        for config, costs, row in unfit:
+            factor = memory_overshoot(costs, row, cluster)
             if result.closest_memory_factor is None or factor < result.closest_memory_factor:
-                result.closest_memory_factor, result.closest_plan = factor, replace(group.config, mbs=int(costs.mbs[row]))
+                result.closest_memory_factor, result.closest_plan = factor, replace(config, mbs=int(costs.mbs[row]))
     return result
 
 
@@ -185,15 +230,17 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  distributed_optimizer: bool = True, train_steps: int | None = None, train_tokens: float | None = None,
                  sort: str = "time", progress: Callable[[int, int], None] | None = None,
                  placement_limit: int = PLACEMENT_LIMIT, keep: int | None = None,
-                 workers: int | None = None, profiles: dict[str, GpuProfile] | None = None) -> SearchResult:
+                 workers: int | None = None, profiles: dict[str, GpuProfile] | None = None,
+                 recompute: tuple[str, ...] = RECOMPUTE_MODES, sequence_parallel: bool = True) -> SearchResult:
     """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
     workers: processes to use; default: one per core for clusters of 32 nodes or more, else one (small
     searches finish before extra processes would have started).
     profiles: already loaded profiles (by GPU type) instead of reading profiles_dir.
+    recompute: the recompute modes to consider (each plan takes its best); sequence_parallel: on when tp > 1.
     """
-    inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles)
+    inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, recompute, sequence_parallel)
     if not tensor_degrees(inputs):
         profiled = {g: p.tensor_degrees for g, p in inputs.profiles.items()}
         raise InputError("profiles", f"no tensor degree dividing {cluster.gpus_per_node} GPUs per node, the attention "

@@ -113,9 +113,7 @@ def _first_feasible(values: np.ndarray, caps_of, filler: _Filler) -> np.ndarray:
 
 def _clipped_hi(p: PartitionBatch) -> np.ndarray:
     """No stage can take more layers than its segment leaves it after the other stages' minimum."""
-    seg = np.broadcast_to(p.segment_of_stage, p.lo.shape)
-    lo_sum = np.take_along_axis(segment_sums(p.lo, seg, len(p.segment_layers)), seg, axis=-1)
-    return np.minimum(p.hi, p.segment_layers[seg] - (lo_sum - p.lo)).astype(float)
+    return np.minimum(p.hi, p.most_layers).astype(float)
 
 
 def admits(batch: PartitionBatch, caps: np.ndarray) -> np.ndarray:
@@ -126,15 +124,22 @@ def admits(batch: PartitionBatch, caps: np.ndarray) -> np.ndarray:
 def lower_bounds(batch: PartitionBatch) -> np.ndarray:
     """(B,) a bound no partition of each problem can beat (inf when none fits), for pruning searches.
 
-    The cheapest layer sum any partition can have, plus (m - 1) times the larger of the smallest possible
-    stage period and the average period, plus the smallest possible all-reduce."""
+    The cheapest layer sum any partition can have, plus (m - 1) times the smallest slowest-stage period any
+    partition can have (the smallest period value whose caps admit a partition), plus the smallest possible
+    all-reduce."""
     p = batch
     hi = _clipped_hi(p)
-    widest, feasible = _Filler(p).fill(hi[:, None, :])
+    filler = _Filler(p)
+    widest, feasible = filler.fill(hi[:, None, :])
     widest, feasible = widest[:, 0], feasible[:, 0] & (hi >= p.lo).all(-1)
     layer_sum = (p.layer_s * widest).sum(-1)
-    stages = p.lo.shape[1]
-    period = np.maximum((p.period_fixed_s + p.layer_s * p.lo).max(-1), (p.period_fixed_s.sum(-1) + layer_sum) / stages)
+    period = np.zeros(len(p))  # rows without a partition are given inf below
+    rows = np.flatnonzero(feasible)
+    if len(rows):
+        q, q_hi = p.take(rows), hi[rows]
+        values = _values(q.period_fixed_s, q.layer_s, q.lo, q_hi)
+        first = _first_feasible(values, lambda x: _caps(x, q.period_fixed_s, q.layer_s, q_hi), _Filler(q))
+        period[rows] = values[np.arange(len(rows)), first]
     allreduce = (p.ar_fixed_s + p.ar_layer_s * p.lo).max(-1)
     bound = p.base_s + layer_sum + (p.num_microbatches - 1) * period + allreduce
     return np.where(feasible, bound, np.inf)

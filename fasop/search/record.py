@@ -26,13 +26,16 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
         step = float(terms["step_time_s"][k])
         mbs = int(costs.mbs[k])
         columns = zip(range(config.pp), costs.gpu, geo.stage_nodes, layers[k].tolist(), terms["stage_compute_s"][k].tolist(),
-                      terms["stage_p2p_s"][k].tolist(), terms["stage_allreduce_s"][k].tolist(),
-                      terms["stage_memory_gib"][k].tolist(), terms["stage_capacity_gib"][k].tolist())
+                      terms["stage_recompute_s"][k].tolist(), terms["stage_p2p_s"][k].tolist(),
+                      terms["stage_allreduce_s"][k].tolist(), terms["stage_memory_gib"][k].tolist(),
+                      terms["stage_capacity_gib"][k].tolist())
         stages = [
-            {"stage": s, "gpu": gpu, "nodes": list(nodes), "layers": n, "compute_s": compute, "p2p_s": p2p,
-             "dp_allreduce_s": allreduce, "memory_gib": memory, "memory_capacity_gib": capacity}
-            for s, gpu, nodes, n, compute, p2p, allreduce, memory, capacity in columns
+            {"stage": s, "gpu": gpu, "nodes": list(nodes), "layers": n, "compute_s": compute, "recompute_s": recompute,
+             "p2p_s": p2p, "dp_allreduce_s": allreduce, "memory_gib": memory, "memory_capacity_gib": capacity}
+            for s, gpu, nodes, n, compute, recompute, p2p, allreduce, memory, capacity in columns
         ]
+        recompute = {"recompute": config.recompute, "recompute_method": config.recompute_method,
+                     "recompute_num_layers": config.recompute_num_layers}
         rows.append({
             "model": model.name, "model_file": model.file, "cluster": cluster.name, "cluster_file": cluster.file,
             "kind": "3d",
@@ -40,12 +43,15 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
             "num_microbatches": config.gbs // (config.dp * mbs),
             "placement": list(geo.placement), "layers_per_stage": layers[k].tolist(),
             "encoder_stages": config.encoder_stages, "distributed_optimizer": config.distributed_optimizer,
+            **{key: value for key, value in recompute.items() if value is not None},
+            "sequence_parallel": config.sequence_parallel,
             "step_time_s": step,
             "throughput_samples_per_s": config.gbs / step,
             "tokens_per_s": config.gbs * model.seq_length / step,
             "pipeline_time_s": float(terms["pipeline_time_s"][k]), "bubble_s": float(terms["bubble_s"][k]),
             "p2p_s": float(terms["p2p_s"][k]), "dp_allreduce_s": float(terms["dp_allreduce_s"][k]),
             "embedding_allreduce_s": float(terms["embedding_allreduce_s"][k]),
+            "recompute_s": float(terms["recompute_s"][k]),
             "peak_memory_gib": float(terms["stage_memory_gib"][k, worst]),
             "memory_capacity_gib": float(terms["stage_capacity_gib"][k, worst]),
             "cost_per_hour_usd": price, "cost_per_step_usd": price * step / 3600.0,
