@@ -630,10 +630,15 @@ def test_train_steps_and_tokens_together(runner, tiny):
     assert "--train-steps" in line and "--train-tokens" in line
 
 
-@pytest.mark.parametrize("tokens", ["1e400", "nan"])
-def test_train_tokens_not_finite(runner, tiny, tokens):
+@pytest.mark.parametrize("tokens", ["1e400", "nan", "1e308", "1e16"])
+def test_train_tokens_not_finite_or_too_many(runner, tiny, tokens):
     result, output = search_error(runner, tiny(), "--train-tokens", tokens)
     assert_input_error(result, "--train-tokens", output=output)
+
+
+def test_train_steps_beyond_exact_integers(runner, tiny):
+    result, output = search_error(runner, tiny(), "--train-steps", str(2**53 + 1))
+    assert_input_error(result, "--train-steps", output=output)
 
 
 def test_model_path_is_a_directory(runner, tiny):

@@ -282,7 +282,13 @@ def test_malformed_csv_is_one_line(measured, runner, edit, fragments):
     (LOG + megatron_line(3, "1000.0") + "\n", None, ["iteration 3 follows iteration 7"]),
     ("no reports here\n", None, ["no training log", "beside plan.json"]),
     (LOG, "{not json", ["plan.json", "not JSON"]),
-    (LOG, json.dumps({"tp": 1}), ["names no model_file"]),
+    (LOG, json.dumps({"tp": 1}), ["plan.json: gbs", "missing"]),
+    (LOG, json.dumps({"model": "m", "cluster": "c", "gbs": 8, "mbs": 1, "tp": "1", "dp": 2, "pp": 1,
+                      "placement": ["fast"], "layers_per_stage": [4]}), ["plan.json: tp"]),
+    (LOG, json.dumps({"model": "m", "cluster": "c", "gbs": 8, "mbs": 1, "tp": 1, "dp": 2, "pp": 1,
+                      "placement": ["fast"], "layers_per_stage": [4], "step_time": 1.0}), ["plan.json: step_time"]),
+    (LOG, json.dumps({"gbs": 8, "mbs": 1, "tp": 1, "dp": 2, "pp": 1, "placement": ["fast"],
+                      "layers_per_stage": [4]}), ["names no model_file"]),
 ])
 def test_malformed_logs_are_one_line(tiny, runner, log, plan, fragments):
     user = tiny("user", nodes=NODES)

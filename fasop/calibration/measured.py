@@ -18,7 +18,7 @@ from typing import Any
 
 from fasop.errors import InputError
 from fasop.files import CSV_LIMIT_BYTES, LOG_LIMIT_BYTES, PLANS_LIMIT_BYTES, read_json, read_text
-from fasop.plans import PlanShape
+from fasop.plans import PlanShape, read_plan
 
 WARMUP_ITERS = 3  # iterations of each log whose timings are left out by default
 LOG_SUFFIXES = (".out", ".log", ".txt")  # files beside plan.json read as training logs (fasop emit: fasop-<job>.out)
@@ -184,10 +184,9 @@ def median_iteration_s(path: Path, warmup_iters: int = WARMUP_ITERS) -> float | 
 
 
 def _load_plan_json(path: Path) -> dict:
-    plan = read_json(path, PLANS_LIMIT_BYTES, "the plan object that fasop emit writes")
-    if not isinstance(plan, dict):
-        raise InputError(str(path), "expected the plan object that fasop emit writes")
-    return plan
+    """The plan fields of a plan.json, checked against the plan schema (fasop.plans.Plan)."""
+    plan = read_plan(read_json(path, PLANS_LIMIT_BYTES, "the plan object that fasop emit writes"), str(path))
+    return plan.record()
 
 
 def read_runs_logs(folder: Path, warmup_iters: int = WARMUP_ITERS, model: str | None = None,

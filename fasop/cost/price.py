@@ -9,6 +9,12 @@ from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 
+# The longest run accepted, in steps and in tokens: 2^53 (9e15) is about 600 times the 1.5e13 tokens of the
+# largest published pre-training runs (Llama 3: Meta, 2024), and every step count stays an exact integer in
+# any JSON reader.
+MAX_TRAIN_STEPS = 2**53
+MAX_TRAIN_TOKENS = float(2**53)
+
 
 def price_per_hour_usd(cluster: Cluster, placement: tuple[str, ...] | list[str]) -> float:
     """Dollars per hour of the nodes of a placement."""
@@ -19,12 +25,13 @@ def check_run_length(train_steps: int | None, train_tokens: float | None) -> Non
     """A run is given in steps or in tokens, not both, and is positive and finite."""
     if train_steps is not None and train_tokens is not None:
         raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
-    if train_steps is not None and train_steps < 1:
-        raise InputError("--train-steps", f"expected a positive number of steps, got {train_steps}")
+    if train_steps is not None and not 1 <= train_steps <= MAX_TRAIN_STEPS:
+        raise InputError("--train-steps", f"expected 1 to 2^53 steps, got {train_steps}")
     if train_tokens is not None and not math.isfinite(train_tokens):
         raise InputError("--train-tokens", f"expected a finite number of tokens, got {train_tokens}")
-    if train_tokens is not None and not train_tokens > 0:
-        raise InputError("--train-tokens", f"expected a positive number of tokens, got {train_tokens:g}")
+    if train_tokens is not None and not 0 < train_tokens <= MAX_TRAIN_TOKENS:
+        raise InputError("--train-tokens", f"expected a positive number of tokens up to 2^53, "
+                                           f"got {train_tokens:g}")
 
 
 def run_steps(gbs: int, model: Model, train_tokens: float) -> int:

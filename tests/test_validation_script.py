@@ -1,0 +1,109 @@
+"""scripts/validate_published.py: Narayanan's FLOP conversion, one run's prediction against a hand computation,
+the wiring of Megatron-LM options, refused inputs, and the generated block of docs/validation.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from fasop.errors import InputError
+from fasop.inputs.catalogue import load_gpu_spec
+from fasop.profile.synth import synthesize
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "validation.md"
+
+
+@pytest.fixture(scope="module")
+def vp():
+    spec = importlib.util.spec_from_file_location("validate_published", ROOT / "scripts" / "validate_published.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def runs(vp):
+    return {run.row: run for run in vp.read_runs()}
+
+
+def test_narayanan_step_time_from_tflops_by_hand(vp, runs):
+    """1.7B row: 96 x 512 x 2048 x 24 x 2304^2 = 12,824,703,626,379,264; times (1 + 2048 / 13824 + 51200 /
+    884736) = 1 + 0.148148... + 0.057870... gives F = 1.54668e16 FLOPs; over 32 GPUs x 137 TFLOP/s: 3.5280 s."""
+    run = runs["1.7B"]
+    model = vp.load_model(str(vp.DATA / run.model_file))
+    assert (run.gpus, run.gbs, run.measured_tflops_per_gpu) == (32, 512, 137)
+    assert vp.narayanan_flops_per_step(model, run.gbs) == pytest.approx(12_824_703_626_379_264 * (1 + 2048 / 13824
+                                                                                                  + 51200 / 884736))
+    assert vp.measured_step_time_s(run, model) == pytest.approx(3.528018, rel=1e-6)
+    korthikanti = runs["22B, full recomputation"]
+    assert vp.measured_step_time_s(korthikanti, model) == 1.42  # measured directly, no conversion
+
+
+@pytest.mark.parametrize("row, recomputed", [("22B, full recomputation", True),
+                                             ("22B, selective recomputation + sequence parallelism", False)])
+def test_one_run_against_a_hand_sum(vp, runs, row, recomputed):
+    """22B on one node (tp 8, pp 1, dp 1, one micro-batch of 4): the step is the embedding, 48 layers and the
+    head, forward and backward, each layer's forward once more under full recomputation (by hand for now)."""
+    run = runs[row]
+    model = vp.load_model(str(vp.DATA / run.model_file))
+    units = {r.kind: r for r in synthesize(model, load_gpu_spec("A100-80GB"), tps=[8], mbss=[4])}
+    layer = units["layer"].forward_s * (2 if recomputed else 1) + units["layer"].backward_s
+    by_hand = sum(units[k].forward_s + units[k].backward_s for k in ("embedding", "head")) + 48 * layer
+    plan = vp.predict(run, model, vp.load_cluster(str(vp.CLUSTER)))
+    assert (plan.tp, plan.dp, plan.pp, plan.mbs, plan.layers_per_stage) == (8, 1, 1, 4, [48])
+    assert plan.step_time_s == pytest.approx(by_hand, rel=1e-9)
+
+
+def test_options_reach_the_estimate_and_switch_the_hand_made_recomputation_off(vp, runs, monkeypatch):
+    run = runs["175B, selective recomputation + sequence parallelism"]
+    assert vp.not_modelled(run, {}) == ["selective recompute", "sequence parallelism", "interleaving (v=3)"]
+    wired = {"recompute": "full", "sequence_parallel": True, "virtual_stages": 3}
+    assert vp.not_modelled(run, wired) == []
+
+    seen = {}
+    monkeypatch.setattr(vp, "megatron_options", lambda r: {"recompute": r.recompute})
+    monkeypatch.setattr(vp, "estimate", lambda *args, **kwargs: seen.update(kwargs))
+    full = runs["22B, full recomputation"]
+    model = vp.load_model(str(vp.DATA / full.model_file))
+    vp.predict(full, model, vp.load_cluster(str(vp.CLUSTER)))
+    assert seen["recompute"] == "full" and seen["distributed_optimizer"] is False
+    plain = {r.kind: r for r in synthesize(model, load_gpu_spec("A100-80GB"), tps=[8], mbss=[4])}
+    assert seen["profiles"]["A100-80GB"].time(8, "layer", 4) == pytest.approx(
+        (plain["layer"].forward_s, plain["layer"].backward_s))  # not recomputed twice
+
+
+def test_doc_tables_are_the_scripts_output_and_rewriting_is_deterministic(vp, tmp_path, capsys):
+    copy = tmp_path / "validation.md"
+    copy.write_text(DOC.read_text())
+    assert vp.main(["--write", str(copy)]) == 0
+    first = copy.read_text()
+    assert first == DOC.read_text(), "docs/validation.md is stale: python scripts/validate_published.py --write " \
+                                     "docs/validation.md"
+    printed = capsys.readouterr().out  # what the script prints is what it writes, one summary per table
+    assert printed.count("Mean absolute error") == 2 and printed in first
+    assert vp.main(["--write", str(copy)]) == 0
+    assert copy.read_text() == first
+
+
+def test_refused_inputs_leave_one_line_and_no_change(vp, runs, tmp_path, capsys):
+    doc = tmp_path / "no-markers.md"
+    doc.write_text("# a page without the generated block\n")
+    assert vp.main(["--write", str(doc)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected the markers" in err
+    assert doc.read_text() == "# a page without the generated block\n"
+
+    header, first = vp.MEASUREMENTS.read_text().splitlines()[:2]
+    for broken, field in [(first.replace(",full,false,", ",partial,false,"), "recompute"),
+                          (first.replace(",1.42,,", ",1.42,137,"), "exactly one of"),
+                          (first.replace(",8,8,1,4,4,", ",8,8,1,4,0,"), "gbs"),
+                          (first.replace(",8,8,1,4,4,", ",8,3,1,4,4,"), "tp x pp")]:
+        csv = tmp_path / "runs.csv"
+        csv.write_text(f"{header}\n{broken}\n")
+        with pytest.raises(InputError, match=f"line 2.*{field}"):
+            vp.read_runs(csv)
