@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fasop.cost.problem import PartitionBatch
-from fasop.search.partition import lower_bounds, optimal_partitions
+from fasop.search.partition import optimal_partitions
 
 
 def compositions(total: int, parts: int, lo: list[int]):
@@ -230,13 +230,3 @@ def test_a_dominating_problem_is_never_worse(data):
             assert best_light is not None and best_light <= best_heavy * (1 + 1e-12)
         if not light.memory_binds()[row]:  # caps that never bind: the lighter problem dominates
             assert dominates[row]
-
-
-@settings(max_examples=300, deadline=None)
-@given(problems())
-def test_lower_bound_is_below_the_optimum(batch):
-    """The bound with the smallest feasible slowest-stage period never exceeds the optimum."""
-    bound = lower_bounds(batch)
-    _, value, feasible = optimal_partitions(batch)
-    assert (np.isinf(bound) == ~feasible).all()
-    assert (bound[feasible] <= value[feasible] * (1 + 1e-12)).all()

@@ -241,3 +241,34 @@ def test_sequence_parallelism_is_on_whenever_tp_exceeds_one(tmp_path):
         key = (p.tp, p.dp, p.pp, p.mbs, tuple(p.layers_per_stage))
         if key in memory_off:
             assert (p.peak_memory_gib < memory_off[key]) == (p.tp > 1)
+
+
+# -- the command line -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, names", [
+    (["search", "--recompute", "none,sometimes"], ["--recompute", "sometimes"]),
+    (["estimate", "--tp", "1", "--dp", "4", "--pp", "1", "--mbs", "1", "--placement", "fast,slow", "--layers", "4",
+      "--recompute", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+     ["--recompute", "one layer per checkpoint"]),
+    (["estimate", "--tp", "1", "--dp", "4", "--pp", "1", "--mbs", "1", "--placement", "fast,slow", "--layers", "4",
+      "--sequence-parallel"], ["--sequence-parallel", "tp > 1"]),
+])
+def test_bad_recompute_options_are_one_line(runner, tiny, args, names):
+    from test_cli_search import assert_input_error, invoke
+
+    setup = tiny()
+    assert_input_error(invoke(runner, [args[0], *setup.args(*args[1:])]), *names)
+
+
+def test_search_table_and_plan_file_show_the_mode(runner, tiny):
+    from test_cli_search import invoke, ok
+
+    setup = tiny()
+    output = setup.root / "plans.json"
+    result = invoke(runner, ["search", *setup.args("--output", str(output), "--recompute", "full")])
+    ok(result)
+    assert "recompute" in result.stdout and " full " in result.stdout
+    plans = fasop.plans.load_plans(output)
+    assert {(p.recompute, p.recompute_method, p.recompute_num_layers) for p in plans} == {("full", "uniform", 1)}
+    assert all(p.recompute_s > 0 and p.sequence_parallel == (p.tp > 1) for p in plans)

@@ -81,6 +81,14 @@ class SearchResult:
             self.closest_memory_factor, self.closest_plan = other.closest_memory_factor, other.closest_plan
 
 
+def _ranking_bound(bound: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Lower bounds times ranking weights; inf where no partition fits, also for a plan that costs nothing."""
+    ranking_bound = np.full(len(bound), np.inf)
+    fits = np.isfinite(bound)
+    ranking_bound[fits] = bound[fits] * weight[fits]
+    return ranking_bound
+
+
 def _solve(batch: PartitionBatch, bound: np.ndarray, keep: int | None, keys: list[tuple], weight: np.ndarray,
            found: dict[tuple, float], dominated: np.ndarray):
     """(counts, step times, solved mask) of a batch, most promising problems first; `dominated` problems (a
@@ -96,9 +104,7 @@ def _solve(batch: PartitionBatch, bound: np.ndarray, keep: int | None, keys: lis
     counts = np.zeros(batch.lo.shape, dtype=int)
     value = np.full(len(batch), np.inf)
     solved = np.zeros(len(batch), dtype=bool)
-    ranking_bound = np.full(len(bound), np.inf)  # inf: no partition fits, also for a plan that costs nothing
-    fits = np.isfinite(bound)
-    ranking_bound[fits] = bound[fits] * weight[fits]
+    ranking_bound = _ranking_bound(bound, weight)
     order = np.argsort(ranking_bound, kind="stable")
     order = order[~dominated[order]]
     step = PRUNE_CHUNK if keep or bound.any() else max(1, len(order))
@@ -184,7 +190,7 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
         for mode in np.unique(mode_of_row):  # lightest first: a heavier mode has to beat what they reached
             this = mode_of_row == mode
             reached = np.array([found.get(key, np.inf) for key in keys])
-            beaten |= this & (bounds[pp] * weights > reached * (1 + PRUNE_SLACK))
+            beaten |= this & (_ranking_bound(bounds[pp], weights) > reached * (1 + PRUNE_SLACK))
             mode_counts, mode_value, mode_solved = _solve(batch, bounds[pp], keep, keys, weights, found, beaten | ~this)
             counts[mode_solved], value[mode_solved] = mode_counts[mode_solved], mode_value[mode_solved]
             solved_here |= mode_solved
