@@ -10,7 +10,7 @@ import itertools
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -39,8 +39,9 @@ class Stage(Table):
     gpu: str  # the stage's GPU type; "A100+A10" for a stage whose ranks span two types
     nodes: list[Index]  # node ranks (positions in the placement) holding the stage
     layers: Index
-    compute_s: float  # forward and backward of one micro-batch
+    compute_s: float  # forward and backward of one micro-batch, with the forwards it recomputes
     forward_s: float | None = None  # the forward part of compute_s
+    recompute_s: float | None = None  # the recomputed forwards in compute_s
     send_s: float | None = None  # one micro-batch's activation sent to the next stage (0 on the last)
     p2p_s: float  # its sends and receives per micro-batch
     dp_allreduce_s: float
@@ -94,6 +95,10 @@ class Plan(Table):
     layers_per_virtual_stage: list[Index] | None = None
     # how step_time_s was found: "exact-schedule", Megatron's 1F1B schedule timed exactly (docs/cost-model.md 4.1)
     timing: Literal["exact-schedule"] | None = None
+    recompute: Literal["none", "selective", "full"] | None = None  # --recompute-granularity (none: left out)
+    recompute_method: Literal["uniform", "block"] | None = None  # full only
+    recompute_num_layers: Count | None = None  # full only
+    sequence_parallel: bool | None = None
     step_time_s: float | None = None
     throughput_samples_per_s: float | None = None
     tokens_per_s: float | None = None
@@ -106,6 +111,7 @@ class Plan(Table):
     dp_exposed_s: float | None = None  # data-parallel traffic the overlap leaves exposed on the slowest stage
     optimizer_s: float | None = None  # the optimizer step of the slowest stage
     closed_form_step_s: float | None = None  # the closed form the partitioner optimised (an estimate, not a bound)
+    recompute_s: float | None = None  # forwards the bottleneck stage (largest compute) recomputes per step
     peak_memory_gib: float | None = None
     memory_capacity_gib: float | None = None
     cost_per_hour_usd: float | None = None
@@ -156,6 +162,11 @@ class PlanShape:
     placement: tuple[str, ...]
     layers_per_stage: tuple[int, ...]
     distributed_optimizer: bool
+    _: KW_ONLY  # defaulted: plan files written before these fields existed
+    recompute: str = "none"
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    sequence_parallel: bool = False
 
 
 def placement_runs(placement: Sequence[str]) -> list[tuple[str, int]]:

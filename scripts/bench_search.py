@@ -43,10 +43,10 @@ def main() -> None:
             elapsed, out = run(model, cluster)
             times.append(elapsed)
         plans, partitions = re.search(r"(\d+) plans evaluated.*?\((\d+) layer partitions", out).groups()
-        best = out.strip().splitlines()[-1].split()
+        best = next(line.split() for line in out.splitlines() if line.split()[:1] == ["1"])  # the table's first row
         print(f"{model:8} {cluster:20} {min(times):7.2f} {plans:>6} {partitions:>10}  "
-              f"mbs={best[1]} tp={best[2]} dp={best[3]} pp={best[4]} vp={best[5]} {best[6]} layers {best[7]} "
-              f"step {best[8]} s")
+              f"mbs={best[1]} tp={best[2]} dp={best[3]} pp={best[4]} vp={best[5]} recompute={best[6]} sp={best[7]} "
+              f"{best[8]} layers {best[9]} step {best[10]} s")
 
 
 if __name__ == "__main__":

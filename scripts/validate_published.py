@@ -135,14 +135,15 @@ def measured_step_time_s(run: Run, model: Model) -> float:
 
 # -- the prediction ---------------------------------------------------------------------------------------
 def megatron_options(run: Run) -> dict[str, object]:
-    """The run's Megatron-LM settings as keywords of fasop.estimate.
+    """The run's Megatron-LM settings as keywords of fasop.estimate (full recomputation: uniform over every
+    layer, its default).
 
-    TODO(issue 11): fasop.estimate takes none of these keywords yet. Wire each by uncommenting its line once
-    the keyword exists (rename it to match); everything else follows from this dict (the hand-made full
-    recomputation below switches itself off, and the table's "not modelled" column shrinks)."""
+    TODO(issue 11): fasop.estimate does not take the virtual pipeline size yet. Wire it by uncommenting its
+    line once the keyword exists (rename it to match); everything else follows from this dict (the table's
+    "not modelled" column shrinks)."""
     return {
-        # "recompute": run.recompute,                    # TODO(issue 11): none | selective | full
-        # "sequence_parallel": run.sequence_parallel,    # TODO(issue 11)
+        "recompute": run.recompute,
+        "sequence_parallel": run.sequence_parallel,
         # "virtual_stages": run.virtual_stages,          # TODO(issue 11): interleaved 1F1B
     }
 

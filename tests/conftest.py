@@ -46,6 +46,7 @@ TINY_CLUSTER = {
     "name": "tiny-cluster",
     "description": "one fast and one slow node of 2 GPUs",
     "memory_margin": 1.1,
+    "gpu_memory_overhead_gib": 0.0,  # the tests' memory sizes are tiny: nothing held back
 }
 TINY_NODE_TYPES = {
     "fast": {

@@ -77,10 +77,15 @@ def test_activation_without_dropout_and_with_flash_attention():
     assert layer_activation_bytes(model, "layer", 1, 1) == (4 + 10 + 2 + 16) * s * h
 
 
-def test_megatron_bytes_per_parameter():
-    model = fasop.load_model("gpt2-xl")  # fp16 mixed precision
-    assert bytes_per_param(model, dp=4, distributed_optimizer=False) == 18
-    assert bytes_per_param(model, dp=4, distributed_optimizer=True) == 6 + 12 / 4
+@pytest.mark.parametrize("precision, whole, kept, sharded", [("fp16", 20, 4, 16), ("bf16", 18, 6, 12),
+                                                               ("fp32", 16, 8, 8)])
+def test_megatron_bytes_per_parameter(precision, whole, kept, sharded):
+    """Megatron-LM's distributed-optimizer table: fp16 keeps fp16 weights and gradients plus fp32 main gradients,
+    master weights and moments (2 + 2 + 4 + 4 + 8); bf16 reduces into fp32 gradients (2 + 4 + 4 + 8)."""
+    model = replace(fasop.load_model("gpt2-xl"), precision=precision)
+    assert bytes_per_param(model, dp=4, distributed_optimizer=False) == whole
+    assert bytes_per_param(model, dp=4, distributed_optimizer=True) == kept + sharded / 4
+    assert bytes_per_param(model, dp=1, distributed_optimizer=True) == whole
 
 
 # -- rank geometry: links of pipeline boundaries and all-reduces -----------------------------------------
@@ -198,11 +203,11 @@ def test_estimate_of_a_two_stage_plan_by_hand(tiny):
     params0 = 2 * layer_params + 1000 * 64 + 32 * 64
     act_layer = 34 * 32 * 64 + 5 * 4 * 32 * 32
     act0 = 2 * (2 * act_layer + 32 * 64)  # plus the embedding dropout mask
-    assert row.stages[0].memory_gib == pytest.approx((18 * params0 + act0) / GIB)
+    assert row.stages[0].memory_gib == pytest.approx((20 * params0 + act0) / GIB)
     # stage 1 keeps one micro-batch, and holds the output layer's copy of the tied embedding and the logits
     params1 = 2 * layer_params + 2 * 64 + 1000 * 64
     act1 = 2 * act_layer + 2 * 2 * 32 * 64 + 4 * 32 * 1000
-    assert row.stages[1].memory_gib == pytest.approx((18 * params1 + act1) / GIB)
+    assert row.stages[1].memory_gib == pytest.approx((20 * params1 + act1) / GIB)
 
 
 def test_search_finds_the_best_split_of_every_plan_for_the_closed_form(tiny):

@@ -569,7 +569,7 @@ def one_line_error(result, *fragments):
 
 def test_cli_writes_the_files(tmp_path):
     write_cluster(tmp_path, 'partition = "gpu"\nmaster_port = 6123\n')
-    plans = write_plans(tmp_path, [fresh_plan(tmp_path), fresh_plan(tmp_path, rank=2, layers_per_stage=[12, 12, 12, 12])])
+    plans = write_plans(tmp_path, [fresh_plan(tmp_path), fresh_plan(tmp_path, rank=2, layers_per_stage=[10, 14, 14, 10])])
     result = runner().invoke(emit, ["--plans", str(plans), "--rank", "2", "--out", str(tmp_path / "out"),
                                     "--partition", "small=cheap", "--extra-flags", "--log-interval 1"])
     assert result.exit_code == 0, result.stderr

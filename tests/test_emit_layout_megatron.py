@@ -105,3 +105,51 @@ def test_an_interleaved_layout_that_is_not_the_even_split_is_refused(tmp_path):
                      mbs=1, virtual_stages=2)  # 18 micro-batches: not a multiple of the 4 stages
     with pytest.raises(InputError, match="virtual_stages: 2: 18 micro-batches leave a last group of 2"):
         render_plan(odd, model, cluster)
+transformer_config = pytest.importorskip("megatron.core.transformer.transformer_config")
+torch = pytest.importorskip("torch")
+
+RECOMPUTE = [
+    # (tp, plan fields, flags expected in run_inter.sh)
+    (2, {}, {"--sequence-parallel": []}),
+    (1, {"recompute": "selective"}, {"--recompute-granularity": ["selective"]}),
+    (2, {"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 1, "sequence_parallel": False},
+     {"--recompute-granularity": ["full"], "--recompute-method": ["uniform"], "--recompute-num-layers": ["1"]}),
+    (2, {"recompute": "full", "recompute_method": "block", "recompute_num_layers": 5},
+     {"--recompute-granularity": ["full"], "--recompute-method": ["block"], "--recompute-num-layers": ["5"],
+      "--sequence-parallel": []}),
+]
+
+
+@pytest.mark.parametrize("flash", [False, True])
+@pytest.mark.parametrize("tp, fields, expected", RECOMPUTE)
+def test_megatron_core_accepts_recompute_sequence_parallel_and_attention_flags(tmp_path, tp, fields, expected, flash):
+    """The emitted flags, read as Megatron-LM's argument parser converts them, make a TransformerConfig that
+    megatron-core's own checks accept, with the plan's settings."""
+    from dataclasses import replace
+
+    model = replace(load_model("gpt2-xl"), flash_attention=flash)
+    cluster = load_cluster(str(write_cluster(tmp_path)))
+    pp = 8 // tp  # 4 nodes of 2 GPUs
+    plan = launchable(tp=tp, dp=1, pp=pp, placement=["small", "big", "big", "small"], gbs=64, mbs=1,
+                      layers_per_stage=[48 // pp] * pp, **fields)
+    args = flag_values(megatron_args(render_plan(plan, model, cluster)["run_inter.sh"]))
+    for flag, values in expected.items():
+        assert args[flag] == values
+    if fields.get("sequence_parallel") is False or tp == 1:
+        assert "--sequence-parallel" not in args
+    if fields.get("recompute", "none") == "none":
+        assert not any(flag.startswith("--recompute") for flag in args)
+    (backend,) = args["--attention-backend"]
+    config = transformer_config.TransformerConfig(
+        num_layers=int(args["--num-layers"][0]), hidden_size=int(args["--hidden-size"][0]),
+        num_attention_heads=int(args["--num-attention-heads"][0]),
+        tensor_model_parallel_size=int(args["--tensor-model-parallel-size"][0]),
+        pipeline_model_parallel_size=int(args["--pipeline-model-parallel-size"][0]), pipeline_dtype=torch.float16,
+        sequence_parallel="--sequence-parallel" in args,
+        recompute_granularity=args.get("--recompute-granularity", [None])[0],
+        recompute_method=args.get("--recompute-method", [None])[0],
+        recompute_num_layers=int(args["--recompute-num-layers"][0]) if "--recompute-num-layers" in args else None,
+        attention_backend=enums.AttnBackend[backend])  # arguments.py: type=lambda name: AttnBackend[name]
+    assert config.recompute_granularity == fields.get("recompute")
+    assert config.sequence_parallel == (tp > 1 and fields.get("sequence_parallel", True))
+    assert config.attention_backend == (enums.AttnBackend.flash if flash else enums.AttnBackend.unfused)

@@ -1,6 +1,7 @@
 """The exact partitioner against brute force over every partition, and against FASOP's greedy heuristic."""
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 from hypothesis import given, settings
@@ -204,3 +205,28 @@ def test_ties_and_near_ties_keep_every_layer_and_the_optimum(batch):
         assert one.feasible(counts[row:row + 1])[0]  # every layer held, each stage within its bounds
         assert value[row] == one.objective(counts[row:row + 1])[0]
         assert value[row] <= one.objective(candidates[fits]).min() * (1 + 1e-12)
+
+
+@st.composite
+def heavier(draw, batch: PartitionBatch) -> PartitionBatch:
+    """The same problems with recomputation's effect: more compute per layer and per stage, other memory caps."""
+    shape = batch.lo.shape
+    extra = np.array([[draw(st.sampled_from([0.0, 0.1, 0.7])) for _ in range(shape[1])] for _ in range(shape[0])])
+    hi = batch.hi + np.array([[draw(st.integers(-2, 4)) for _ in range(shape[1])] for _ in range(shape[0])])
+    return replace(batch, hi=np.maximum(hi, 0), layer_s=batch.layer_s + extra,
+                   period_fixed_s=batch.period_fixed_s + extra / 2, base_s=batch.base_s + extra.sum(-1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_dominating_problem_is_never_worse(data):
+    """PartitionBatch.dominates (the search's skip of heavier recompute modes) against brute force."""
+    light = data.draw(problems())
+    heavy = data.draw(heavier(light))
+    dominates = light.dominates(heavy)
+    for row in range(len(light)):
+        best_light, best_heavy = brute_force(light, row), brute_force(heavy, row)
+        if dominates[row] and best_heavy is not None:
+            assert best_light is not None and best_light <= best_heavy * (1 + 1e-12)
+        if not light.memory_binds()[row]:  # caps that never bind: the lighter problem dominates
+            assert dominates[row]

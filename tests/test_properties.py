@@ -131,17 +131,21 @@ def check_plan(plan: dict, w: Written, gbs: int) -> None:
     else:
         assert plan["encoder_stages"] == 0, plan
         assert all(n >= 1 for n in layers[1:-1]), layers  # only the ends may hold just the embedding or head
+    # recomputation and sequence parallelism: full recomputation is searched as uniform over every layer
+    assert plan["sequence_parallel"] == (tp > 1), plan
+    assert (plan.get("recompute_method"), plan.get("recompute_num_layers")) == (
+        ("uniform", 1) if plan["recompute"] == "full" else (None, None)), plan
     # the batch
     assert plan["gbs"] == gbs and plan["num_microbatches"] * dp * mbs == gbs, plan
-    # memory: margin x memory fits the smallest GPU of every stage (docs/cost-model.md section 8)
+    # memory: margin x memory + the fixed overhead fits the smallest GPU of every stage (docs/cost-model.md section 8)
     assert len(stages) == pp and [s["stage"] for s in stages] == list(range(pp))
     assert set().union(*(s["nodes"] for s in stages)) == set(range(len(placement))), plan
     for s in stages:
         nodes = {placement[i] for i in s["nodes"]}
         assert s["memory_capacity_gib"] == min(cluster.node_types[n].gpu_memory_gib for n in nodes), s
         assert s["gpu"] == "+".join(sorted({cluster.node_types[n].gpu for n in nodes})), s
-        assert s["memory_gib"] > 0 and s["memory_gib"] * cluster.memory_margin <= s["memory_capacity_gib"] * (1 + 1e-12), (
-            s, cluster.memory_margin)
+        need = s["memory_gib"] * cluster.memory_margin + cluster.gpu_memory_overhead_gib
+        assert s["memory_gib"] > 0 and need <= s["memory_capacity_gib"] * (1 + 1e-12), (s, cluster.memory_margin)
     loads = [s["memory_gib"] / s["memory_capacity_gib"] for s in stages]
     worst = stages[loads.index(max(loads))]
     assert (plan["peak_memory_gib"], plan["memory_capacity_gib"]) == (worst["memory_gib"], worst["memory_capacity_gib"])
@@ -172,12 +176,24 @@ def estimated_fields(plan: dict) -> dict:
     return {k: v for k, v in plan.items() if k not in ("rank", "placement_search")}
 
 
+RECOMPUTE_FIELDS = ("recompute", "recompute_method", "recompute_num_layers", "sequence_parallel")
+
+
+def recompute_options(plan: dict) -> list[str]:
+    """The `fasop estimate` options of the plan's recomputation and sequence parallelism."""
+    options = ["--recompute", plan["recompute"]]
+    if "recompute_method" in plan:
+        options += ["--recompute-method", plan["recompute_method"], "--recompute-num-layers", str(plan["recompute_num_layers"])]
+    return options + ["--sequence-parallel" if plan["sequence_parallel"] else "--no-sequence-parallel"]
+
+
 def check_estimate(plan: dict, w: Written) -> None:
-    """`fasop estimate` of the plan's degrees, placement and layers gives the plan's own figures."""
+    """`fasop estimate` of the plan's degrees, placement, layers and recomputation gives the plan's own figures."""
     row = estimated_fields(estimate(w.model, w.cluster, tp=plan["tp"], dp=plan["dp"], pp=plan["pp"], mbs=plan["mbs"],
                    placement=plan["placement"], layers=plan["layers_per_stage"], gbs=plan["gbs"],
                    profiles_dir=str(w.profiles), distributed_optimizer=plan["distributed_optimizer"],
-                   overlap=plan["overlap_grad_reduce"], virtual_stages=plan["virtual_stages"]).record())
+                   overlap=plan["overlap_grad_reduce"], virtual_stages=plan["virtual_stages"],
+                   **{key: plan.get(key) for key in RECOMPUTE_FIELDS}).record())
     assert row.pop("fits_memory") is True, plan
     expected = estimated_fields(plan)
     assert close(row, expected), differing_keys(row, expected)
@@ -247,7 +263,7 @@ def test_command_line_search_writes_the_plans_of_the_api(max_examples, derandomi
                 layers = ",".join(map(str, best["layers_per_stage"]))
                 shown = CliRunner().invoke(main, ["estimate", *w.args(
                     "--tp", str(best["tp"]), "--dp", str(best["dp"]), "--pp", str(best["pp"]), "--mbs", str(best["mbs"]),
-                    "--placement", ",".join(best["placement"]), "--layers", layers, "--json")])
+                    "--placement", ",".join(best["placement"]), "--layers", layers, *recompute_options(best), "--json")])
                 assert shown.exit_code == 0, shown.output
                 row = estimated_fields(json.loads(shown.stdout))
                 assert row.pop("fits_memory") is True

@@ -11,6 +11,7 @@ import click
 
 from fasop.cli import common
 from fasop.cli.tables import format_estimate, format_table, noise_report
+from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
 from fasop.cost.price import check_run_length
 from fasop.errors import InputError
 from fasop.files import check_finite, check_outputs, pending_write
@@ -66,14 +67,23 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
 @common.mismatch_option
 @common.optimizer_option
 @common.overlap_option
+@click.option("--recompute", "recompute_modes", default=",".join(RECOMPUTE_MODES), show_default=True,
+              metavar="MODE,MODE,...",
+              help="Activation recomputation modes to consider (Megatron's --recompute-granularity; full as "
+                   "--recompute-method uniform --recompute-num-layers 1); each plan takes its best.")
+@click.option("--no-sequence-parallel", "no_sequence_parallel", is_flag=True,
+              help="Leave Megatron's --sequence-parallel off (by default on whenever tp > 1: the same traffic, "
+                   "less activation memory).")
 @noise_options
 @common.reports_input_errors
 def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, prune, workers, emit_dir,
-           profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, noise, trials, seed):
+           profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, recompute_modes, no_sequence_parallel,
+           noise, trials, seed):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
     from fasop.search import search_plans
     from fasop.search.space import prepare
 
+    recompute = tuple(mode.strip() for mode in recompute_modes.split(","))
     if noise is not None:
         check_noise(noise, trials)
     check_run_length(train_steps, train_tokens)
@@ -91,7 +101,8 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     with common.progress_bar("searching") as progress:
         result = search_plans(model, cluster, gbs, profiles_dir, distributed_optimizer=distributed_optimizer,
                               train_steps=train_steps, train_tokens=train_tokens, sort=sort, progress=progress,
-                              keep=top if prune else None, workers=workers, profiles=profiles, overlap=overlap)
+                              keep=top if prune else None, workers=workers, profiles=profiles, overlap=overlap,
+                              recompute=recompute, sequence_parallel=not no_sequence_parallel)
     elapsed = time.perf_counter() - started
     plans = result.plans
     if not plans:
@@ -110,11 +121,15 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     click.echo(format_table(plans, top))
     if result.pruned:
         click.echo(f"{result.pruned} layer partitions skipped: their lower bound cannot reach the best {top}.")
+    if result.dominated:
+        click.echo(f"{result.dominated} layer partitions of heavier recompute modes skipped: a lighter mode of the same "
+                   "plan fits as well and is never slower.")
     if any(plan.placement_search != "exhaustive" for plan in plans[:top]):
         click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
                    "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
     if noise is not None:
-        prepared = prepare(model, cluster, plans[0].gbs, profiles_dir, distributed_optimizer, profiles, overlap)
+        prepared = prepare(model, cluster, plans[0].gbs, profiles_dir, distributed_optimizer, profiles, overlap,
+                           recompute, not no_sequence_parallel)
         click.echo(noise_report(prepared, plans, noise, trials, seed, sort, top))
     if output is not None:
         click.echo(f"{len(plans)} plans written to {output}")
@@ -154,10 +169,19 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> 
 @common.overlap_option
 @click.option("--virtual-stages", type=click.IntRange(min=1, max=1024), default=1, show_default=True,
               help="Model chunks per pipeline rank (interleaved 1F1B when > 1); layers split evenly over them.")
+@click.option("--recompute", type=click.Choice(RECOMPUTE_MODES), default="none", show_default=True,
+              help="Activation recomputation (Megatron's --recompute-granularity).")
+@click.option("--recompute-method", type=click.Choice(RECOMPUTE_METHODS), default=None,
+              help="With --recompute full: uniform (every layer) or block (the first N layers of each stage).")
+@click.option("--recompute-num-layers", type=click.IntRange(min=1), default=None,
+              help="With --recompute full: 1 for uniform, N for block.")
+@click.option("--sequence-parallel/--no-sequence-parallel", default=None,
+              help="Megatron's --sequence-parallel [default: on when tp > 1].")
 @click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
 @common.reports_input_errors
 def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, profiles_dir, allow_profile_mismatch,
-             distributed_optimizer, overlap, virtual_stages, as_json):
+             distributed_optimizer, overlap, virtual_stages, recompute, recompute_method, recompute_num_layers,
+             sequence_parallel, as_json):
     """Break down the step time, memory and price of one explicit plan."""
     from fasop.search import estimate as run_estimate
 
@@ -167,7 +191,8 @@ def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, 
     plan = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
                        layers=common.int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
                        distributed_optimizer=distributed_optimizer, profiles=profiles, overlap=overlap,
-                       virtual_stages=virtual_stages)
+                       virtual_stages=virtual_stages, recompute=recompute, recompute_method=recompute_method,
+                       recompute_num_layers=recompute_num_layers, sequence_parallel=sequence_parallel)
     if as_json:
         record = plan.record()
         check_finite(record, "estimate")

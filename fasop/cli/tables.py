@@ -15,7 +15,8 @@ def format_table(plans: list[Plan], top: int) -> str:
     """The ranked plans as a fixed-width table (vp: model chunks per pipeline rank, interleaved when > 1)."""
     columns = [
         ("rank", "rank", "{}"), ("mbs", "mbs", "{}"), ("tp", "tp", "{}"), ("dp", "dp", "{}"), ("pp", "pp", "{}"),
-        ("virtual_stages", "vp", "{}"), ("placement", "placement", ""), ("layers_per_stage", "layers/stage", ""),
+        ("virtual_stages", "vp", "{}"), ("recompute", "recompute", ""), ("sequence_parallel", "sp", ""),
+        ("placement", "placement", ""), ("layers_per_stage", "layers/stage", ""),
         ("step_time_s", "step s", "{:.4f}"), ("throughput_samples_per_s", "samples/s", "{:.1f}"),
         ("peak_memory_gib", "mem GiB", "{:.1f}"), ("cost_per_step_usd", "$/step", "{:.5f}"),
     ]
@@ -32,17 +33,29 @@ def format_table(plans: list[Plan], top: int) -> str:
                 line.append(",".join(map(str, value)))
             elif key == "virtual_stages":
                 line.append(str(value or 1))
+            elif key == "recompute":
+                line.append(recompute_label(row))
+            elif key == "sequence_parallel":
+                line.append("on" if value else "-")
             else:
                 line.append(fmt.format(value))
         cells.append(line)
     return aligned(cells)
 
 
+def recompute_label(row: Plan) -> str:
+    """none, selective, full (uniform, every layer) or full:block=K."""
+    if row.recompute_method == "block":
+        return f"full:block={row.recompute_num_layers}"
+    return row.recompute or "none"
+
+
 def format_estimate(row: Plan, model_name: str, cluster_name: str, memory_margin: float) -> str:
     """One plan's per-stage table and the terms of its step time, memory and price."""
     lines = [f"{model_name} on {cluster_name}: tp={row.tp} dp={row.dp} pp={row.pp} mbs={row.mbs} "
              f"({row.num_microbatches} micro-batches), placement {compress_placement(row.placement)}"
-             + (f", {row.virtual_stages} virtual stages" if (row.virtual_stages or 1) > 1 else ""),
+             + (f", {row.virtual_stages} virtual stages" if (row.virtual_stages or 1) > 1 else "")
+             + f", recompute {recompute_label(row)}, sequence parallelism {'on' if row.sequence_parallel else 'off'}",
              f"{'stage':>5}  {'gpu':>9}  {'layers':>6}  {'compute s':>9}  {'p2p s':>8}  {'allreduce s':>11}  "
              f"{'mem GiB':>7}  {'of GiB':>6}"]
     for s in row.stages or []:
@@ -54,6 +67,7 @@ def format_estimate(row: Plan, model_name: str, cluster_name: str, memory_margin
         f"  dp all-reduce  {row.dp_allreduce_s:.4f} s  (exposed after overlap {row.dp_exposed_s or 0:.4f} s)",
         f"  optimizer      {row.optimizer_s or 0:.4f} s",
         f"  emb all-reduce {row.embedding_allreduce_s:.4f} s",
+        f"  recomputation  {row.recompute_s or 0.0:.4f} s  (on the stage of most compute, inside the pipeline time)",
         f"peak memory      {row.peak_memory_gib:.2f} of {row.memory_capacity_gib:.2f} GiB"
         + ("" if row.fits_memory else f"  (does NOT fit with margin {memory_margin})"),
         f"price            ${row.cost_per_step_usd:.5f} per step, ${row.cost_per_hour_usd:.2f} per hour",

@@ -11,6 +11,7 @@ from fasop.cost.config import Config
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
+from fasop.inputs.roofline import attention_core_share
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,18 @@ class StageCompute:
     fixed_s: np.ndarray  # (K, pp) the embedding and head units on the stage (everything when pp = 1)
     layer_forward_s: np.ndarray  # (K, pp) the forward part of layer_s
     fixed_forward_s: np.ndarray  # (K, pp) the forward part of fixed_s
+    kind_forward_s: tuple[np.ndarray, ...]  # (K, pp) per layer kind: the forward alone, what recomputation repeats
+
+
+def recompute_shares(model: Model, config: Config) -> list[float]:
+    """Share of each layer kind's forward that recomputation repeats for every layer: the attention core's
+    share of the forward FLOPs for selective recomputation (with flash attention too: Megatron checkpoints the
+    fused kernel and reruns its forward), the whole forward for full uniform recomputation, nothing otherwise
+    (the block method recomputes a fixed number of layers per stage instead)."""
+    if config.recompute == "selective":
+        return [attention_core_share(model, kind) for kind in model.layer_kinds]
+    full = config.recompute == "full" and not config.blocked_layers
+    return [1.0 if full else 0.0 for _ in model.layer_kinds]
 
 
 def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
@@ -42,7 +55,7 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
             per_set = np.array([s.max(0) for s in steps])
         return per_set[stage_set].T
 
-    def totals(forward: bool) -> tuple[np.ndarray, np.ndarray]:
+    def totals(forward: bool) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         kinds = model.layer_kinds
         layer_by_kind = [unit_s(kind, forward) for kind in kinds]
         layer_s = np.choose(segment, layer_by_kind) if len(kinds) > 1 else layer_by_kind[0]
@@ -54,8 +67,23 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
             fixed_s[:, first_decoder] += unit_s("decoder_embedding", forward)[:, first_decoder]
         if whole:
             fixed_s[:, 0] += sum(n * t[:, 0] for n, t in zip(model.segment_layers, layer_by_kind))
-        return layer_s, fixed_s
+        return layer_s, fixed_s, layer_by_kind
 
-    layer_s, fixed_s = totals(forward=False)
-    layer_forward_s, fixed_forward_s = totals(forward=True)
-    return StageCompute(tuple("+".join(g) for g in stage_gpus), layer_s, fixed_s, layer_forward_s, fixed_forward_s)
+    layer_s, fixed_s, _ = totals(forward=False)
+    layer_forward_s, fixed_forward_s, kind_forward_s = totals(forward=True)
+    return StageCompute(tuple("+".join(g) for g in stage_gpus), layer_s, fixed_s, layer_forward_s, fixed_forward_s,
+                        tuple(kind_forward_s))
+
+
+def recompute_times(model: Model, config: Config, compute: StageCompute,
+                    segment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(per layer, fixed): (K, pp) seconds of forwards each stage recomputes per micro-batch, for each of its
+    layers and whatever its layers (the block method's k layers; everything when one stage holds the model)."""
+    recomputed = [share * f for share, f in zip(recompute_shares(model, config), compute.kind_forward_s)]
+    per_layer = np.choose(segment, recomputed)
+    blocked = config.blocked_layers
+    fixed = blocked * np.choose(segment, compute.kind_forward_s)
+    if config.pp == 1:  # one stage: every layer as above, and the block's k layers of each segment
+        fixed[:, 0] = sum((n * r + blocked * f)[:, 0] for n, r, f in
+                          zip(model.segment_layers, recomputed, compute.kind_forward_s))
+    return per_layer, fixed

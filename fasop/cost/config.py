@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from fasop.inputs.model import Model
+
+# Megatron-LM's --recompute-granularity, lightest first (none: the flag left out)
+RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 @dataclass(frozen=True)
@@ -19,14 +23,43 @@ class Config:
     encoder_stages: int  # encoder-decoder models: stages holding the encoder; else 0
     distributed_optimizer: bool
     overlap_grad_reduce: bool = False  # --overlap-grad-reduce: gradients reduced bucket by bucket during the backward
-    overlap_param_gather: bool = False  # --overlap-param-gather (distributed optimizer): during the next forward
+    # --overlap-param-gather (only with the distributed optimizer): during the next step's forward
+    overlap_param_gather: bool = False
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
+    recompute: str = "none"  # --recompute-granularity: none, selective or full
+    recompute_method: str | None = None  # full only: --recompute-method uniform or block
+    recompute_num_layers: int | None = None  # full only: --recompute-num-layers
+    sequence_parallel: bool = False  # --sequence-parallel; only meaningful when tp > 1
 
-    @staticmethod
-    def overlaps(overlap: bool, distributed_optimizer: bool) -> dict[str, bool]:
-        """The overlap fields for `--overlap/--no-overlap`: the parameter gather exists only with the
-        distributed optimizer."""
-        return {"overlap_grad_reduce": overlap, "overlap_param_gather": overlap and distributed_optimizer}
+    @property
+    def blocked_layers(self) -> int:
+        """Layers per stage that full recomputation with the block method recomputes (0 otherwise)."""
+        return (self.recompute_num_layers or 0) if self.recompute_method == "block" else 0
+
+
+def with_recompute(config: Config, mode: str) -> Config:
+    """`config` under recompute mode `mode`, full recomputation as the search takes it: uniform, one layer per
+    checkpoint (every layer recomputed, the least memory)."""
+    full = mode == "full"
+    return replace(config, recompute=mode, recompute_method="uniform" if full else None,
+                   recompute_num_layers=1 if full else None)
+
+
+def recompute_error(recompute: str, method: str | None, num_layers: int | None) -> str | None:
+    """Why a recompute setting is not one fasop models, or None. Megatron-LM's own rules (TransformerConfig):
+    full needs a method and a layer count, selective neither. fasop times full uniform recomputation with one
+    layer per checkpoint (every layer's input kept), and block with any count."""
+    if recompute not in RECOMPUTE_MODES:
+        return f"expected one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
+    if recompute != "full":
+        return None if method is None and num_layers is None else f"{recompute} takes no method and no layer count"
+    if method not in RECOMPUTE_METHODS:
+        return f"full recomputation needs a method, one of {', '.join(RECOMPUTE_METHODS)}, got {method!r}"
+    if num_layers is None or num_layers < 1:
+        return f"full recomputation needs a layer count >= 1, got {num_layers!r}"
+    if method == "uniform" and num_layers != 1:
+        return "fasop models the uniform method with one layer per checkpoint (--recompute-num-layers 1)"
+    return None
 
 
 def segments(model: Model, config: Config) -> tuple[np.ndarray, np.ndarray]:

@@ -5,12 +5,14 @@ the model's own (fasop.inputs.model).
 Activation bytes generalise the per-layer formula of Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models", Table 2: 34*s*b*h + 5*a*s^2*b bytes) to other attention widths,
 grouped-query attention, SwiGLU, flash attention and models without dropout; docs/cost-model.md derives every
-term. They are bytes one GPU holds for one micro-batch, with sequence parallelism when tp > 1.
+term, and what activation recomputation and sequence parallelism change (section 10). They are bytes one GPU
+holds for one micro-batch.
 """
 
 from __future__ import annotations
 
 from functools import cache
+from typing import TypeVar
 
 import numpy as np
 
@@ -19,69 +21,104 @@ from fasop.cost.pipeline import in_flight
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 
+Capacity = TypeVar("Capacity", np.ndarray, float)
 GIB = 2.0**30
 FP32_BYTES = 4
-ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 DROPOUT_MASK_BYTES = 1
 
 
+# Megatron-LM's model state per parameter (docs/user-guide distributed optimizer table): bytes every rank keeps,
+# and bytes the distributed optimizer shards over the data-parallel group (else kept whole). fp16: weights and
+# gradients in fp16 (4), fp32 main gradients, master weights and Adam moments (16); bf16: bf16 weights and fp32
+# gradients (6), fp32 master weights and moments (12); fp32: weights and gradients (8), moments (8).
+STATE_BYTES_PER_PARAM = {"fp16": (4, 16), "bf16": (6, 12), "fp32": (8, 8)}
+
+
 def bytes_per_param(model: Model, dp: int, distributed_optimizer: bool) -> float:
-    """Weights, fp32 main gradients and Adam state (with an fp32 master copy under mixed precision).
-
-    This is Megatron-LM's accounting: 18 bytes per parameter for fp16/bf16, or 6 + 12/dp when the
-    distributed optimizer shards the master weights and moments over the data-parallel group.
-    """
-    sharded = ADAM_STATE_BYTES + (FP32_BYTES if model.precision != "fp32" else 0)
-    return model.precision_bytes + FP32_BYTES + sharded / (dp if distributed_optimizer else 1)
+    """Model-state bytes per parameter: 20, 18 and 16 for fp16, bf16 and fp32, or 4 + 16/d, 6 + 12/d and
+    8 + 8/d when the distributed optimizer shards its part over the d data-parallel ranks."""
+    kept, sharded = STATE_BYTES_PER_PARAM[model.precision]
+    return kept + sharded / (dp if distributed_optimizer else 1)
 
 
-def _attention_activation_bytes(model: Model, q_seq: int, kv_seq: int, mbs: int, cross: bool) -> float:
+def usable_gib(cluster: Cluster, capacity_gib: Capacity) -> Capacity:
+    """GiB of a GPU the model state and activations may take: the fixed overhead (CUDA context, NCCL and
+    allocator buffers) comes off the GPU's memory, and the margin covers what the allocator wastes."""
+    return (capacity_gib - cluster.gpu_memory_overhead_gib) / cluster.memory_margin
+
+
+def _attention_activation_bytes(model: Model, q_seq: int, kv_seq: int, mbs: int, cross: bool) -> np.ndarray:
+    """(replicated, split, scores) bytes: what stays whole on every rank of a tensor-parallel group without
+    sequence parallelism (norm and projection inputs, dropout mask), what tensor parallelism splits, and the
+    attention-score terms (a s^2 b) that selective recomputation drops."""
     h, qa, kv, a = model.hidden_size, model.attention_width, model.kv_width, model.num_attention_heads
     p, mask = model.precision_bytes, DROPOUT_MASK_BYTES if model.dropout else 0
     b = mbs
-    # input of the norm and of the Q(KV) projection, Q, K, V, input of the output projection, dropout mask
+    # input of the norm and of the Q(KV) projection, dropout mask; Q, K, V and input of the output projection
     kv_input = 0 if cross else p * q_seq * b * h  # cross-attention K/V read the shared encoder output
-    sbh = p * q_seq * b * h + kv_input + p * q_seq * b * qa + 2 * p * kv_seq * b * kv
-    sbh += p * q_seq * b * qa + mask * q_seq * b * h
+    replicated = p * q_seq * b * h + kv_input + mask * q_seq * b * h
+    split = p * q_seq * b * qa + 2 * p * kv_seq * b * kv + p * q_seq * b * qa
     if model.flash_attention:
         scores = 0.0
     else:  # softmax output, and with dropout its mask and output
         scores = a * q_seq * kv_seq * b * (p + (mask + p if model.dropout else 0))
-    return sbh + scores
+    return np.array([replicated, split, scores], dtype=float)
 
 
-def _mlp_activation_bytes(model: Model, seq: int, mbs: int) -> float:
+def _mlp_activation_bytes(model: Model, seq: int, mbs: int) -> np.ndarray:
     h, f, p = model.hidden_size, model.ffn_hidden_size, model.precision_bytes
     mask = DROPOUT_MASK_BYTES if model.dropout else 0
     hidden = (3 if model.ffn_activation == "swiglu" else 2) * p * seq * mbs * f
-    return p * seq * mbs * h + hidden + mask * seq * mbs * h + p * seq * mbs * h  # + norm input
+    return np.array([p * seq * mbs * h + mask * seq * mbs * h + p * seq * mbs * h, hidden, 0.0])  # + norm input
 
 
 @cache
-def layer_activation_bytes(model: Model, kind: str, mbs: int, tp: int) -> float:
-    """Activation bytes one layer keeps for one micro-batch until its backward pass, per GPU."""
+def _layer_parts(model: Model, kind: str) -> tuple[np.ndarray, float]:
+    """(replicated, split, scores) bytes of one layer for one sample at tp = 1, and the bytes of its input."""
+    p, h = model.precision_bytes, model.hidden_size
     if kind == "decoder" and model.is_encoder_decoder:
         s, s_enc = model.decoder_seq_length, model.encoder_seq_length
-        total = _attention_activation_bytes(model, s, s, mbs, cross=False)
-        total += _attention_activation_bytes(model, s, s_enc, mbs, cross=True)
-        total += model.precision_bytes * s * mbs * model.hidden_size  # the cross-attention norm's input
+        parts = _attention_activation_bytes(model, s, s, 1, cross=False)
+        parts = parts + _attention_activation_bytes(model, s, s_enc, 1, cross=True)
+        parts[0] += p * s * h  # the cross-attention norm's input
     else:
         s = model.encoder_seq_length if kind == "encoder" else model.seq_length
-        total = _attention_activation_bytes(model, s, s, mbs, cross=False)
-    return (total + _mlp_activation_bytes(model, s, mbs)) / tp
+        parts = _attention_activation_bytes(model, s, s, 1, cross=False)
+    return parts + _mlp_activation_bytes(model, s, 1), float(p * s * h)
+
+
+def layer_activation_bytes(model: Model, kind: str, mbs: int, tp: int, sequence_parallel: bool = True,
+                           recompute: str = "none") -> float:
+    """Activation bytes one layer keeps for one micro-batch until its backward pass, per GPU (Korthikanti et
+    al. 2022, Table 2, generalised): everything / t with sequence parallelism, else the replicated part whole;
+    selective recomputation drops the attention scores; a fully recomputed layer keeps only its input."""
+    (replicated, split, scores), layer_input = _layer_parts(model, kind)
+    whole = 1 if sequence_parallel else tp  # the replicated part is divided by tp only with sequence parallelism
+    if recompute == "full":
+        return mbs * layer_input * whole / tp
+    kept = replicated * whole / tp + split / tp + (scores / tp if recompute == "none" else 0.0)
+    return mbs * kept
 
 
 @cache
-def embedding_activation_bytes(model: Model, mbs: int, tp: int) -> float:
+def _kind_activation_bytes(model: Model, tp: int, sequence_parallel: bool, recompute: str) -> np.ndarray:
+    """layer_activation_bytes of one sample for each layer kind (memoised: searches ask often)."""
+    return np.array([layer_activation_bytes(model, kind, 1, tp, sequence_parallel, recompute)
+                     for kind in model.layer_kinds])
+
+
+def embedding_activation_bytes(model: Model, mbs: int, tp: int, sequence_parallel: bool = True) -> float:
+    """The embedding's dropout mask (after the scatter to the sequence-parallel region when that is on)."""
     mask = DROPOUT_MASK_BYTES if model.dropout else 0
-    return mask * model.input_seq_length * mbs * model.hidden_size / tp
+    return mask * model.input_seq_length * mbs * model.hidden_size / (tp if sequence_parallel else 1)
 
 
-@cache
-def head_activation_bytes(model: Model, mbs: int, tp: int) -> float:
-    """Final norm and output-layer inputs, and the fp32 logits that the cross-entropy loss keeps."""
+def head_activation_bytes(model: Model, mbs: int, tp: int, sequence_parallel: bool = True) -> float:
+    """Final norm and output-layer inputs (split only with sequence parallelism), and the fp32 logits that the
+    vocabulary-parallel cross-entropy keeps."""
     s, h = model.seq_length, model.hidden_size
-    return (2 * model.precision_bytes * s * mbs * h + 4 * s * mbs * model.padded_vocab(tp)) / tp
+    inputs = 2 * model.precision_bytes * s * mbs * h / (tp if sequence_parallel else 1)
+    return inputs + 4 * s * mbs * model.padded_vocab(tp) / tp
 
 
 def stage_params(model: Model, config: Config, segment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -107,34 +144,47 @@ def stage_capacity_gib(cluster: Cluster, stage_node_types: tuple[tuple[str, ...]
 def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: tuple[np.ndarray, np.ndarray],
                      mbs: np.ndarray, num_microbatches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(fixed, per layer): (K, pp) GiB of model state and activations on each stage beyond its layers, and
-    what each layer adds; activations are held for the micro-batches in flight under 1F1B."""
+    what each layer adds; activations are held for the micro-batches in flight under 1F1B.
+
+    Full recomputation keeps each recomputed layer's input for every micro-batch in flight, plus the whole
+    activations of the one layer being recomputed (one micro-batch). With the block method only the first k
+    layers of a stage are recomputed: the stage's k layers cost input instead of whole activations, a fixed
+    saving for stages of at least k layers (fasop.cost.step makes k the fewest a stage holds)."""
     fixed_params, layer_params = params
-    tp, pp = config.tp, config.pp
+    tp, pp, sp = config.tp, config.pp, config.sequence_parallel
     per_param = bytes_per_param(model, config.dp, config.distributed_optimizer)
-    kind_act = np.array([layer_activation_bytes(model, kind, 1, tp) for kind in model.layer_kinds])
+    whole_act = _kind_activation_bytes(model, tp, sp, "none")
+    blocked = config.blocked_layers
+    # with the block method the stage's layers beyond the first k keep their whole activations
+    kept_act = whole_act if blocked else _kind_activation_bytes(model, tp, sp, config.recompute)
     fixed_act = np.zeros(pp)
-    fixed_act[0] += embedding_activation_bytes(model, 1, tp)
-    fixed_act[-1] += head_activation_bytes(model, 1, tp)
+    fixed_act[0] += embedding_activation_bytes(model, 1, tp, sp)
+    fixed_act[-1] += head_activation_bytes(model, 1, tp, sp)
+    if blocked:
+        saving = blocked * (whole_act - _kind_activation_bytes(model, tp, sp, "full"))
+        fixed_act -= saving[segment] if pp > 1 else saving.sum()  # one stage: k layers of each segment's block
     if pp == 1:
-        fixed_act[0] += float(np.dot(model.segment_layers, kind_act))
+        fixed_act[0] += float(np.dot(model.segment_layers, kept_act))
     held = in_flight(pp, num_microbatches, config.virtual_stages) * mbs[:, None]  # samples whose activations a stage holds
     mem_fixed = (fixed_params * per_param + fixed_act * held) / GIB
-    mem_layer = (layer_params * per_param + kind_act[segment] * held) / GIB
+    if config.recompute == "full":  # the layer being recomputed, conservatively also on stages without layers
+        working = whole_act[segment] if pp > 1 else np.full(pp, whole_act.max())
+        mem_fixed = mem_fixed + working * mbs[:, None] / GIB
+    mem_layer = (layer_params * per_param + kept_act[segment] * held) / GIB
     return mem_fixed, mem_layer
 
 
-def head_fits(model: Model, cluster: Cluster, tp: int, mbs: int) -> bool:
+def head_fits(model: Model, cluster: Cluster, tp: int, mbs: int, sequence_parallel: bool = True) -> bool:
     """Whether the output layer's activations of one micro-batch fit the largest GPU's usable memory (the last
     stage holds them; a size that fails fits no stage)."""
-    usable_gib = max(t.gpu_memory_gib for t in cluster.node_types.values()) / cluster.memory_margin
-    return mbs * (head_activation_bytes(model, 1, tp) / GIB) <= usable_gib * (1 + 1e-9)
+    usable = usable_gib(cluster, max(t.gpu_memory_gib for t in cluster.node_types.values()))
+    return bool(mbs * (head_activation_bytes(model, 1, tp, sequence_parallel) / GIB) <= usable * (1 + 1e-9))
 
 
-def layers_that_fit(mem_fixed: np.ndarray, mem_layer: np.ndarray, capacity_gib: np.ndarray, margin: float,
-                    whole: bool) -> np.ndarray:
-    """(K, pp) most layers each stage's memory holds with the cluster's margin; -1 where not even the stage's
-    fixed part fits; 0 where it fits and one stage holds the whole model (its layers are fixed)."""
-    usable = capacity_gib / margin
+def layers_that_fit(mem_fixed: np.ndarray, mem_layer: np.ndarray, usable: np.ndarray, whole: bool) -> np.ndarray:
+    """(K, pp) most layers each stage's memory holds, `usable` GiB per stage (fasop.cost.memory.usable_gib);
+    -1 where not even the stage's fixed part fits; 0 where it fits and one stage holds the whole model (its
+    layers are fixed)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         hi = np.floor((usable - mem_fixed) / mem_layer + 1e-12)
     return np.where(mem_fixed <= usable, 0 if whole else hi, -1).astype(int)

@@ -9,6 +9,7 @@ its minimum.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -52,6 +53,28 @@ class PartitionBatch:
         period = (self.period_fixed_s + self.layer_s * n).max(axis=-1)
         allreduce = (self.ar_fixed_s + self.ar_layer_s * n).max(axis=-1)
         return self.base_s + (self.layer_s * n).sum(axis=-1) + (self.num_microbatches - 1) * period + allreduce
+
+    @cached_property
+    def most_layers(self) -> np.ndarray:
+        """(B, P) most layers each stage can hold whatever the memory: its segment's layers less the fewest the
+        segment's other stages hold."""
+        seg = np.broadcast_to(self.segment_of_stage, self.lo.shape)
+        lo_sum = np.take_along_axis(segment_sums(self.lo, seg, len(self.segment_layers)), seg, axis=-1)
+        return self.segment_layers[seg] - (lo_sum - self.lo)
+
+    def memory_binds(self) -> np.ndarray:
+        """(B,) whether some stage's memory cap `hi` is below what the stage could otherwise hold."""
+        return np.asarray((self.hi < self.most_layers).any(-1))
+
+    def dominates(self, other: PartitionBatch) -> np.ndarray:
+        """(B,) whether no partition of `other` beats this batch's optimum, row by row (same stages, segments and
+        micro-batches): every partition `other` admits is admitted here and costs no more here, every term of F
+        being no larger. A lighter recompute mode dominates a heavier one when its memory does not bind harder."""
+        admitted = (self.lo <= other.lo) & (self.hi >= np.minimum(other.hi, other.most_layers))
+        cheaper = [(getattr(self, f) <= getattr(other, f)) for f in ("layer_s", "period_fixed_s", "ar_fixed_s",
+                                                                      "ar_layer_s")]
+        same_m = self.num_microbatches == other.num_microbatches
+        return np.logical_and.reduce(cheaper + [admitted]).all(-1) & same_m & (self.base_s <= other.base_s)
 
     def feasible(self, counts: np.ndarray) -> np.ndarray:
         n = np.asarray(counts)

@@ -8,15 +8,16 @@ picks the layer counts, and `breakdown` reports every term of the result.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from fasop.cost.communication import Geometry, allreduce_times, gradient_comm_bytes, p2p_times
-from fasop.cost.compute import stage_compute
+from fasop.cost.compute import recompute_times, stage_compute
 from fasop.cost.config import Config, segments
 from fasop.cost.exact import ScheduleBatch, bucket_params, optimizer_times
-from fasop.cost.memory import layers_that_fit, stage_capacity_gib, stage_memory_gib, stage_params
+from fasop.cost.memory import layers_that_fit, stage_capacity_gib, stage_memory_gib, stage_params, usable_gib
 from fasop.cost.pipeline import pipeline_terms
 from fasop.cost.problem import PartitionBatch
 from fasop.cost.schedule import interleaving_error
@@ -33,7 +34,9 @@ class StageCosts:
     mbs: np.ndarray  # (K,)
     problem: PartitionBatch
     gpu: tuple[str, ...]  # GPU types hosting each stage, '+'-joined when a stage spans two types
-    fixed_s: np.ndarray  # compute of the embedding/head units on the stage, one micro-batch
+    fixed_s: np.ndarray  # compute of the embedding/head units on the stage, one micro-batch (with recomputation)
+    recompute_fixed_s: np.ndarray  # (K, pp) of which recomputed forwards (fasop.cost.compute)
+    recompute_layer_s: np.ndarray  # (K, pp) forward recomputed per layer and micro-batch, part of problem.layer_s
     boundary_s: np.ndarray  # (K, pp-1) send of one micro-batch's activation across each boundary
     exchange_s: np.ndarray  # sends and receives a stage waits for in each steady-state step
     mem_fixed_gib: np.ndarray
@@ -47,6 +50,14 @@ class StageCosts:
 def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
                 config: Config, mbs_values: list[int]) -> StageCosts:
     """Per-stage costs of `config` (its mbs is ignored) on `geo`, for each micro-batch size in mbs_values."""
+    return next(recompute_variants(model, cluster, profiles, geo, [config], mbs_values))
+
+
+def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
+                       configs: list[Config], mbs_values: list[int]) -> Iterator[StageCosts]:
+    """stage_costs of each of `configs` in turn, one plan under several recompute settings (nothing else
+    differs): what recomputation leaves alone is computed once, and variants not asked for are not built."""
+    config = configs[0]
     pp, whole = config.pp, config.pp == 1
     mbs = np.array(mbs_values)
     k = len(mbs)
@@ -67,17 +78,15 @@ def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
     gather_share = 0.5 * model.precision_bytes / gradient_comm_bytes(model) if config.distributed_optimizer else 0.0
     buckets = np.full(k, float(bucket_params(config.dp)))
     capacity = stage_capacity_gib(cluster, geo.stage_node_types)
-    mem_fixed, mem_layer = stage_memory_gib(model, config, segment, params, mbs, m)
-    hi = layers_that_fit(mem_fixed, mem_layer, capacity, cluster.memory_margin, whole)
-    if config.virtual_stages > 1:  # micro-batch counts Megatron cannot interleave: nothing fits
-        refused = [interleaving_error(pp, config.virtual_stages, int(count)) is not None for count in m]
-        hi = np.where(np.array(refused)[:, None], -1, hi)
+    usable = usable_gib(cluster, capacity)
+    refused = None  # micro-batch counts Megatron cannot interleave: nothing fits
+    if config.virtual_stages > 1:
+        refused = np.array([interleaving_error(pp, config.virtual_stages, int(count)) is not None for count in m])
     lo = np.ones(pp, dtype=int)
     if whole:
         lo[:] = 0
     elif not model.is_encoder_decoder:
         lo[0] = lo[-1] = 0  # a first stage may hold only the embedding, a last one only the head
-    fixed_s = compute.fixed_s
     # the closed form the partitioner optimises charges each stage its gradient reduction, its parameter gather
     # and its optimizer step; with overlap, only one bucket of the reduction and none of the gather
     gather = 0.0 if config.overlap_param_gather else gather_share
@@ -87,23 +96,34 @@ def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
         post_fixed = post_fixed + grad_share * geo.dp_allreduce_s_per_byte * gradient_comm_bytes(model) * buckets[:, None]
     else:
         post_fixed, post_layer = post_fixed + grad_share * ar_fixed, post_layer + grad_share * ar_layer
-    problem = PartitionBatch(
-        segment_of_stage=segment, segment_layers=segment_layers, lo=np.broadcast_to(lo, (k, pp)), hi=hi,
-        layer_s=compute.layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=post_fixed, ar_layer_s=post_layer,
-        num_microbatches=m, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
-    )
-    schedule = ScheduleBatch(
-        fixed_s=fixed_s, layer_s=compute.layer_s, fixed_forward_s=compute.fixed_forward_s,
-        layer_forward_s=compute.layer_forward_s, boundary_s=boundary, num_microbatches=m,
-        grad_fixed_s=grad_share * ar_fixed, grad_layer_s=grad_share * ar_layer, gather_fixed_s=gather_share * ar_fixed,
-        gather_layer_s=gather_share * ar_layer, optimizer_fixed_s=np.broadcast_to(opt_fixed, (k, pp)),
-        optimizer_layer_s=np.broadcast_to(opt_layer, (k, pp)),
-        params_fixed=np.broadcast_to(params[0], (k, pp)), params_layer=np.broadcast_to(params[1], (k, pp)),
-        bucket_params=buckets, embedding_allreduce_s=emb_ar, overlap_grad_reduce=np.full(k, config.overlap_grad_reduce),
-        overlap_param_gather=np.full(k, config.overlap_param_gather), virtual_stages=np.full(k, config.virtual_stages),
-        wrap_s=wrap)
-    return StageCosts(mbs, problem, compute.gpu, fixed_s, boundary, exchange, mem_fixed, mem_layer, capacity,
-                      emb_ar, fixed_layers, schedule)
+    for variant in configs:
+        mem_fixed, mem_layer = stage_memory_gib(model, variant, segment, params, mbs, m)
+        hi = layers_that_fit(mem_fixed, mem_layer, usable, whole)
+        if refused is not None:
+            hi = np.where(refused[:, None], -1, hi)
+        # block recomputation: every stage holds the k layers it recomputes (keeps the costs affine)
+        variant_lo = lo if whole else np.maximum(lo, variant.blocked_layers)
+        recompute_layer_s, recompute_fixed_s = recompute_times(model, variant, compute, segment)
+        # recomputed forwards run right before each backward: part of the backward in the schedule
+        fixed_s = compute.fixed_s + recompute_fixed_s
+        layer_s = compute.layer_s + recompute_layer_s
+        problem = PartitionBatch(
+            segment_of_stage=segment, segment_layers=segment_layers, lo=np.broadcast_to(variant_lo, (k, pp)), hi=hi,
+            layer_s=layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=post_fixed, ar_layer_s=post_layer,
+            num_microbatches=m, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
+        )
+        schedule = ScheduleBatch(
+            fixed_s=fixed_s, layer_s=layer_s, fixed_forward_s=compute.fixed_forward_s,
+            layer_forward_s=compute.layer_forward_s, boundary_s=boundary, num_microbatches=m,
+            grad_fixed_s=grad_share * ar_fixed, grad_layer_s=grad_share * ar_layer,
+            gather_fixed_s=gather_share * ar_fixed, gather_layer_s=gather_share * ar_layer,
+            optimizer_fixed_s=np.broadcast_to(opt_fixed, (k, pp)), optimizer_layer_s=np.broadcast_to(opt_layer, (k, pp)),
+            params_fixed=np.broadcast_to(params[0], (k, pp)), params_layer=np.broadcast_to(params[1], (k, pp)),
+            bucket_params=buckets, embedding_allreduce_s=emb_ar, overlap_grad_reduce=np.full(k, config.overlap_grad_reduce),
+            overlap_param_gather=np.full(k, config.overlap_param_gather),
+            virtual_stages=np.full(k, config.virtual_stages), wrap_s=wrap)
+        yield StageCosts(mbs, problem, compute.gpu, fixed_s, recompute_fixed_s, recompute_layer_s, boundary, exchange,
+                         mem_fixed, mem_layer, capacity, emb_ar, fixed_layers, schedule)
 
 
 def breakdown(costs: StageCosts, counts: np.ndarray, exact: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -118,6 +138,8 @@ def breakdown(costs: StageCosts, counts: np.ndarray, exact: dict[str, np.ndarray
     closed = pipeline_terms(compute, costs.exchange_s, costs.boundary_s, p.num_microbatches)
     exact = sched.step_terms(n) if exact is None else exact
     memory = costs.mem_fixed_gib + costs.mem_layer_gib * n
+    recompute = costs.recompute_fixed_s + costs.recompute_layer_s * n
+    bottleneck = compute.argmax(-1)[:, None]  # the stage whose compute sets the pipeline's pace
     return {
         **exact,
         "bubble_s": exact["pipeline_time_s"] - p.num_microbatches * compute.max(-1),
@@ -127,6 +149,9 @@ def breakdown(costs: StageCosts, counts: np.ndarray, exact: dict[str, np.ndarray
         "embedding_allreduce_s": costs.embedding_allreduce_s,
         "stage_compute_s": compute,
         "stage_forward_s": sched.fixed_forward_s + sched.layer_forward_s * n,
+        "stage_recompute_s": recompute,
+        # forwards the bottleneck stage recomputes in one step
+        "recompute_s": p.num_microbatches * np.take_along_axis(recompute, bottleneck, -1)[:, 0],
         "stage_p2p_s": costs.exchange_s,
         "stage_allreduce_s": allreduce,
         "stage_memory_gib": memory,

@@ -84,12 +84,20 @@ class Derating:
     collective_inter_node: float = 1.0
 
 
+# GiB of every GPU that neither model state nor activations may use (docs/formats.md, cluster files): the CUDA
+# context with PyTorch's kernels (about 0.5 GiB) and NCCL's buffers, NCCL_BUFFSIZE = 4 MiB per channel and peer
+# in each direction for up to 32 channels (256 MiB) for each of the tensor-, data-, pipeline- and
+# embedding-parallel communicators a Megatron-LM rank opens.
+GPU_MEMORY_OVERHEAD_GIB = 1.5
+
+
 @dataclass(frozen=True)
 class Cluster:
     name: str
     node_types: dict[str, NodeType]
     derating: Derating = Derating()
     memory_margin: float = 1.0
+    gpu_memory_overhead_gib: float = GPU_MEMORY_OVERHEAD_GIB
     description: str = ""
     launch: dict[str, Any] = field(default_factory=dict)
     file: str = ""
@@ -160,6 +168,7 @@ class ClusterHead(Table):
     name: Name
     description: Text = ""
     memory_margin: Annotated[float, Range(0.0, MAX_MEMORY_MARGIN, low_allowed=False)] = 1.0
+    gpu_memory_overhead_gib: Annotated[float, Range(0.0, MAX_GPU_MEMORY_GIB)] = GPU_MEMORY_OVERHEAD_GIB
     derating: DeratingTable = Field(default_factory=DeratingTable)
 
 
@@ -229,6 +238,7 @@ def load_cluster(name_or_path: str) -> Cluster:
         node_types={n: t for n, t in types.items() if t.count > 0},
         derating=Derating(**dict(head.derating)),
         memory_margin=head.memory_margin,
+        gpu_memory_overhead_gib=head.gpu_memory_overhead_gib,
         description=head.description,
         launch=cluster.launch,
         file=name_or_path if is_bundled else file,

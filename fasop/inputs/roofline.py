@@ -27,7 +27,7 @@ the sequence-parallel shard of b s / tp tokens; matmul inputs gathered to all b 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 from fasop.inputs.catalogue import GpuSpec
 from fasop.inputs.model import Model
@@ -135,11 +135,23 @@ def layer_forward_flops(model: Model, kind: str, mbs: int, tp: int = 1) -> float
     b, h, qa, kv = mbs, model.hidden_size, model.attention_width, model.kv_width
     s, s_enc = _seq_lengths(model, kind)
     flops = 2.0 * b * s * (_attention_matmul_weights(model) + _mlp_matmul_weights(model))
-    flops += 2 * 2 * b * s * s * qa  # scores Q.K^T and context scores.V, full s x s matrix
-    if s_enc:  # cross-attention
+    if s_enc:  # cross-attention projections: Q and output over the decoder, K and V over the encoder
         flops += 2.0 * b * (s * (h * qa + qa * h) + s_enc * 2 * h * kv)
-        flops += 2 * 2 * b * s * s_enc * qa
-    return flops / tp
+    return flops / tp + attention_core_forward_flops(model, kind, mbs, tp)
+
+
+def attention_core_forward_flops(model: Model, kind: str, mbs: int, tp: int = 1) -> float:
+    """Scores Q.K^T and context scores.V of one layer's forward (the full s x s matrix; cross-attention too),
+    per GPU of a tp group: the attention core that Megatron-LM's selective recomputation reruns."""
+    s, s_enc = _seq_lengths(model, kind)
+    return 2 * 2 * mbs * s * (s + s_enc) * model.attention_width / tp
+
+
+@cache
+def attention_core_share(model: Model, kind: str) -> float:
+    """The attention core's share of one layer's forward FLOPs (the same for every micro-batch size and tensor
+    degree: both scale as b / tp)."""
+    return attention_core_forward_flops(model, kind, 1) / layer_forward_flops(model, kind, 1)
 
 
 def head_forward_flops(model: Model, mbs: int, tp: int = 1) -> float:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from fasop.cost.config import recompute_error
 from fasop.errors import InputError
 from fasop.launch.options import LaunchOptions
 from fasop.plans import Plan, PlanShape
@@ -67,17 +68,28 @@ def check_plan(plan: Plan, model: Any, cluster: Any, opts: LaunchOptions, where:
             raise InputError(f"{where}: layers_per_stage",
                              f"the first {encoder_stages} stages hold {sum(layers[:encoder_stages])} layers, "
                              f"the encoder has {model.encoder_num_layers}")
+    recompute = plan.recompute or "none"
+    problem = recompute_error(recompute, plan.recompute_method, plan.recompute_num_layers)
+    if problem:
+        raise InputError(f"{where}: recompute", problem)
+    if plan.recompute_method == "block" and min(layers) < (plan.recompute_num_layers or 0):
+        raise InputError(f"{where}: recompute_num_layers", f"{plan.recompute_num_layers} layers recomputed per stage, "
+                                                            f"but a stage holds {min(layers)} (fasop needs at least as many)")
+    sequence_parallel = tp > 1 if plan.sequence_parallel is None else plan.sequence_parallel
+    if sequence_parallel and tp == 1:
+        raise InputError(f"{where}: sequence_parallel", "needs tensor parallelism (tp > 1), as Megatron-LM does")
     v, chunks = _virtual_layout(plan, model, where)
     return LaunchPlan(tp=tp, dp=dp, pp=pp, mbs=mbs, gbs=gbs, placement=tuple(placement),
                       layers_per_stage=tuple(layers), distributed_optimizer=bool(plan.distributed_optimizer),
-                      rank=plan.rank,
-                      encoder_stages=encoder_stages, gpus_per_node=gpn,
+                      rank=plan.rank, encoder_stages=encoder_stages, gpus_per_node=gpn,
                       # a plan that does not say: fasop's default, overlapped; Megatron-LM gathers parameters during
                       # the forward only with the distributed optimizer and with the gradient reduction overlapped
                       overlap_grad_reduce=plan.overlap_grad_reduce is not False,
                       overlap_param_gather=(plan.overlap_param_gather is not False and bool(plan.distributed_optimizer)
                                             and plan.overlap_grad_reduce is not False),
-                      virtual_stages=v, layers_per_virtual_stage=tuple(chunks))
+                      virtual_stages=v, layers_per_virtual_stage=tuple(chunks), recompute=recompute,
+                      recompute_method=plan.recompute_method, recompute_num_layers=plan.recompute_num_layers,
+                      sequence_parallel=sequence_parallel)
 
 
 def _virtual_layout(plan: Plan, model: Any, where: str) -> tuple[int, list[int]]:

@@ -1,5 +1,5 @@
-"""Megatron-LM flags of a plan: parallelism, how its layers are split over the pipeline stages, the model's
-shape, training and data.
+"""Megatron-LM flags of a plan: parallelism, activation recomputation, how its layers are split over the
+pipeline stages, the model's shape and attention backend, training and data.
 
 How the plan's per-stage layer counts reach Megatron-LM (stock flavour):
 
@@ -145,6 +145,16 @@ def split_layer_flags(p: LaunchPlan, model: Any, opts: LaunchOptions, where: str
     return [("--pipeline-model-parallel-layout", pipeline_layout(layers))]
 
 
+def recompute_flags(p: LaunchPlan) -> list[tuple[str, ...]]:
+    """Activation recomputation: `--recompute-granularity`, and for full recomputation its method and layers."""
+    if p.recompute == "none":
+        return []
+    flags: list[tuple[str, ...]] = [("--recompute-granularity", p.recompute)]
+    if p.recompute == "full":
+        flags += [("--recompute-method", str(p.recompute_method)), ("--recompute-num-layers", str(p.recompute_num_layers))]
+    return flags
+
+
 def model_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
     flags: list[tuple[str, ...]] = []
     if model.architecture == "encoder-decoder":
@@ -182,11 +192,17 @@ def model_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
         newer.append(("--untie-embeddings-and-output-weights",))
     if not getattr(model, "linear_bias", True):
         newer.append(("--disable-bias-linear",))
+    # the attention kernel the memory model assumed (an AttnBackend name of megatron-core; its default, auto, may
+    # pick a fused kernel that keeps no attention scores); the FASOP fork runs unfused attention and has no flag
+    if getattr(model, "flash_attention", False):
+        newer.append(("--attention-backend", "flash"))
     if newer and opts.megatron_flavor == "fasop-fork":
         names = ", ".join(f[0] for f in newer)
         raise InputError("--megatron-flavor fasop-fork",
                          f"model {model.name} needs {names}, which the FASOP fork (Megatron-LM of early 2023) lacks; use stock")
     flags += newer
+    if opts.megatron_flavor != "fasop-fork" and not getattr(model, "flash_attention", False):
+        flags.append(("--attention-backend", "unfused"))
     divisible = getattr(model, "make_vocab_size_divisible_by", 128)
     if divisible != 128:
         flags.append(("--make-vocab-size-divisible-by", str(divisible)))

@@ -48,7 +48,9 @@ def restate_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | None 
         fresh = estimate(model, cluster, tp=p.tp, dp=p.dp, pp=p.pp, mbs=p.mbs, placement=list(p.placement),
                          layers=list(p.layers_per_stage), gbs=p.gbs, profiles_dir=profiles_dir,
                          distributed_optimizer=p.distributed_optimizer,
-                         overlap=p.overlap_grad_reduce or p.overlap_param_gather, virtual_stages=p.virtual_stages)
+                         overlap=p.overlap_grad_reduce or p.overlap_param_gather, virtual_stages=p.virtual_stages,
+                         recompute=p.recompute, recompute_method=p.recompute_method,
+                         recompute_num_layers=p.recompute_num_layers, sequence_parallel=p.sequence_parallel)
     except InputError as err:
         raise InputError(where, f"cannot be estimated afresh from model {model.name} and cluster {cluster.name} "
                                 f"({err})") from None
@@ -65,7 +67,8 @@ def restate_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | None 
         problems.append(f"{key} is {was!r} in the plan file but {value!r} estimated afresh{more}")
     if not fresh.fits_memory:
         problems.append(f"it no longer fits memory ({fresh.peak_memory_gib:.2f} GiB x margin "
-                        f"{cluster.memory_margin} on GPUs of {fresh.memory_capacity_gib:.2f} GiB)")
+                        f"{cluster.memory_margin} + {cluster.gpu_memory_overhead_gib} GiB overhead on GPUs of "
+                        f"{fresh.memory_capacity_gib:.2f} GiB)")
     if not problems:
         return Plan.trusted({**figures, **given}), None
     message = "stale plan: " + "; ".join(problems)

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from fasop.launch.checked import LaunchPlan
-from fasop.launch.megatron import ENTRY_SCRIPTS, data_flags, model_flags, split_layer_flags, training_flags
+from fasop.launch.megatron import ENTRY_SCRIPTS, data_flags, model_flags, recompute_flags, split_layer_flags, training_flags
 from fasop.launch.options import LaunchOptions
 from fasop.launch.shell import group_flags, quote
 from fasop.launch.slurm import describe_plan
@@ -19,8 +19,9 @@ def run_inter_script(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: 
     entry_value = quote(entry) if os.path.isabs(entry) else f'"$MEGATRON_PATH"/{quote(entry)}'
     parallel: list[tuple[str, ...]] = [("--tensor-model-parallel-size", str(p.tp)), ("--pipeline-model-parallel-size", str(p.pp))]
     parallel += split_layer_flags(p, model, opts, where)
-    if p.tp > 1:
+    if p.sequence_parallel:
         parallel.append(("--sequence-parallel",))
+    parallel += recompute_flags(p)
     if p.distributed_optimizer:
         parallel.append(("--use-distributed-optimizer",))
     if p.overlap_grad_reduce:

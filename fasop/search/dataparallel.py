@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from fasop.cost.communication import geometry
-from fasop.cost.memory import GIB, embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
+from fasop.cost.memory import GIB, embedding_activation_bytes, head_activation_bytes, layer_activation_bytes, usable_gib
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
@@ -167,10 +167,10 @@ def groups(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind
         profile = profiles[node.gpu]
         if 1 not in profile.tensor_degrees:
             raise NoPlan(f"no tp=1 profile for {node.gpu}")
-        usable = node.gpu_memory_gib * GIB / cluster.memory_margin
+        usable = usable_gib(cluster, node.gpu_memory_gib) * GIB
         largest = int(min((usable - fixed) // per_sample, batch)) if usable >= fixed + per_sample else 0
         if largest < 1:
-            need = (fixed + per_sample) * cluster.memory_margin / GIB
+            need = (fixed + per_sample) * cluster.memory_margin / GIB + cluster.gpu_memory_overhead_gib
             raise NoPlan(f"out of memory on {node.gpu}: {need:.1f} of {node.gpu_memory_gib:.1f} GiB for one sample")
         sizes = tuple(range(1, largest + 1))
         unit_s = np.concatenate([[0.0], whole_model_s(model, profile, sizes)])

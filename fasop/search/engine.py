@@ -10,11 +10,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from fasop.cost.config import Config
+from fasop.cost.config import RECOMPUTE_MODES, Config
 from fasop.cost.exact import ScheduleBatch
+from fasop.cost.memory import usable_gib
 from fasop.cost.price import add_training_run, price_per_hour_usd
 from fasop.cost.problem import PartitionBatch
-from fasop.cost.step import StageCosts, stage_costs
+from fasop.cost.step import StageCosts, recompute_variants
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -38,14 +39,13 @@ def virtual_stage_options(model: Model, pp: int) -> tuple[int, ...]:
     return (1,) if not 2 <= pp <= INTERLEAVE_MAX_STAGES or model.is_encoder_decoder else VIRTUAL_STAGES
 
 
-def memory_overshoot(costs: StageCosts, row: int, margin: float) -> float:
+def memory_overshoot(costs: StageCosts, row: int, cluster: Cluster) -> float:
     """Smallest factor by which the GPUs' memory would have to grow for some partition of row `row` to fit."""
     one = costs.problem.take(np.array([row]))
-    usable = costs.capacity_gib / margin
     mem_fixed, mem_layer = costs.mem_fixed_gib[row], costs.mem_layer_gib[row]
 
     def fits(ratio: float) -> bool:
-        room = ratio * usable - mem_fixed
+        room = usable_gib(cluster, ratio * costs.capacity_gib) - mem_fixed
         if (room < -1e-12).any():
             return False
         with np.errstate(divide="ignore"):
@@ -73,6 +73,8 @@ class SearchResult:
     partitions_solved: int  # layer-partition problems solved (one per encoder/decoder split)
     out_of_memory: int  # plans for which no partition fits memory
     pruned: int = 0  # partition problems skipped because their lower bound cannot reach the kept plans
+    dominated: int = 0  # partition problems skipped because a lighter recompute mode of the plan is never worse,
+    # or their lower bound exceeds what a lighter mode of the plan reached
     closest_memory_factor: float | None = None  # when nothing fits: how much more memory the closest plan needs
     closest_plan: Config | None = None
     plans: list[Plan] = field(default_factory=list)
@@ -83,35 +85,48 @@ class SearchResult:
         self.partitions_solved += other.partitions_solved
         self.out_of_memory += other.out_of_memory
         self.pruned += other.pruned
+        self.dominated += other.dominated
         if other.closest_memory_factor is not None and (self.closest_memory_factor is None
                                                         or other.closest_memory_factor < self.closest_memory_factor):
             self.closest_memory_factor, self.closest_plan = other.closest_memory_factor, other.closest_plan
 
 
+def _ranking_bound(bound: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Lower bounds times ranking weights; inf where no partition fits, also for a plan that costs nothing."""
+    ranking_bound = np.full(len(bound), np.inf)
+    fits = np.isfinite(bound)
+    ranking_bound[fits] = bound[fits] * weight[fits]
+    return ranking_bound
+
+
 def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, keep: int | None, keys: list[tuple],
-           weight: np.ndarray, found: dict[tuple, float]):
+           weight: np.ndarray, found: dict[tuple, float], dominated: np.ndarray):
     """(counts, exact step terms, solved mask) of a batch, most promising problems first: each problem's layers
-    are partitioned for the closed form, and the partition is timed with the exact schedule.
+    are partitioned for the closed form, and the partition is timed with the exact schedule. `dominated`
+    problems (a lighter recompute mode of the same plan is never worse, or another recompute mode is solved
+    apart) are not solved.
 
     With `keep`, a problem is skipped when its lower bound on the exact step time, times its ranking weight (1 to
     rank by time, the price per second to rank by cost), exceeds the keep-th best ranking value among the plans in
     `found` (plan key -> its best value so far; several problems, the encoder splits of one encoder-decoder plan,
-    can share a key and count once). The threshold tightens chunk by chunk as problems are solved."""
+    can share a key and count once). The threshold tightens chunk by chunk as problems are solved. Whatever
+    `keep`, a problem whose bound exceeds what another problem of its plan reached (a split, a recompute mode, a
+    virtual size) is skipped: it cannot become the plan's."""
     counts = np.zeros(batch.lo.shape, dtype=int)
     terms: dict[str, np.ndarray] = {"step_time_s": np.full(len(batch), np.inf)}
     solved = np.zeros(len(batch), dtype=bool)
-    ranking_bound = np.full(len(bound), np.inf)  # inf: no partition fits, also for a plan that costs nothing
-    fits = np.isfinite(bound)
-    ranking_bound[fits] = bound[fits] * weight[fits]
+    ranking_bound = _ranking_bound(bound, weight)
     order = np.argsort(ranking_bound, kind="stable")
-    step = PRUNE_CHUNK if keep else len(order)
+    order = order[~dominated[order]]
+    step = PRUNE_CHUNK if keep or bound.any() else max(1, len(order))
     for start in range(0, len(order), step):
         best = sorted(found.values())
         # the slack keeps plans whose bound ties the threshold up to rounding (bound, step time and the
         # ranking figures are computed along different paths)
         threshold = best[keep - 1] * (1 + PRUNE_SLACK) if keep and len(best) >= keep else np.inf
         chunk = order[start:start + step]
-        chunk = chunk[ranking_bound[chunk] <= threshold]
+        reached = np.array([found.get(keys[i], np.inf) for i in chunk])  # by another split or mode of the plan
+        chunk = chunk[(ranking_bound[chunk] <= threshold) & (ranking_bound[chunk] <= reached * (1 + PRUNE_SLACK))]
         if len(chunk):
             counts[chunk], value, _ = optimal_partitions(batch.take(chunk))
             solved[chunk] = True
@@ -144,64 +159,104 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
     model, cluster = inputs.model, inputs.cluster
     todo = groups(inputs, combos, placement_limit)
     items = [(group, geo) for group in todo for geo in group.geos]
-    buckets: dict[int, list] = {}
+    buckets: dict[int, list] = {}  # (group, config, geo, costs) of each recompute variant of each plan
+    beaten_of: dict[int, list[np.ndarray]] = {}  # by pipeline depth: rows a lighter mode dominates
+    items_of: dict[int, int] = {}
+    dominated = 0
     for group, geo in items:  # plans with the same number of stages are partitioned in one batch
         for v in virtual_stage_options(model, group.config.pp):  # the best virtual size is the plan's
-            chunked = replace(group, config=replace(group.config, virtual_stages=v))
-            costs = stage_costs(model, cluster, inputs.profiles, geo, chunked.config, group.mbs_values)
-            buckets.setdefault(group.config.pp, []).append((chunked, geo, costs))
-    total = sum(len(bucket) for bucket in buckets.values())
-    problems = {pp: PartitionBatch.stack([c.problem for _, _, c in bucket]) for pp, bucket in buckets.items()}
-    schedules = {pp: ScheduleBatch.stack([c.schedule for _, _, c in bucket]) for pp, bucket in buckets.items()}
-    bounds = {pp: lower_bounds(batch) if keep else np.zeros(len(batch)) for pp, batch in problems.items()}
+            configs = [replace(c, virtual_stages=v) for c in (group.variants or (group.config,))]
+            lighter: list[StageCosts] = []
+            for config, costs in zip(configs, recompute_variants(model, cluster, inputs.profiles, geo, configs,
+                                                                 group.mbs_values)):
+                buckets.setdefault(config.pp, []).append((group, config, geo, costs))
+                beaten = np.zeros(len(costs.mbs), dtype=bool)
+                for light in lighter:
+                    beaten |= light.problem.dominates(costs.problem)
+                beaten_of.setdefault(config.pp, []).append(beaten)
+                lighter.append(costs)
+                if not costs.problem.memory_binds().any():
+                    # free of memory limits: this mode beats the heavier ones, which are not even built
+                    dominated += len(costs.mbs) * (len(configs) - len(lighter))
+                    break
+        items_of[group.config.pp] = items_of.get(group.config.pp, 0) + 1
+    problems = {pp: PartitionBatch.stack([c.problem for *_, c in bucket]) for pp, bucket in buckets.items()}
+    schedules = {pp: ScheduleBatch.stack([c.schedule for *_, c in bucket]) for pp, bucket in buckets.items()}
+    # bounds prune what cannot reach the kept plans, and heavier recompute modes that cannot beat a lighter one
+    bounded = keep or len(inputs.recompute) > 1
+    bounds = {pp: lower_bounds(batch) if bounded else np.zeros(len(batch)) for pp, batch in problems.items()}
     # encoder-decoder plans differing only in their encoder/decoder split compete: the best split is the plan's
     best: dict[tuple, tuple] = {}
     found: dict[tuple, float] = {}  # best ranking value found so far of each plan (for the pruning threshold)
     solved = pruned = done = 0
     skipped: set[tuple] = set()  # plans with a split that was pruned rather than found not to fit
+    unfit: list[tuple] = []  # (config, costs, row) of every problem found not to fit, each split and mode
     for pp in sorted(buckets, key=lambda pp: bounds[pp].min()):  # most promising first
         bucket, batch = buckets[pp], problems[pp]
         keys, weight = [], []
-        for group, geo, costs in bucket:
+        for _, config, geo, costs in bucket:
             price_per_s = price_per_hour_usd(cluster, geo.placement) / 3600.0
             for mbs in costs.mbs:
-                keys.append((group.config.tp, group.config.dp, group.config.pp, geo.placement, int(mbs)))
+                keys.append((config.tp, config.dp, config.pp, geo.placement, int(mbs)))
                 weight.append(price_per_s if sort == "cost" else 1.0)
-        counts, terms, solved_here = _solve(batch, schedules[pp], bounds[pp], keep, keys, np.array(weight), found)
+        beaten = np.concatenate(beaten_of[pp])
+        mode_of_row = np.concatenate([np.full(len(costs.mbs), RECOMPUTE_MODES.index(config.recompute))
+                                      for _, config, _, costs in bucket])
+        weights = np.array(weight)
+        counts = np.zeros(batch.lo.shape, dtype=int)
+        terms: dict[str, np.ndarray] = {}
+        solved_here = np.zeros(len(batch), dtype=bool)
+        for mode in np.unique(mode_of_row):  # lightest first: a heavier mode has to beat what they reached
+            this = mode_of_row == mode
+            reached = np.array([found.get(key, np.inf) for key in keys])
+            beaten |= this & (_ranking_bound(bounds[pp], weights) > reached * (1 + PRUNE_SLACK))
+            mode_counts, mode_terms, mode_solved = _solve(batch, schedules[pp], bounds[pp], keep, keys, weights,
+                                                          found, beaten | ~this)
+            counts[mode_solved] = mode_counts[mode_solved]
+            for name, column in mode_terms.items():
+                merged = terms.setdefault(name, np.full(column.shape, np.inf if name == "step_time_s" else np.nan))
+                merged[mode_solved] = column[mode_solved]
+            solved_here |= mode_solved
         value = terms["step_time_s"]
         solved += int(solved_here.sum())
-        pruned += len(batch) - int(solved_here.sum())
+        pruned += len(batch) - int(solved_here.sum()) - int(beaten.sum())
+        dominated += int(beaten.sum())
         at = 0
-        for group, geo, costs in bucket:
+        for group, config, geo, costs in bucket:
+            mode = RECOMPUTE_MODES.index(config.recompute)
             for row in range(len(costs.mbs)):
                 key = keys[at + row]
-                entry = (value[at + row], group.config.encoder_stages, group, geo, costs, row, counts[at + row],
-                         {name: column[at + row] for name, column in terms.items()})
-                if not solved_here[at + row]:
+                # the best split, recompute mode and virtual size are the plan's; ties go to fewer encoder stages,
+                # then the lighter mode, then fewer chunks
+                entry = (value[at + row], config.encoder_stages, mode, config.virtual_stages, group, config, geo, costs,
+                         row, counts[at + row], {name: column[at + row] for name, column in terms.items()})
+                if not solved_here[at + row] and not beaten[at + row]:
                     skipped.add(key)
-                if key not in best or entry[:2] < best[key][:2]:  # ties: fewer encoder stages, then fewer chunks (tried first)
+                if np.isinf(value[at + row]) and (solved_here[at + row] or beaten[at + row]):
+                    unfit.append((config, costs, row))
+                if key not in best or entry[:4] < best[key][:4]:
                     best[key] = entry
             at += len(costs.mbs)
-        done += len(bucket)
+        done += items_of[pp]
         if progress:
-            progress(done, total)
+            progress(done, len(items))
     rows = []
-    for value, _, group, geo, costs, row, counts, exact in best.values():
+    for value, _, _, _, group, config, geo, costs, row, counts, exact in best.values():
         if np.isfinite(value):
             chosen = np.zeros(len(costs.mbs), dtype=bool)
             chosen[row] = True
             shape = costs.problem.lo.shape
             exact = {name: np.broadcast_to(column, shape[:1] + np.shape(column)) for name, column in exact.items()}
-            rows += plan_rows(inputs, group.config, geo, costs, np.broadcast_to(counts, shape), chosen,
-                              group.exhaustive, exact)
+            rows += plan_rows(inputs, config, geo, costs, np.broadcast_to(counts, shape), chosen, group.exhaustive,
+                              exact)
     oom = sum(1 for key, entry in best.items() if np.isinf(entry[0]) and key not in skipped)
     oversized = _oversized_plans(todo)
-    result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned)
+    result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned, dominated)
     if not rows:
-        for _, _, group, _, costs, row, _, _ in best.values():
-            factor = memory_overshoot(costs, row, cluster.memory_margin)
+        for config, costs, row in unfit:
+            factor = memory_overshoot(costs, row, cluster)
             if result.closest_memory_factor is None or factor < result.closest_memory_factor:
-                result.closest_memory_factor, result.closest_plan = factor, replace(group.config, mbs=int(costs.mbs[row]))
+                result.closest_memory_factor, result.closest_plan = factor, replace(config, mbs=int(costs.mbs[row]))
     return result
 
 
@@ -210,7 +265,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  sort: str = "time", progress: Callable[[int, int], None] | None = None,
                  placement_limit: int = PLACEMENT_LIMIT, keep: int | None = None,
                  workers: int | None = None, profiles: dict[str, GpuProfile] | None = None,
-                 overlap: bool = True) -> SearchResult:
+                 overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES,
+                 sequence_parallel: bool = True) -> SearchResult:
     """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
@@ -218,8 +274,10 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     searches finish before extra processes would have started).
     profiles: already loaded profiles (by GPU type) instead of reading profiles_dir.
     overlap: Megatron's --overlap-grad-reduce, and --overlap-param-gather with the distributed optimizer.
+    recompute: the recompute modes to consider (each plan takes its best); sequence_parallel: on when tp > 1.
     """
-    inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap)
+    inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
+                     sequence_parallel)
     if not tensor_degrees(inputs):
         profiled = {g: p.tensor_degrees for g, p in inputs.profiles.items()}
         raise InputError("profiles", f"no tensor degree dividing {cluster.gpus_per_node} GPUs per node, the attention "

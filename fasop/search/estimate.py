@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from fasop.cost.communication import geometry, with_embedding_group
-from fasop.cost.config import Config, embedding_stages
+from fasop.cost.config import Config, embedding_stages, recompute_error
+from fasop.cost.memory import usable_gib
 from fasop.cost.schedule import interleaving_error
 from fasop.cost.step import stage_costs
 from fasop.errors import InputError
@@ -20,11 +21,13 @@ from fasop.search.space import prepare, tensor_degrees
 def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: int, placement: list[str],
              layers: list[int], gbs: int | None = None, profiles_dir: str | None = None,
              distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None,
-             overlap: bool = True, virtual_stages: int = 1) -> Plan:
+             overlap: bool = True, virtual_stages: int = 1, recompute: str = "none", recompute_method: str | None = None,
+             recompute_num_layers: int | None = None, sequence_parallel: bool | None = None) -> Plan:
     """The full breakdown of one explicit plan; `layers` lists transformer layers per stage; `profiles`: already
     loaded profiles (by GPU type) instead of reading profiles_dir; `overlap`: Megatron's --overlap-grad-reduce,
     and --overlap-param-gather with the distributed optimizer; `virtual_stages`: model chunks per pipeline rank,
-    each stage's layers split evenly over them."""
+    each stage's layers split evenly over them; full recomputation without a method is uniform over every layer;
+    sequence_parallel: default on when tp > 1."""
     used = {name: placement.count(name) for name in placement}
     for name, count in used.items():
         if name not in cluster.node_types:
@@ -57,14 +60,28 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
             refusal = "fasop interleaves decoder and encoder models only"
         if refusal is not None:
             raise InputError("--virtual-stages", f"{virtual_stages}: {refusal}")
+    if recompute == "full" and recompute_method is None and recompute_num_layers is None:
+        recompute_method, recompute_num_layers = "uniform", 1  # every layer, as the search takes full recomputation
+    problem = recompute_error(recompute, recompute_method, recompute_num_layers)
+    if problem:
+        raise InputError("--recompute", problem)
+    if sequence_parallel and tp == 1:
+        raise InputError("--sequence-parallel", "needs tensor parallelism (tp > 1), as Megatron-LM does")
+    sequence_parallel = tp > 1 if sequence_parallel is None else sequence_parallel
     config = Config(tp, dp, pp, mbs, inputs.gbs, split, distributed_optimizer,
-                    **Config.overlaps(overlap, distributed_optimizer), virtual_stages=virtual_stages)
+                    overlap_grad_reduce=overlap, overlap_param_gather=overlap and distributed_optimizer,
+                    virtual_stages=virtual_stages,
+                    recompute=recompute, recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
+                    sequence_parallel=sequence_parallel)
     geo = with_embedding_group(sub, geometry(sub, tuple(placement), tp, dp, pp), embedding_stages(model, config))
     costs = stage_costs(model, sub, inputs.profiles, geo, config, [mbs])
     counts = np.array(layers) - costs.fixed_layers
     if (counts < costs.problem.lo[0]).any():
+        if config.blocked_layers:
+            raise InputError("--layers", f"every stage needs at least the {config.blocked_layers} layers that block "
+                                         "recomputation recomputes on it")
         raise InputError("--layers", "every stage needs at least one layer (the first may hold only the embedding, "
                                      "the last only the head)")
     row = plan_rows(inputs, config, geo, costs, counts[None, :], np.array([True]), True)[0]
-    row["fits_memory"] = all(s["memory_gib"] <= s["memory_capacity_gib"] / cluster.memory_margin for s in row["stages"])
+    row["fits_memory"] = all(s["memory_gib"] <= usable_gib(cluster, s["memory_capacity_gib"]) for s in row["stages"])
     return Plan.trusted(row)

@@ -113,9 +113,7 @@ def _first_feasible(values: np.ndarray, caps_of, filler: _Filler) -> np.ndarray:
 
 def _clipped_hi(p: PartitionBatch) -> np.ndarray:
     """No stage can take more layers than its segment leaves it after the other stages' minimum."""
-    seg = np.broadcast_to(p.segment_of_stage, p.lo.shape)
-    lo_sum = np.take_along_axis(segment_sums(p.lo, seg, len(p.segment_layers)), seg, axis=-1)
-    return np.minimum(p.hi, p.segment_layers[seg] - (lo_sum - p.lo)).astype(float)
+    return np.minimum(p.hi, p.most_layers).astype(float)
 
 
 def admits(batch: PartitionBatch, caps: np.ndarray) -> np.ndarray:
@@ -129,15 +127,24 @@ def lower_bounds(batch: PartitionBatch) -> np.ndarray:
 
     The first micro-batch passes every stage and boundary forward and back (the cheapest layer sum any partition
     can have, plus the fixed computes and sends: `base_s`), and the busiest stage works its m periods one after
-    another (m times the larger of the smallest possible stage period and the average period); what follows the
-    pipeline can be hidden entirely, so it adds nothing."""
+    another: m times the larger of the smallest slowest-stage period any partition can have (the smallest period
+    value whose caps admit a partition) and the average period; what follows the pipeline can be hidden
+    entirely, so it adds nothing."""
     p = batch
     hi = _clipped_hi(p)
-    widest, feasible = _Filler(p).fill(hi[:, None, :])
+    filler = _Filler(p)
+    widest, feasible = filler.fill(hi[:, None, :])
     widest, feasible = widest[:, 0], feasible[:, 0] & (hi >= p.lo).all(-1)
     layer_sum = (p.layer_s * widest).sum(-1)
+    smallest = np.zeros(len(p))  # rows without a partition are given inf below
+    rows = np.flatnonzero(feasible)
+    if len(rows):
+        q, q_hi = p.take(rows), hi[rows]
+        values = _values(q.period_fixed_s, q.layer_s, q.lo, q_hi)
+        first = _first_feasible(values, lambda x: _caps(x, q.period_fixed_s, q.layer_s, q_hi), _Filler(q))
+        smallest[rows] = values[np.arange(len(rows)), first]
     stages = p.lo.shape[1]
-    period = np.maximum((p.period_fixed_s + p.layer_s * p.lo).max(-1), (p.period_fixed_s.sum(-1) + layer_sum) / stages)
+    period = np.maximum(smallest, (p.period_fixed_s.sum(-1) + layer_sum) / stages)
     bound = np.maximum(p.base_s + layer_sum, p.num_microbatches * period)
     return np.where(feasible, bound, np.inf)
 

@@ -29,15 +29,17 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
         mbs = int(costs.mbs[k])
         sends = [*costs.boundary_s[k].tolist(), 0.0]
         columns = zip(range(config.pp), costs.gpu, geo.stage_nodes, layers[k].tolist(), terms["stage_compute_s"][k].tolist(),
-                      terms["stage_forward_s"][k].tolist(), sends, terms["stage_p2p_s"][k].tolist(),
-                      terms["stage_allreduce_s"][k].tolist(), terms["stage_memory_gib"][k].tolist(),
-                      terms["stage_capacity_gib"][k].tolist())
+                      terms["stage_forward_s"][k].tolist(), terms["stage_recompute_s"][k].tolist(), sends,
+                      terms["stage_p2p_s"][k].tolist(), terms["stage_allreduce_s"][k].tolist(),
+                      terms["stage_memory_gib"][k].tolist(), terms["stage_capacity_gib"][k].tolist())
         stages = [
             {"stage": s, "gpu": gpu, "nodes": list(nodes), "layers": n, "compute_s": compute, "forward_s": forward,
-             "send_s": send, "p2p_s": p2p, "dp_allreduce_s": allreduce, "memory_gib": memory,
+             "recompute_s": recompute, "send_s": send, "p2p_s": p2p, "dp_allreduce_s": allreduce, "memory_gib": memory,
              "memory_capacity_gib": capacity}
-            for s, gpu, nodes, n, compute, forward, send, p2p, allreduce, memory, capacity in columns
+            for s, gpu, nodes, n, compute, forward, recompute, send, p2p, allreduce, memory, capacity in columns
         ]
+        recompute = {"recompute": config.recompute, "recompute_method": config.recompute_method,
+                     "recompute_num_layers": config.recompute_num_layers}
         rows.append({
             "model": model.name, "model_file": model.file, "cluster": cluster.name, "cluster_file": cluster.file,
             "kind": "3d",
@@ -50,6 +52,8 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
             **({"layers_per_virtual_stage": virtual_layout(layers[k], config.virtual_stages)}
                if config.virtual_stages > 1 else {}),
             "timing": "exact-schedule",
+            **{key: value for key, value in recompute.items() if value is not None},
+            "sequence_parallel": config.sequence_parallel,
             "step_time_s": step,
             "throughput_samples_per_s": config.gbs / step,
             "tokens_per_s": config.gbs * model.seq_length / step,
@@ -58,6 +62,7 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
             "embedding_allreduce_s": float(terms["embedding_allreduce_s"][k]),
             "dp_exposed_s": float(terms["dp_exposed_s"][k]), "optimizer_s": float(terms["optimizer_s"][k]),
             "closed_form_step_s": float(terms["closed_form_step_s"][k]),
+            "recompute_s": float(terms["recompute_s"][k]),
             "peak_memory_gib": float(terms["stage_memory_gib"][k, worst]),
             "memory_capacity_gib": float(terms["stage_capacity_gib"][k, worst]),
             "cost_per_hour_usd": price, "cost_per_step_usd": price * step / 3600.0,

@@ -80,7 +80,10 @@ def perturbed(cluster: Cluster, profiles: dict[str, GpuProfile], factors: dict[t
 def plan_metric(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plan: Plan, sort: str) -> float:
     """Step time (sort "time") or dollars per step (sort "cost") of a search row, its partition kept."""
     config = Config(plan.tp, plan.dp, plan.pp, plan.mbs, plan.gbs, plan.encoder_stages, bool(plan.distributed_optimizer),
-                    bool(plan.overlap_grad_reduce), bool(plan.overlap_param_gather), plan.virtual_stages or 1)
+                    overlap_grad_reduce=bool(plan.overlap_grad_reduce), overlap_param_gather=bool(plan.overlap_param_gather),
+                    virtual_stages=plan.virtual_stages or 1, recompute=plan.recompute or "none",
+                    recompute_method=plan.recompute_method, recompute_num_layers=plan.recompute_num_layers,
+                    sequence_parallel=plan.tp > 1 if plan.sequence_parallel is None else plan.sequence_parallel)
     placement = tuple(plan.placement)
     geo = with_embedding_group(cluster, geometry(cluster, placement, config.tp, config.dp, config.pp),
                                embedding_stages(model, config))

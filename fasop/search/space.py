@@ -10,7 +10,7 @@ from functools import lru_cache
 import numpy as np
 
 from fasop.cost.communication import Geometry, geometry, with_embedding_group
-from fasop.cost.config import Config, embedding_stages
+from fasop.cost.config import RECOMPUTE_MODES, Config, embedding_stages, with_recompute
 from fasop.cost.memory import head_fits
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
@@ -68,17 +68,25 @@ class Inputs:
     gbs: int
     distributed_optimizer: bool = True
     overlap: bool = True  # Megatron's --overlap-grad-reduce, and --overlap-param-gather with the distributed optimizer
+    recompute: tuple[str, ...] = RECOMPUTE_MODES  # the recompute modes to consider, lightest first
+    sequence_parallel: bool = True  # on whenever tp > 1
 
 
 def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None,
             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None,
-            overlap: bool = True) -> Inputs:
+            overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES, sequence_parallel: bool = True) -> Inputs:
     """Checked inputs of one search; `profiles` (already loaded, e.g. for many compositions) skips the files."""
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
+    unknown = [mode for mode in recompute if mode not in RECOMPUTE_MODES]
+    if unknown or not recompute:
+        raise InputError("--recompute", f"expected a comma-separated list of {', '.join(RECOMPUTE_MODES)}, "
+                                        f"got {','.join(recompute)!r}")
     gpus = sorted({t.gpu for t in cluster.node_types.values()})
     if profiles is None:
         profiles = load_profiles(model, gpus, profiles_dir)
-    return Inputs(model, cluster, {g: profiles[g] for g in gpus}, gbs, distributed_optimizer, overlap)
+    modes = tuple(mode for mode in RECOMPUTE_MODES if mode in recompute)  # lightest first, once each
+    return Inputs(model, cluster, {g: profiles[g] for g in gpus}, gbs, distributed_optimizer, overlap, modes,
+                  sequence_parallel)
 
 
 def tensor_degrees(inputs: Inputs) -> list[int]:
@@ -112,11 +120,12 @@ def _signature(geo: Geometry) -> tuple:
 class Group:
     """Plans sharing (tp, dp, pp, encoder split): one geometry per distinct placement, every micro-batch size."""
 
-    config: Config  # its mbs is a placeholder
+    config: Config  # its mbs is a placeholder; the lightest recompute mode
     geos: list[Geometry]
     mbs_values: list[int]
     exhaustive: bool
     oversized: int = 0  # micro-batch sizes left out: their output layer alone overflows every GPU
+    variants: tuple[Config, ...] = ()  # config under each recompute mode to search, lightest first
 
 
 def combinations(inputs: Inputs) -> list[tuple[int, int]]:
@@ -132,7 +141,8 @@ def micro_batch_sizes(inputs: Inputs, tp: int, dp: int) -> tuple[list[int], int]
     fits no stage (the last stage holds them, and memory only grows with the size), so it is counted out of
     memory without being built: their number grows with the divisors of the batch, not with the answer."""
     sizes = divisors(inputs.gbs // dp)
-    kept = [b for b in sizes if b == 1 or head_fits(inputs.model, inputs.cluster, tp, b)]
+    sequence_parallel = inputs.sequence_parallel and tp > 1
+    kept = [b for b in sizes if b == 1 or head_fits(inputs.model, inputs.cluster, tp, b, sequence_parallel)]
     return kept, len(sizes) - len(kept)
 
 
@@ -146,11 +156,23 @@ def groups(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int =
         geos = [geometry(cluster, placement, tp, dp, pp) for placement in nodes]
         for split in encoder_splits(model, pp):
             config = Config(tp, dp, pp, 1, inputs.gbs, split, inputs.distributed_optimizer,
-                            **Config.overlaps(inputs.overlap, inputs.distributed_optimizer))
+                            overlap_grad_reduce=inputs.overlap,
+                            overlap_param_gather=inputs.overlap and inputs.distributed_optimizer,
+                            sequence_parallel=inputs.sequence_parallel and tp > 1)
             emb = embedding_stages(model, config)
             unique: dict[tuple, Geometry] = {}
             for geo in geos:
                 geo = with_embedding_group(cluster, geo, emb)
                 unique.setdefault(_signature(geo), geo)
-            result.append(Group(config, list(unique.values()), mbs_values, exhaustive, oversized))
+            variants = tuple(with_recompute(config, mode) for mode in recompute_modes(inputs))
+            result.append(Group(variants[0], list(unique.values()), mbs_values, exhaustive, oversized, variants))
     return result
+
+
+def recompute_modes(inputs: Inputs) -> tuple[str, ...]:
+    """The recompute modes worth searching, lightest first. With flash attention selective recomputation keeps
+    the same activations as none (the fused kernel stores no attention scores) and only adds the rerun of the
+    kernel's forward, so it never wins and is left out."""
+    if inputs.model.flash_attention and "none" in inputs.recompute:
+        return tuple(mode for mode in inputs.recompute if mode != "selective")
+    return inputs.recompute
