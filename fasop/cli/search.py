@@ -122,8 +122,8 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     if result.pruned:
         click.echo(f"{result.pruned} layer partitions skipped: their lower bound cannot reach the best {top}.")
     if result.dominated:
-        click.echo(f"{result.dominated} layer partitions of heavier recompute modes skipped: a lighter mode of the same "
-                   "plan fits as well and is never slower.")
+        click.echo(f"{result.dominated} layer partitions skipped: another recompute mode, virtual size or encoder split "
+                   "of the same plan is provably never slower.")
     if any(plan.placement_search != "exhaustive" for plan in plans[:top]):
         click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
                    "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")

@@ -74,7 +74,7 @@ class SearchResult:
     out_of_memory: int  # plans for which no partition fits memory
     pruned: int = 0  # partition problems skipped because their lower bound cannot reach the kept plans
     dominated: int = 0  # partition problems skipped because a lighter recompute mode of the plan is never worse,
-    # or their lower bound exceeds what a lighter mode of the plan reached
+    # or their lower bound exceeds what another recompute mode, virtual size or split of the plan reached
     closest_memory_factor: float | None = None  # when nothing fits: how much more memory the closest plan needs
     closest_plan: Config | None = None
     plans: list[Plan] = field(default_factory=list)
@@ -101,7 +101,7 @@ def _ranking_bound(bound: np.ndarray, weight: np.ndarray) -> np.ndarray:
 
 def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, keep: int | None, keys: list[tuple],
            weight: np.ndarray, found: dict[tuple, float], dominated: np.ndarray):
-    """(counts, exact step terms, solved mask) of a batch, most promising problems first: each problem's layers
+    """(counts, exact step terms, solved mask, outdone mask) of a batch, most promising problems first: each problem's layers
     are partitioned for the closed form, and the partition is timed with the exact schedule. `dominated`
     problems (a lighter recompute mode of the same plan is never worse, or another recompute mode is solved
     apart) are not solved.
@@ -111,10 +111,11 @@ def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, ke
     `found` (plan key -> its best value so far; several problems, the encoder splits of one encoder-decoder plan,
     can share a key and count once). The threshold tightens chunk by chunk as problems are solved. Whatever
     `keep`, a problem whose bound exceeds what another problem of its plan reached (a split, a recompute mode, a
-    virtual size) is skipped: it cannot become the plan's."""
+    virtual size) is skipped: it cannot become the plan's (the outdone mask)."""
     counts = np.zeros(batch.lo.shape, dtype=int)
     terms: dict[str, np.ndarray] = {"step_time_s": np.full(len(batch), np.inf)}
     solved = np.zeros(len(batch), dtype=bool)
+    outdone = np.zeros(len(batch), dtype=bool)
     ranking_bound = _ranking_bound(bound, weight)
     order = np.argsort(ranking_bound, kind="stable")
     order = order[~dominated[order]]
@@ -126,7 +127,9 @@ def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, ke
         threshold = best[keep - 1] * (1 + PRUNE_SLACK) if keep and len(best) >= keep else np.inf
         chunk = order[start:start + step]
         reached = np.array([found.get(keys[i], np.inf) for i in chunk])  # by another split or mode of the plan
-        chunk = chunk[(ranking_bound[chunk] <= threshold) & (ranking_bound[chunk] <= reached * (1 + PRUNE_SLACK))]
+        beaten = ranking_bound[chunk] > reached * (1 + PRUNE_SLACK)
+        outdone[chunk[beaten]] = True
+        chunk = chunk[(ranking_bound[chunk] <= threshold) & ~beaten]
         if len(chunk):
             counts[chunk], value, _ = optimal_partitions(batch.take(chunk))
             solved[chunk] = True
@@ -137,7 +140,7 @@ def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, ke
                 terms[name][timed] = column
             for i in timed:
                 found[keys[i]] = min(found.get(keys[i], np.inf), float(terms["step_time_s"][i] * weight[i]))
-    return counts, terms, solved
+    return counts, terms, solved, outdone
 
 
 def _oversized_plans(todo: list[Group]) -> int:
@@ -210,8 +213,9 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
             this = mode_of_row == mode
             reached = np.array([found.get(key, np.inf) for key in keys])
             beaten |= this & (_ranking_bound(bounds[pp], weights) > reached * (1 + PRUNE_SLACK))
-            mode_counts, mode_terms, mode_solved = _solve(batch, schedules[pp], bounds[pp], keep, keys, weights,
-                                                          found, beaten | ~this)
+            mode_counts, mode_terms, mode_solved, outdone = _solve(batch, schedules[pp], bounds[pp], keep, keys,
+                                                                   weights, found, beaten | ~this)
+            beaten |= outdone
             counts[mode_solved] = mode_counts[mode_solved]
             for name, column in mode_terms.items():
                 merged = terms.setdefault(name, np.full(column.shape, np.inf if name == "step_time_s" else np.nan))
