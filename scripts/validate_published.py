@@ -27,7 +27,7 @@ from fasop.inputs.cluster import Cluster, load_cluster
 from fasop.inputs.model import Model, load_model
 from fasop.inputs.profiles import Curve, GpuProfile
 from fasop.plans import Plan
-from fasop.profile.synth import ProfileRow, synthesize
+from fasop.profile.synth import synthesize
 from fasop.search.estimate import estimate
 
 DATA = Path(__file__).resolve().parents[1] / "validation"
@@ -58,6 +58,7 @@ class Run:
     virtual_stages: int
     recompute: str  # none | selective | full
     sequence_parallel: bool
+    overlap_grad_reduce: bool  # the data-parallel gradient reduction overlapped with the backward pass
     measured_step_time_s: float | None
     measured_tflops_per_gpu: float | None
     config_source: str
@@ -100,12 +101,14 @@ def read_runs(path: Path = MEASUREMENTS) -> list[Run]:
         if cells["recompute"] not in RECOMPUTE_MODES:
             raise InputError(f"{where}: recompute", f"expected one of {', '.join(RECOMPUTE_MODES)}, "
                                                     f"got {cells['recompute']!r}")
-        if cells["sequence_parallel"] not in ("true", "false"):
-            raise InputError(f"{where}: sequence_parallel", f"expected true or false, got {cells['sequence_parallel']!r}")
+        for flag in ("sequence_parallel", "overlap_grad_reduce"):
+            if cells[flag] not in ("true", "false"):
+                raise InputError(f"{where}: {flag}", f"expected true or false, got {cells[flag]!r}")
         run = Run(
             paper=cells["paper"], table=cells["table"], row=cells["row"], model_file=cells["model_file"],
             **{key: _positive(cells, key, where) for key in ("gpus", "tp", "pp", "mbs", "gbs", "virtual_stages")},
             recompute=cells["recompute"], sequence_parallel=cells["sequence_parallel"] == "true",
+            overlap_grad_reduce=cells["overlap_grad_reduce"] == "true",
             measured_step_time_s=_optional_positive(cells, "measured_step_time_s", where),
             measured_tflops_per_gpu=_optional_positive(cells, "measured_tflops_per_gpu", where),
             config_source=cells["config_source"],
@@ -134,63 +137,26 @@ def measured_step_time_s(run: Run, model: Model) -> float:
 
 
 # -- the prediction ---------------------------------------------------------------------------------------
-def megatron_options(run: Run) -> dict[str, object]:
-    """The run's Megatron-LM settings as keywords of fasop.estimate (full recomputation: uniform over every
-    layer, its default).
-
-    TODO(issue 11): fasop.estimate does not take the virtual pipeline size yet. Wire it by uncommenting its
-    line once the keyword exists (rename it to match); everything else follows from this dict (the table's
-    "not modelled" column shrinks)."""
-    return {
-        "recompute": run.recompute,
-        "sequence_parallel": run.sequence_parallel,
-        # "virtual_stages": run.virtual_stages,          # TODO(issue 11): interleaved 1F1B
-    }
-
-
-def not_modelled(run: Run, options: dict[str, object]) -> list[str]:
-    """The run's settings that fasop.estimate does not take (full recomputation enters by hand, through the
-    profile)."""
-    missing = []
-    if "recompute" not in options and run.recompute != "none":
-        missing.append("full recompute (by hand)" if run.recompute == "full" else "selective recompute")
-    if "sequence_parallel" not in options and run.sequence_parallel:
-        missing.append("sequence parallelism")
-    if "virtual_stages" not in options and run.virtual_stages > 1:
-        missing.append(f"interleaving (v={run.virtual_stages})")
-    return missing
-
-
-def full_recompute_by_hand(rows: list[ProfileRow]) -> list[ProfileRow]:
-    """TODO(issue 11): a stand-in until fasop.estimate models recomputation. Full recomputation (Megatron-LM's
-    --recompute-granularity full, uniform, one layer per group) runs every transformer layer's forward again
-    right before its backward, so a layer's backward time gains its forward time; the embedding and the head
-    are not recomputed."""
-    return [row._replace(backward_s=row.backward_s + row.forward_s) if row.kind == "layer" else row for row in rows]
-
-
-def synthetic_profile(model: Model, run: Run, recompute_by_hand: bool) -> dict[str, GpuProfile]:
+def synthetic_profile(model: Model, run: Run) -> dict[str, GpuProfile]:
     """`fasop profile synth` of the model on an A100-80GB at the run's (tp, mbs), the catalogue's efficiency."""
     rows = synthesize(model, load_gpu_spec(GPU), tps=[run.tp], mbss=[run.mbs])
-    if recompute_by_hand:
-        rows = full_recompute_by_hand(rows)
     curves = {(row.tp, row.kind): Curve(np.array([row.mbs]), np.array([row.forward_s]), np.array([row.backward_s]))
               for row in rows}
     return {GPU: GpuProfile(GPU, f"fasop profile synth --gpu {GPU}", curves)}
 
 
 def predict(run: Run, model: Model, cluster: Cluster) -> Plan:
-    """fasop's estimate of the run's plan (Megatron's even split, no distributed optimizer); its step_time_s is
-    the prediction."""
-    options = megatron_options(run)
-    profiles = synthetic_profile(model, run, "recompute" not in options and run.recompute == "full")
+    """fasop's estimate of the run's plan (Megatron's even split, no distributed optimizer; full recomputation
+    uniform over every layer); its step_time_s is the prediction."""
+    profiles = synthetic_profile(model, run)
     node_type = next(iter(cluster.node_types))
     if model.num_layers % run.pp:
         raise InputError(run.model_file, f"{model.num_layers} layers do not split evenly over {run.pp} stages")
     return estimate(model, cluster, tp=run.tp, dp=run.dp, pp=run.pp, mbs=run.mbs, gbs=run.gbs,
                     placement=[node_type] * (run.gpus // cluster.gpus_per_node),
                     layers=[model.num_layers // run.pp] * run.pp, distributed_optimizer=False, profiles=profiles,
-                    **options)
+                    overlap=run.overlap_grad_reduce, virtual_stages=run.virtual_stages, recompute=run.recompute,
+                    sequence_parallel=run.sequence_parallel)
 
 
 @dataclass(frozen=True)
@@ -199,7 +165,6 @@ class Result:
     measured_s: float
     predicted_s: float
     peak_memory_gib: float  # fasop's memory estimate of the most loaded GPU
-    not_modelled: tuple[str, ...]
 
     @property
     def error(self) -> float:
@@ -211,28 +176,27 @@ def validate(runs: list[Run], cluster: Cluster) -> list[Result]:
     for run in runs:
         model = load_model(str(DATA / run.model_file))
         plan = predict(run, model, cluster)
-        results.append(Result(run, measured_step_time_s(run, model), plan.step_time_s, plan.peak_memory_gib,
-                              tuple(not_modelled(run, megatron_options(run)))))
+        results.append(Result(run, measured_step_time_s(run, model), plan.step_time_s, plan.peak_memory_gib))
     return results
 
 
 # -- the report -------------------------------------------------------------------------------------------
 def _table(results: list[Result]) -> list[str]:
     narayanan = results[0].run.measured_tflops_per_gpu is not None
-    head = ["row", "GPUs", "tp", "pp", "dp", "mbs", "gbs", "v", "recompute", "SP"]
+    head = ["row", "GPUs", "tp", "pp", "dp", "mbs", "gbs", "v", "recompute", "SP", "overlap"]
     head += ["measured TFLOP/s per GPU", "measured s (Eq. 3)"] if narayanan else ["measured s"]
     head += ["predicted s"] + (["predicted TFLOP/s per GPU"] if narayanan else [])
-    head += ["error", "fasop memory GiB", "not in the estimate"]
+    head += ["error", "fasop memory GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         run = r.run
         cells = [run.row, run.gpus, run.tp, run.pp, run.dp, run.mbs, run.gbs, run.virtual_stages, run.recompute,
-                 "yes" if run.sequence_parallel else "no"]
+                 "yes" if run.sequence_parallel else "no", "yes" if run.overlap_grad_reduce else "no"]
         cells += [f"{run.measured_tflops_per_gpu:g}", f"{r.measured_s:.2f}"] if narayanan else [f"{r.measured_s:.2f}"]
         cells += [f"{r.predicted_s:.2f}"]
         if narayanan:  # the same FLOP count over the predicted time
             cells.append(f"{run.measured_tflops_per_gpu * r.measured_s / r.predicted_s:.0f}")
-        cells += [f"{r.error:+.1%}", f"{r.peak_memory_gib:.1f}", ", ".join(r.not_modelled) or "-"]
+        cells += [f"{r.error:+.1%}", f"{r.peak_memory_gib:.1f}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     errors = np.abs([r.error for r in results])
     worst = results[int(np.argmax(errors))].run.row
