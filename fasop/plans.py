@@ -135,7 +135,7 @@ class Plan(Table):
         """A plan from a record the search or an estimate built itself (not checked again: searches build many)."""
         fields = dict(record)
         if "stages" in fields:
-            fields["stages"] = [Stage.model_construct(**s) for s in fields["stages"]]
+            fields["stages"] = [_unchecked(Stage, s) for s in fields["stages"]]
         if "per_type" in fields:
             fields["per_type"] = [TypeShare.model_construct(**t) for t in fields["per_type"]]
         return cls.model_construct(**fields)
@@ -147,6 +147,21 @@ class Plan(Table):
     @property
     def is_data_parallel(self) -> bool:
         return self.kind in DATA_PARALLEL_KINDS
+
+
+def _unchecked(cls: type[Stage], values: dict[str, Any]) -> Stage:
+    """`cls.model_construct(**values)` for the stage rows of a search, three times as fast: a 1,024-GPU search
+    builds half a million of them. Sets what model_construct sets (the fields, defaults for the rest, which
+    fields were given); tests/test_plans.py checks that the two agree."""
+    row = cls.__new__(cls)
+    object.__setattr__(row, "__dict__", {**_STAGE_DEFAULTS, **values})
+    object.__setattr__(row, "__pydantic_fields_set__", set(values))
+    object.__setattr__(row, "__pydantic_extra__", None)
+    object.__setattr__(row, "__pydantic_private__", None)
+    return row
+
+
+_STAGE_DEFAULTS = {name: field.default for name, field in Stage.model_fields.items() if not field.is_required()}
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@ sound lower bounds prune what cannot reach the best plans, and large clusters ar
 
 from __future__ import annotations
 
+import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -31,6 +33,20 @@ INTERLEAVE_MAX_STAGES = 16
 PARALLEL_NODES = 32  # clusters this large are searched with one process per core
 PRUNE_CHUNK = 256  # partition problems solved between two updates of the pruning threshold
 PRUNE_SLACK = 1e-9  # relative: pruning never skips a plan within rounding of the threshold
+
+
+@contextmanager
+def _without_cyclic_gc() -> Iterator[None]:
+    """A search allocates millions of small objects that hold no cycles (plan records and their stage rows);
+    Python's cyclic collector would scan the growing heap again and again (four times the time it takes to
+    build the plans of a 1,024-GPU search). Reference counting frees them all the same."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def virtual_stage_options(model: Model, pp: int) -> tuple[int, ...]:
@@ -159,6 +175,12 @@ def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int
              sort: str = "time") -> SearchResult:
     """Plans of the given (tp, dp) combinations, unranked. With `keep`, partition problems whose lower bound
     cannot reach the keep-th best plan by `sort` found so far are skipped (they cannot be among the best)."""
+    with _without_cyclic_gc():
+        return _evaluate(inputs, combos, placement_limit, keep, progress, sort)
+
+
+def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int, keep: int | None,
+              progress: Callable[[int, int], None] | None, sort: str) -> SearchResult:
     model, cluster = inputs.model, inputs.cluster
     todo = groups(inputs, combos, placement_limit)
     items = [(group, geo) for group in todo for geo in group.geos]
@@ -315,7 +337,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     if keep:
         rows = rows[:keep]
     result.rows = []
-    result.plans = [Plan.trusted({"rank": rank, **row}) for rank, row in enumerate(rows, start=1)]
+    with _without_cyclic_gc():
+        result.plans = [Plan.trusted({"rank": rank, **row}) for rank, row in enumerate(rows, start=1)]
     return result
 
 
