@@ -41,6 +41,9 @@ CASES = {
     "cluster-huge-memory.toml": (SEARCH, ["node_type.A100.gpu_memory_gib", "<= 65536"]),
     "cluster-huge-count.toml": (SEARCH, ["node_type.A100.count", "from 0 to 1,000,000"]),
     "cluster-nested.toml": (SEARCH, ["nested too deeply"]),
+    "cluster-nan-latency.toml": (SEARCH, ["node_type.A100.inter_node_latency_us", "got nan"]),
+    "cluster-huge-latency.toml": (SEARCH, ["node_type.A100.intra_node_latency_us", "<= 1e+06"]),
+    "cluster-inf-overhead.toml": (SEARCH, ["gpu_memory_overhead_gib", "got inf"]),
     "model-huge-hidden-size.toml": (SEARCH_MODEL, ["model.hidden_size", "from 1 to 1,048,576"]),
     "model-huge-layers.toml": (SEARCH_MODEL, ["model.num_layers", "from 1 to 10,000"]),
     "profile-missing-column.csv": (SEARCH_PROFILE, ["line 5", "expected 5 cells", "got 4"]),
@@ -56,6 +59,8 @@ CASES = {
     "plan-negative-stage-time.json": (PLOT_PLAN, ["plan 1: stages[0].p2p_s", "got -0.5"]),
     "plan-huge-tp.json": (EMIT, ["entry 0: tp", "from 1 to"]),
     "plan-nested.json": (EMIT, ["nested too deeply"]),
+    "plan-unknown-recompute.json": (EMIT, ["entry 0: recompute", "'partial'"]),
+    "plan-huge-virtual-stages.json": (EMIT, ["entry 0: virtual_stages", "from 1 to"]),
 }
 
 
