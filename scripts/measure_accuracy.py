@@ -22,14 +22,12 @@ from pathlib import Path
 import numpy as np
 
 import fasop
-from fasop.cost.communication import geometry, with_embedding_group
-from fasop.cost.config import Config, embedding_stages
 from fasop.cost.problem import PartitionBatch
 from fasop.cost.simulate import simulate_1f1b
-from fasop.cost.step import stage_costs
 from fasop.inputs.cluster import Cluster, Derating, NodeType, parse_bandwidth
 from fasop.inputs.model import Model
 from fasop.search import search_plans
+from fasop.search.estimate import plan_costs
 from fasop.search.placement import more_sequences_than, placement_unit, type_order
 from fasop.search.space import prepare
 
@@ -157,10 +155,7 @@ def partition_gaps(model: Model, cluster: Cluster, profiles: str) -> list[float]
     inputs = prepare(model, cluster, profiles_dir=profiles)
     gaps = []
     for plan in [p for p in plans if 2 <= p.pp <= 4][:3]:
-        config = Config(plan.tp, plan.dp, plan.pp, plan.mbs, plan.gbs, 0, True, True, True, plan.virtual_stages or 1)
-        geo = with_embedding_group(cluster, geometry(cluster, tuple(plan.placement), plan.tp, plan.dp, plan.pp),
-                                   embedding_stages(model, config))
-        costs = stage_costs(model, cluster, inputs.profiles, geo, config, [plan.mbs])
+        costs, _ = plan_costs(model, cluster, inputs.profiles, plan)
         splits = np.array([c for c in itertools.product(range(model.num_layers + 1), repeat=plan.pp)
                            if sum(c) == model.num_layers])
         splits = splits[((splits >= costs.problem.lo[0]) & (splits <= costs.problem.hi[0])).all(-1)]

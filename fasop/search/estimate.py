@@ -8,7 +8,7 @@ from fasop.cost.communication import geometry, with_embedding_group
 from fasop.cost.config import Config, embedding_stages, recompute_error
 from fasop.cost.memory import usable_gib
 from fasop.cost.schedule import interleaving_error
-from fasop.cost.step import stage_costs
+from fasop.cost.step import StageCosts, stage_costs
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -85,3 +85,17 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
     row = plan_rows(inputs, config, geo, costs, counts[None, :], np.array([True]), True)[0]
     row["fits_memory"] = all(s["memory_gib"] <= usable_gib(cluster, s["memory_capacity_gib"]) for s in row["stages"])
     return Plan.trusted(row)
+
+
+def plan_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plan: Plan) -> tuple[StageCosts, np.ndarray]:
+    """The stage costs of a plan the search returned, on `cluster` and `profiles` (perturbed ones, say), and its
+    partition as the layer counts those costs take (K = 1 row)."""
+    config = Config(plan.tp, plan.dp, plan.pp, plan.mbs, plan.gbs, plan.encoder_stages, bool(plan.distributed_optimizer),
+                    overlap_grad_reduce=bool(plan.overlap_grad_reduce), overlap_param_gather=bool(plan.overlap_param_gather),
+                    virtual_stages=plan.virtual_stages or 1, recompute=plan.recompute or "none",
+                    recompute_method=plan.recompute_method, recompute_num_layers=plan.recompute_num_layers,
+                    sequence_parallel=plan.tp > 1 if plan.sequence_parallel is None else plan.sequence_parallel)
+    geo = with_embedding_group(cluster, geometry(cluster, tuple(plan.placement), config.tp, config.dp, config.pp),
+                               embedding_stages(model, config))
+    costs = stage_costs(model, cluster, profiles, geo, config, [config.mbs])
+    return costs, (np.array(plan.layers_per_stage) - costs.fixed_layers)[None, :]

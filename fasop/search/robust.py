@@ -29,14 +29,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from fasop.cost.communication import geometry, with_embedding_group
-from fasop.cost.config import Config, embedding_stages
-from fasop.cost.step import breakdown, stage_costs
+from fasop.cost.step import breakdown
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile, required_kinds
 from fasop.plans import Plan
+from fasop.search.estimate import plan_costs
 
 CANDIDATES = 20
 
@@ -79,19 +78,10 @@ def perturbed(cluster: Cluster, profiles: dict[str, GpuProfile], factors: dict[t
 
 def plan_metric(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plan: Plan, sort: str) -> float:
     """Step time (sort "time") or dollars per step (sort "cost") of a search row, its partition kept."""
-    config = Config(plan.tp, plan.dp, plan.pp, plan.mbs, plan.gbs, plan.encoder_stages, bool(plan.distributed_optimizer),
-                    overlap_grad_reduce=bool(plan.overlap_grad_reduce), overlap_param_gather=bool(plan.overlap_param_gather),
-                    virtual_stages=plan.virtual_stages or 1, recompute=plan.recompute or "none",
-                    recompute_method=plan.recompute_method, recompute_num_layers=plan.recompute_num_layers,
-                    sequence_parallel=plan.tp > 1 if plan.sequence_parallel is None else plan.sequence_parallel)
-    placement = tuple(plan.placement)
-    geo = with_embedding_group(cluster, geometry(cluster, placement, config.tp, config.dp, config.pp),
-                               embedding_stages(model, config))
-    costs = stage_costs(model, cluster, profiles, geo, config, [config.mbs])
-    counts = np.array(plan.layers_per_stage) - costs.fixed_layers
-    step = float(breakdown(costs, counts[None, :])["step_time_s"][0])
+    costs, counts = plan_costs(model, cluster, profiles, plan)
+    step = float(breakdown(costs, counts)["step_time_s"][0])
     if sort == "cost":
-        return step * sum(cluster.node_types[n].price_per_hour_usd for n in placement) / 3600.0
+        return step * sum(cluster.node_types[n].price_per_hour_usd for n in plan.placement) / 3600.0
     return step
 
 
