@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from fasop.cost.schedule import interleaving_error
 from fasop.inputs.model import Model
 
 # Megatron-LM's --recompute-granularity, lightest first (none: the flag left out)
@@ -60,6 +61,17 @@ def recompute_error(recompute: str, method: str | None, num_layers: int | None) 
     if method == "uniform" and num_layers != 1:
         return "fasop models the uniform method with one layer per checkpoint (--recompute-num-layers 1)"
     return None
+
+
+def virtual_stages_error(model: Model, pp: int, virtual_stages: int, num_microbatches: int) -> str | None:
+    """Why `virtual_stages` model chunks per pipeline rank are not a plan Megatron-LM runs and fasop models, or
+    None (fasop splits only decoder and encoder stacks into chunks)."""
+    if virtual_stages == 1:
+        return None
+    refusal = interleaving_error(pp, virtual_stages, num_microbatches)
+    if refusal is None and model.is_encoder_decoder:
+        refusal = "fasop interleaves decoder and encoder models only"
+    return refusal
 
 
 def segments(model: Model, config: Config) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from fasop.cost.config import recompute_error
+from fasop.cost.config import recompute_error, virtual_stages_error
 from fasop.errors import InputError
 from fasop.launch.options import LaunchOptions
 from fasop.plans import Plan, PlanShape
@@ -95,7 +95,6 @@ def check_plan(plan: Plan, model: Any, cluster: Any, opts: LaunchOptions, where:
 def _virtual_layout(plan: Plan, model: Any, where: str) -> tuple[int, list[int]]:
     """(virtual stages, layers per virtual stage): the plan's, checked to be what Megatron-LM runs and what fasop
     estimates (each stage's layers split evenly over its chunks)."""
-    from fasop.cost.schedule import interleaving_error
     from fasop.search.record import virtual_layout
 
     v = plan.virtual_stages or 1
@@ -103,9 +102,7 @@ def _virtual_layout(plan: Plan, model: Any, where: str) -> tuple[int, list[int]]
         raise InputError(f"{where}: layers_per_virtual_stage", "given, but virtual_stages is 1 or missing")
     if v == 1:
         return 1, []
-    refusal = interleaving_error(plan.pp, v, plan.gbs // (plan.dp * plan.mbs))
-    if refusal is None and model.architecture == "encoder-decoder":
-        refusal = "fasop interleaves decoder and encoder models only"
+    refusal = virtual_stages_error(model, plan.pp, v, plan.gbs // (plan.dp * plan.mbs))
     if refusal is not None:
         raise InputError(f"{where}: virtual_stages", f"{v}: {refusal}")
     even = virtual_layout(np.array(plan.layers_per_stage), v)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from fasop.cost.communication import geometry, with_embedding_group
-from fasop.cost.config import Config, embedding_stages, recompute_error
+from fasop.cost.config import Config, embedding_stages, recompute_error, virtual_stages_error
 from fasop.cost.memory import usable_gib
-from fasop.cost.schedule import interleaving_error
 from fasop.cost.step import StageCosts, stage_costs
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
@@ -54,12 +53,9 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
         if model.encoder_num_layers not in prefix[:-1]:
             raise InputError("--layers", f"no stage boundary falls after the {model.encoder_num_layers} encoder layers")
         split = int(np.searchsorted(prefix, model.encoder_num_layers)) + 1
-    if virtual_stages > 1:
-        refusal = interleaving_error(pp, virtual_stages, inputs.gbs // (dp * mbs))
-        if refusal is None and model.is_encoder_decoder:
-            refusal = "fasop interleaves decoder and encoder models only"
-        if refusal is not None:
-            raise InputError("--virtual-stages", f"{virtual_stages}: {refusal}")
+    refusal = virtual_stages_error(model, pp, virtual_stages, inputs.gbs // (dp * mbs))
+    if refusal is not None:
+        raise InputError("--virtual-stages", f"{virtual_stages}: {refusal}")
     if recompute == "full" and recompute_method is None and recompute_num_layers is None:
         recompute_method, recompute_num_layers = "uniform", 1  # every layer, as the search takes full recomputation
     problem = recompute_error(recompute, recompute_method, recompute_num_layers)
