@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy as np
 
 from fasop.errors import InputError
 from fasop.files import CSV_LIMIT_BYTES, read_text, write_atomically
-from fasop.inputs.catalogue import load_gpu_spec
+from fasop.inputs.catalogue import GpuSpec, load_gpu_spec
 from fasop.inputs.cluster import Cluster, load_cluster
 from fasop.inputs.model import Model, load_model
 from fasop.inputs.profiles import Curve, GpuProfile
@@ -137,18 +138,18 @@ def measured_step_time_s(run: Run, model: Model) -> float:
 
 
 # -- the prediction ---------------------------------------------------------------------------------------
-def synthetic_profile(model: Model, run: Run) -> dict[str, GpuProfile]:
-    """`fasop profile synth` of the model on an A100-80GB at the run's (tp, mbs), the catalogue's efficiency."""
-    rows = synthesize(model, load_gpu_spec(GPU), tps=[run.tp], mbss=[run.mbs])
+def synthetic_profile(model: Model, run: Run, spec: GpuSpec) -> dict[str, GpuProfile]:
+    """`fasop profile synth` of the model on `spec` (the catalogue's A100-80GB) at the run's (tp, mbs)."""
+    rows = synthesize(model, spec, tps=[run.tp], mbss=[run.mbs])
     curves = {(row.tp, row.kind): Curve(np.array([row.mbs]), np.array([row.forward_s]), np.array([row.backward_s]))
               for row in rows}
     return {GPU: GpuProfile(GPU, f"fasop profile synth --gpu {GPU}", curves)}
 
 
-def predict(run: Run, model: Model, cluster: Cluster) -> Plan:
+def predict(run: Run, model: Model, cluster: Cluster, spec: GpuSpec | None = None) -> Plan:
     """fasop's estimate of the run's plan (Megatron's even split, no distributed optimizer; full recomputation
     uniform over every layer); its step_time_s is the prediction."""
-    profiles = synthetic_profile(model, run)
+    profiles = synthetic_profile(model, run, load_gpu_spec(GPU) if spec is None else spec)
     node_type = next(iter(cluster.node_types))
     if model.num_layers % run.pp:
         raise InputError(run.model_file, f"{model.num_layers} layers do not split evenly over {run.pp} stages")
@@ -171,11 +172,11 @@ class Result:
         return self.predicted_s / self.measured_s - 1
 
 
-def validate(runs: list[Run], cluster: Cluster) -> list[Result]:
+def validate(runs: list[Run], cluster: Cluster, spec: GpuSpec | None = None) -> list[Result]:
     results = []
     for run in runs:
         model = load_model(str(DATA / run.model_file))
-        plan = predict(run, model, cluster)
+        plan = predict(run, model, cluster, spec)
         results.append(Result(run, measured_step_time_s(run, model), plan.step_time_s, plan.peak_memory_gib))
     return results
 
@@ -206,14 +207,41 @@ def _table(results: list[Result]) -> list[str]:
     return lines
 
 
-def report(results: list[Result]) -> str:
-    """The generated part of docs/validation.md: one table per paper's table, in the order of the data."""
+def _by_table(results: list[Result]) -> dict[str, list[Result]]:
     tables: dict[str, list[Result]] = {}
     for r in results:
         tables.setdefault(r.run.table_name, []).append(r)
+    return tables
+
+
+def model_steps(spec: GpuSpec) -> list[tuple[str, GpuSpec]]:
+    """The synth's modelling steps, each added to the one before: what each does to the error."""
+    plain = dataclasses.replace(spec, sm_count=None, allreduce_busbw=())
+    return [("matmuls in full waves, collectives at the nominal 300 GB/s NVLink", plain),
+            ("+ collectives at the measured NCCL all-reduce bus bandwidth (allreduce_busbw)",
+             dataclasses.replace(plain, allreduce_busbw=spec.allreduce_busbw)),
+            ("+ tile and wave quantization of matmuls (sm_count): today's synth", spec)]
+
+
+def _steps_table(runs: list[Run], cluster: Cluster) -> list[str]:
+    names = list(dict.fromkeys(r.table_name for r in runs))
+    lines = ["| synth | " + " | ".join(f"{name}: mean, worst" for name in names) + " |",
+             "|" + "---|" * (len(names) + 1)]
+    for label, spec in model_steps(load_gpu_spec(GPU)):
+        tables = _by_table(validate(runs, cluster, spec))
+        cells = [f"{np.mean(errors):.1%}, {np.max(errors):.1%}"
+                 for errors in (np.abs([r.error for r in tables[name]]) for name in names)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def report(results: list[Result], steps: list[str]) -> str:
+    """The generated part of docs/validation.md: one table per paper's table, in the order of the data, then the
+    error after each modelling step of the synth."""
     lines = []
-    for name, rows in tables.items():
+    for name, rows in _by_table(results).items():
         lines += [f"### {name}", "", *_table(rows), ""]
+    lines += ["### What each modelling step of the synth does to the error", "", *steps, ""]
     return "\n".join(lines)
 
 
@@ -231,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", type=Path, metavar="DOC", help="regenerate the tables of this markdown file")
     args = parser.parse_args(argv)
     try:
-        generated = report(validate(read_runs(), load_cluster(str(CLUSTER))))
+        runs, cluster = read_runs(), load_cluster(str(CLUSTER))
+        generated = report(validate(runs, cluster), _steps_table(runs, cluster))
         if args.write:
             write_doc(args.write, generated)
     except InputError as err:

@@ -49,7 +49,7 @@ def test_a_gpu_of_a_catalogue_file_is_used_by_synth(runner, tiny, tmp_path):
     model = load_model(str(files.model))
     work = unit_work(model, tp=2, mbs=1)["layer"]
     forward = sum(max(k.flops / 50e12, k.bytes / 1e12) + 5e-6 * k.launches for k in work.forward)
-    forward += 0.5 * work.collective_bytes / 25e9
+    forward += 0.5 * sum(work.collectives) / 25e9  # no measured curve: the nominal link
     assert _layer_times(out)[("2", "1", "layer")][0] == pytest.approx(forward, rel=1e-9)
     # the field, when given, replaces the default
     catalogue.write_text(_gpu_toml(kernel_launch_us=0.0))
@@ -63,10 +63,12 @@ def test_a_catalogue_entry_replaces_the_bundled_gpu_of_its_name(runner, tiny, tm
     bundled, mine = tmp_path / "bundled.csv", tmp_path / "mine.csv"
     assert _synth(runner, files, bundled, "--gpu", "A100").exit_code == 0
     catalogue = tmp_path / "gpus.toml"
-    catalogue.write_text(_gpu_toml(name="A100", dense_fp16_tflops=31.2, memory_bandwidth_gb_per_s=155.5))
+    catalogue.write_text(_gpu_toml(name="A100", dense_fp16_tflops=31.2, memory_bandwidth_gb_per_s=155.5, sm_count=108))
     assert _synth(runner, files, mine, "--gpu", "A100", "--catalogue", str(catalogue)).exit_code == 0
     slow, fast = _layer_times(mine), _layer_times(bundled)
-    assert all(slow[key][0] > fast[key][0] for key in fast)
+    # at tp 1 (at tp 2 the bundled A100's measured all-reduce curve charges NCCL's latency on these tiny
+    # payloads, which the table without a curve does not)
+    assert all(slow[key][0] > fast[key][0] for key in fast if key[0] == "1")
 
 
 def test_a_gpu_table_in_the_cluster_file_is_used_by_synth_and_the_cluster_still_searches(runner, tiny, tmp_path):

@@ -89,6 +89,17 @@ def test_doc_tables_are_the_scripts_output_and_rewriting_is_deterministic(vp, tm
     assert copy.read_text() == first
 
 
+def test_the_modelling_steps_add_one_thing_each_and_end_at_todays_synth(vp, runs):
+    steps = vp.model_steps(load_gpu_spec("A100-80GB"))
+    assert [(s.sm_count, bool(s.allreduce_busbw)) for _, s in steps] == [(None, False), (None, True), (108, True)]
+    assert steps[-1][1] == load_gpu_spec("A100-80GB")
+    # each step only slows the estimate of a run with tensor parallelism (waves part-empty, NCCL below nominal)
+    run = runs["175B, full recomputation"]
+    model, cluster = vp.load_model(str(vp.DATA / run.model_file)), vp.load_cluster(str(vp.CLUSTER))
+    times = [vp.predict(run, model, cluster, spec).step_time_s for _, spec in steps]
+    assert times[0] < times[1] < times[2]
+
+
 def test_refused_inputs_leave_one_line_and_no_change(vp, runs, tmp_path, capsys):
     doc = tmp_path / "no-markers.md"
     doc.write_text("# a page without the generated block\n")

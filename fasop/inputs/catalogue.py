@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
 from fasop.errors import InputError
 from fasop.inputs import bundled
 from fasop.inputs.cluster import bandwidth_bytes_per_s
 from fasop.inputs.names import Name
-from fasop.inputs.tomlfile import Range, Table, Text, read_toml, validated
+from fasop.inputs.tomlfile import Range, Table, Text, expected, read_toml, validated
 
 GPU_TABLE = "gpus.toml"
 # Seconds each kernel launch adds when kernels are too short to hide it (docs/cost-model.md section 2.1): the
@@ -42,6 +42,8 @@ class GpuSpec:
     source: str
     date: str
     kernel_launch_us: float = DEFAULT_KERNEL_LAUNCH_US
+    sm_count: int | None = None
+    allreduce_busbw: tuple[tuple[float, float], ...] = ()
     file: str = ""
 
     def peak_flops(self, precision: str, model_name: str = "") -> float:
@@ -70,6 +72,28 @@ def _link(text: Any) -> Any:
     return text
 
 
+def _pairs(value: Any) -> Any:
+    """TOML arrays as tuples (strict mode takes a tuple only as a tuple); anything else is left to be refused."""
+    if isinstance(value, list) and all(isinstance(point, list) for point in value):
+        return tuple(tuple(point) for point in value)
+    return value
+
+
+def _increasing_payloads(curve: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+    payloads = [payload for payload, _ in curve]
+    if any(later <= earlier for earlier, later in zip(payloads, payloads[1:])):
+        raise ValueError("payload sizes must increase from one point to the next")
+    return curve
+
+
+# [payload_bytes, busbw_gb_per_s] points of a measured all-reduce (nccl-tests' bus bandwidth), 2 to 64 of them
+BusbwPoint = tuple[Annotated[float, Range(1.0, 2.0**50)], Annotated[float, Range(0.0, 1e5, low_allowed=False)]]
+BusbwCurve = Annotated[tuple[BusbwPoint, ...], Field(min_length=2, max_length=64), BeforeValidator(_pairs),
+                       AfterValidator(_increasing_payloads),
+                       expected("an array of 2 to 64 [payload_bytes, busbw_gb_per_s] pairs, payloads increasing "
+                                "from 1 to 2^50 bytes, bandwidths > 0 and <= 100000")]
+
+
 class GpuTable(Table):
     """One [[gpu]] table."""
 
@@ -81,6 +105,8 @@ class GpuTable(Table):
     intra_node_link: Annotated[str, BeforeValidator(_link)]
     matmul_efficiency: Annotated[float, Range(0.0, 1.0, low_allowed=False)]
     kernel_launch_us: Annotated[float, Range(0.0, 1000.0)] = DEFAULT_KERNEL_LAUNCH_US
+    sm_count: Annotated[int, Range(1, 4096)] | None = None
+    allreduce_busbw: BusbwCurve = ()
     source: Text = ""
     date: Text = ""
 

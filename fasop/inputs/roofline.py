@@ -1,8 +1,8 @@
 """Roofline estimate of one unit's forward and backward seconds (embedding, transformer layer, head) for one
 micro-batch of b samples of s tokens on one GPU of a tp-way tensor-parallel group, kernel by kernel:
 
-    pass_s = sum over kernels of max(FLOPs / (peak x efficiency), bytes / memory_bandwidth)
-             + kernels x kernel_launch_s + (tp - 1) / tp x C / link
+    pass_s = sum over kernels of max(FLOPs / (peak x efficiency x waves), bytes / memory_bandwidth)
+             + kernels x kernel_launch_s + sum over collectives of (tp - 1) / tp x C / busbw(C)
 
 `fasop profile synth` writes these times; the profile reader (fasop.inputs.profiles) uses their shape over
 micro-batch sizes to scale measured times between and beyond the profiled sizes. The counting rules are in
@@ -22,12 +22,18 @@ the sequence-parallel shard of b s / tp tokens; matmul inputs gathered to all b 
   A norm's backward is two kernels (input gradient, weight-gradient reduction).
 - FLOPs of the attention scores count the full s x s matrix (no causal saving); backward does twice the
   forward's FLOPs everywhere, also for flash attention (whose recomputation of the scores is left out).
+- waves: tile and wave quantization of a matmul's output (wave_efficiency); flash attention is not tiled here.
+- C: the payload of each tensor-parallel all-gather or reduce-scatter; busbw(C) the GPU table's measured
+  all-reduce bus bandwidth at that payload (allreduce_busbw), or the nominal intra-node link without one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache, lru_cache
+
+import numpy as np
 
 from fasop.inputs.catalogue import GpuSpec
 from fasop.inputs.model import Model
@@ -40,6 +46,10 @@ DROPOUT_MASK_BYTES_PER_ELEMENT = 1
 # gather of the target logits. Backward: softmax minus one-hot (reads 4, writes p), two kernels.
 CROSS_ENTROPY_FP32_BYTES = 4 + 4 + 8 + 8 + 4
 CROSS_ENTROPY_KERNELS = (6, 2)
+# The output tile one SM computes at a time: cuBLAS's largest tensor-core tile, the A100 example of NVIDIA's
+# "Matrix Multiplication Background User's Guide" (tile and wave quantization; stas00/ml-engineering,
+# training/performance/README.md, retells it). Either orientation, whichever wastes less.
+MATMUL_TILE = (256, 128)
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,7 @@ class Kernel:
     flops: float
     bytes: float
     launches: int = 1
+    output: tuple[float, float, float] | None = None  # a matmul's (batch, rows, columns) of output tiles to fill
 
 
 Work = tuple[Kernel, tuple[Kernel, ...]]  # a forward kernel and the backward kernels it causes
@@ -63,7 +74,7 @@ class UnitWork:
     kind: str
     forward: tuple[Kernel, ...]
     backward: tuple[Kernel, ...]
-    collective_bytes: float
+    collectives: tuple[float, ...]  # payload bytes of each all-gather or reduce-scatter
 
     @property
     def forward_flops(self) -> float:
@@ -92,22 +103,38 @@ class UnitWork:
 
 @dataclass(frozen=True)
 class Rates:
-    """What one GPU achieves: matmul FLOP/s (peak x efficiency), memory and tensor-parallel link bytes/s, and
-    the seconds each kernel launch adds."""
+    """What one GPU achieves: matmul FLOP/s in full waves (peak x efficiency) and its SM count, memory bytes/s,
+    the tensor-parallel link's bytes/s (nominal, or a measured all-reduce's bus bandwidth by payload), and the
+    seconds each kernel launch adds."""
 
     flops_per_s: float
     memory_bytes_per_s: float
     link_bytes_per_s: float
     kernel_launch_s: float
+    sm_count: int | None = None
+    allreduce_busbw: tuple[tuple[float, float], ...] = ()  # (payload bytes, GB/s), payloads increasing
 
     @classmethod
     def of(cls, spec: GpuSpec, model: Model, efficiency: float | None = None,
            link_bytes_per_s: float | None = None) -> Rates:
-        """The rates of `spec` for `model`'s precision; `efficiency` and `link_bytes_per_s` override the table's."""
+        """The rates of `spec` for `model`'s precision; `efficiency` and `link_bytes_per_s` override the table's
+        (a link bandwidth given replaces the table's measured curve too)."""
         efficiency = spec.matmul_efficiency if efficiency is None else efficiency
-        link = spec.link_bytes_per_s if link_bytes_per_s is None else link_bytes_per_s
+        link, curve = (spec.link_bytes_per_s, spec.allreduce_busbw) if link_bytes_per_s is None else (link_bytes_per_s, ())
         return cls(spec.peak_flops(model.precision, model.name) * efficiency, spec.memory_bytes_per_s, link,
-                   spec.kernel_launch_s)
+                   spec.kernel_launch_s, spec.sm_count, curve)
+
+    def collective_bytes_per_s(self, payload_bytes: float) -> float:
+        """Bus bandwidth of a ring all-gather or reduce-scatter of `payload_bytes`: the measured all-reduce's at
+        the same payload, interpolated in log-log; below the smallest measured payload the time stays that
+        payload's (latency-bound), above the largest the bandwidth stays its. Without a curve, the nominal link."""
+        if not self.allreduce_busbw:
+            return self.link_bytes_per_s
+        payloads, busbw = np.log([p for p, _ in self.allreduce_busbw]), np.log([b for _, b in self.allreduce_busbw])
+        smallest, first = self.allreduce_busbw[0]
+        if payload_bytes < smallest:
+            return first * 1e9 * payload_bytes / smallest
+        return float(np.exp(np.interp(math.log(payload_bytes), payloads, busbw))) * 1e9
 
 
 # -- FLOP counts (closed forms; the kernels below add up to them) -----------------------------------------
@@ -166,9 +193,10 @@ def head_forward_flops(model: Model, mbs: int, tp: int = 1) -> float:
 def _matmul(name: str, m: float, k: float, n: float, p: int) -> tuple[Kernel, tuple[Kernel, ...]]:
     """(forward, backward kernels) of an m x k input times a k x n weight."""
     flops = 2.0 * m * k * n
-    forward = Kernel(name, flops, p * (m * k + k * n + m * n))
-    return forward, (Kernel(f"{name} input grad", flops, forward.bytes),
-                     Kernel(f"{name} weight grad", flops, p * (m * k + m * n) + MAIN_GRAD_BYTES_PER_WEIGHT * k * n))
+    forward = Kernel(name, flops, p * (m * k + k * n + m * n), output=(1, m, n))
+    return forward, (Kernel(f"{name} input grad", flops, forward.bytes, output=(1, m, k)),
+                     Kernel(f"{name} weight grad", flops, p * (m * k + m * n) + MAIN_GRAD_BYTES_PER_WEIGHT * k * n,
+                            output=(1, k, n)))
 
 
 def _elementwise(name: str, read: float, written: float, p: int, mask: float = 0.0,
@@ -190,16 +218,23 @@ def _attention(model: Model, b: int, s_q: int, s_k: int, tp: int) -> list[Work]:
         return [(forward, (Kernel("flash attention grad", 4 * flops, 2 * forward.bytes, 2),))]
     scores = b * heads * s_q * s_k
     mask = DROPOUT_MASK_BYTES_PER_ELEMENT * scores if model.dropout else 0.0
-    qk = Kernel("scores Q.K^T", flops, p * (q + kv + scores))
-    context = Kernel("context scores.V", flops, p * (scores + kv + q))
-    work = [(qk, (qk, qk)), _elementwise("scale-mask-softmax", scores, scores, p)]
+    batch = b * heads
+    # backward: Q.K^T gives the gradients of Q (s_q x d) and K (s_k x d), scores x V those of the scores
+    # (s_q x s_k) and of V (s_k x d)
+    qk = Kernel("scores Q.K^T", flops, p * (q + kv + scores), output=(batch, s_q, s_k))
+    qk_grads = (Kernel("scores grad Q", flops, qk.bytes, output=(batch, s_q, d)),
+                Kernel("scores grad K", flops, qk.bytes, output=(batch, s_k, d)))
+    context = Kernel("context scores.V", flops, p * (scores + kv + q), output=(batch, s_q, d))
+    context_grads = (Kernel("context grad scores", flops, context.bytes, output=(batch, s_q, s_k)),
+                     Kernel("context grad V", flops, context.bytes, output=(batch, s_k, d)))
+    work = [(qk, qk_grads), _elementwise("scale-mask-softmax", scores, scores, p)]
     if model.dropout:
         work.append(_elementwise("attention dropout", scores, scores, p, mask))
-    return [*work, (context, (context, context))]
+    return [*work, (context, context_grads)]
 
 
-def _layer(model: Model, kind: str, b: int, tp: int) -> tuple[list, float]:
-    """(forward, backward) pairs of one transformer layer, and its collective bytes per pass."""
+def _layer(model: Model, kind: str, b: int, tp: int) -> tuple[list, tuple[float, ...]]:
+    """(forward, backward) pairs of one transformer layer, and the payload bytes of its collectives per pass."""
     p, h = model.precision_bytes, model.hidden_size
     s, s_enc = _seq_lengths(model, kind)
     tokens, qa, kv = b * s, model.attention_width / tp, model.kv_width / tp
@@ -212,20 +247,20 @@ def _layer(model: Model, kind: str, b: int, tp: int) -> tuple[list, float]:
         work.append(_elementwise("rotary", tokens * (qa + kv), tokens * (qa + kv), p, launches=(2, 2)))
     work += [*_attention(model, b, s, s, tp), _matmul("attention output", tokens, qa, h, p),
              _elementwise(*residual)]
-    collective = 4.0 * p * tokens * h  # 2 all-gathers + 2 reduce-scatters (or 2 all-reduces) of b s h
+    collectives: list[float] = [p * tokens * h] * 4  # 2 all-gathers + 2 reduce-scatters (or 2 all-reduces) of b s h
     if s_enc:
         enc_tokens = b * s_enc
         work += [_elementwise(*norm), _matmul("cross Q", tokens, h, qa, p), _matmul("cross KV", enc_tokens, h, 2 * kv, p),
                  *_attention(model, b, s, s_enc, tp), _matmul("cross output", tokens, qa, h, p),
                  _elementwise(*residual)]
         # all-gathers of the query input and of the encoder output, one reduce-scatter
-        collective += p * b * h * (2 * s + s_enc)
+        collectives += [p * tokens * h, p * enc_tokens * h, p * tokens * h]
     ffn = model.ffn_hidden_size / tp
     ffn_in = 2 * ffn if model.ffn_activation == "swiglu" else ffn
     work += [_elementwise(*norm), _matmul("FFN in", tokens, h, ffn_in, p),
              _elementwise(model.ffn_activation, tokens * ffn_in, tokens * ffn, p),
              _matmul("FFN out", tokens, ffn, h, p), _elementwise(*residual)]
-    return work, collective
+    return work, tuple(collectives)
 
 
 def _embedding(model: Model, b: int, s: int, weights: float, tp: int) -> list[Work]:
@@ -263,8 +298,8 @@ def _head(model: Model, b: int, tp: int) -> list:
     return work
 
 
-def _unit(kind: str, work: list, collective: float) -> UnitWork:
-    return UnitWork(kind, tuple(f for f, _ in work), tuple(k for _, bwd in work for k in bwd), collective)
+def _unit(kind: str, work: list, collectives: tuple[float, ...]) -> UnitWork:
+    return UnitWork(kind, tuple(f for f, _ in work), tuple(k for _, bwd in work for k in bwd), collectives)
 
 
 @lru_cache(maxsize=4096)
@@ -272,26 +307,39 @@ def unit_work(model: Model, tp: int, mbs: int) -> dict[str, UnitWork]:
     """The kernels of every profile kind of `model` at (tp, mbs), in pipeline order."""
     p, h, b = model.precision_bytes, model.hidden_size, mbs
     s = model.input_seq_length
-    units = {"embedding": _unit("embedding", _embedding(model, b, s, model.embedding_params(tp), tp), p * b * s * h)}
+    units = {"embedding": _unit("embedding", _embedding(model, b, s, model.embedding_params(tp), tp), (p * b * s * h,))}
     for kind in model.layer_kinds:
         if kind == "decoder" and model.is_encoder_decoder:
             s = model.decoder_seq_length
             units["decoder_embedding"] = _unit("decoder_embedding", _embedding(
-                model, b, s, model.decoder_embedding_params(tp), tp), p * b * s * h)
+                model, b, s, model.decoder_embedding_params(tp), tp), (p * b * s * h,))
         units[kind] = _unit(kind, *_layer(model, kind, b, tp))
-    units["head"] = _unit("head", _head(model, b, tp), p * b * model.seq_length * h)
+    units["head"] = _unit("head", _head(model, b, tp), (p * b * model.seq_length * h,))
     return units
 
 
 # -- times ------------------------------------------------------------------------------------------------
+def wave_efficiency(output: tuple[float, float, float] | None, sm_count: int | None) -> float:
+    """The share of the GPU's tensor cores a matmul keeps busy when each SM computes one MATMUL_TILE of its
+    output at a time: its tiles run in waves of sm_count, the last wave part-empty and edge tiles part-filled
+    (tile and wave quantization). 1 without an SM count or for a kernel that is no tiled matmul."""
+    if output is None or sm_count is None:
+        return 1.0
+    batch, rows, cols = output
+    useful = batch * rows * cols / (MATMUL_TILE[0] * MATMUL_TILE[1])
+    tiles = min(batch * math.ceil(rows / a) * math.ceil(cols / b) for a, b in (MATMUL_TILE, MATMUL_TILE[::-1]))
+    return useful / (math.ceil(tiles / sm_count) * sm_count)
+
+
 def pass_s(kernels: tuple[Kernel, ...], rates: Rates) -> float:
     """Seconds of the kernels of one pass, each at its roofline, plus their launches."""
-    return sum(max(k.flops / rates.flops_per_s, k.bytes / rates.memory_bytes_per_s) + k.launches * rates.kernel_launch_s
+    return sum(max(k.flops / (rates.flops_per_s * wave_efficiency(k.output, rates.sm_count)),
+                   k.bytes / rates.memory_bytes_per_s) + k.launches * rates.kernel_launch_s
                for k in kernels)
 
 
 def unit_times(work: UnitWork, tp: int, rates: Rates) -> tuple[float, float]:
-    """(forward_s, backward_s) of one unit, the tensor-parallel collectives (ring: (tp - 1) / tp of the bytes
-    over the link, not overlapped) included."""
-    collective = (tp - 1) / tp * work.collective_bytes / rates.link_bytes_per_s
+    """(forward_s, backward_s) of one unit, the tensor-parallel collectives (ring: (tp - 1) / tp of each
+    payload at the link's bus bandwidth for that payload, not overlapped) included."""
+    collective = sum((tp - 1) / tp * payload / rates.collective_bytes_per_s(payload) for payload in work.collectives)
     return pass_s(work.forward, rates) + collective, pass_s(work.backward, rates) + collective

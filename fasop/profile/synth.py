@@ -4,23 +4,26 @@ kernel launches and a GPU spec table (catalogue/gpus.toml), for GPU types nobody
 Each unit (embedding, transformer layer, head) is the sum of its kernels' rooflines, one micro-batch of b
 samples of s tokens on one GPU of a tp-way tensor-parallel group (fasop.inputs.roofline counts them):
 
-    pass_s = sum over kernels of max(FLOPs / (peak x efficiency), bytes / memory_bandwidth)
-             + kernels x kernel_launch_s + (tp - 1) / tp x C / link
+    pass_s = sum over kernels of max(FLOPs / (peak x efficiency x waves), bytes / memory_bandwidth)
+             + kernels x kernel_launch_s + sum over collectives of (tp - 1) / tp x C / busbw(C)
 
-The matmuls (2 x weights x tokens, and the attention scores and context over the full s x s matrix) run at
-the achievable fraction of peak; the element-wise kernels (norms, softmax and dropout on the scores when
-attention is not flash, bias-dropout-add, bias-GeLU or SwiGLU, rotary embedding, embedding gather,
-cross-entropy) are memory-bound; every kernel launch adds the GPU's kernel_launch_us. Backward does twice the
-forward's FLOPs and accumulates weight gradients into fp32 main gradients (8 bytes per weight). C: bytes
-all-gathered or reduce-scattered over the tensor-parallel group per pass, each moving (tp - 1) / tp of the
-tensor over the GPU's intra-node link (ring), the same in forward and backward: per transformer layer 2
-all-gathers and 2 reduce-scatters of b x s x h elements (sequence parallelism; without it, 2 all-reduces of
-the same traffic), the embedding's reduce-scatter and the head's all-gather of b x s x h each. Encoder-decoder
-decoder layers add the cross-attention's all-gathers of its query input and of the encoder output and its
-reduce-scatter. No overlap of communication with compute, no collective latency.
+The matmuls (2 x weights x tokens, and the attention scores and context over the full s x s matrix) run at the
+achievable fraction of peak in full waves, times `waves`, the share of the SMs their 256 x 128 output tiles keep
+busy (tile and wave quantization, given the table's sm_count); the element-wise kernels (norms, softmax and
+dropout on the scores when attention is not flash, bias-dropout-add, bias-GeLU or SwiGLU, rotary embedding,
+embedding gather, cross-entropy) are memory-bound; every kernel launch adds the GPU's kernel_launch_us. Backward
+does twice the forward's FLOPs and accumulates weight gradients into fp32 main gradients (8 bytes per weight).
+C: the payload of each all-gather or reduce-scatter over the tensor-parallel group per pass, each moving
+(tp - 1) / tp of it over the GPU's intra-node link (ring) at busbw(C), the bus bandwidth a measured all-reduce of the
+same payload reached (the table's allreduce_busbw; nominal link without one), the same in forward and backward:
+per transformer layer 2 all-gathers and 2 reduce-scatters of b x s x h elements (sequence parallelism; without
+it, 2 all-reduces of the same traffic), the embedding's reduce-scatter and the head's all-gather of b x s x h
+each. Encoder-decoder decoder layers add the cross-attention's all-gathers of its query input and of the encoder
+output and its reduce-scatter. No overlap of communication with compute; a measured curve includes NCCL's
+latency, the nominal link none.
 
-What it leaves out: lower matmul efficiency of small or tensor-split matrices, host stalls beyond one launch
-per kernel, and the framework's Python overhead. docs/cost-model.md section 2.1 compares it with FASOP's
+What it leaves out: cuBLAS's choice of smaller tiles or split-K for matmuls of few tiles, host stalls beyond
+one launch per kernel, and the framework's Python overhead. docs/cost-model.md section 2.1 compares it with FASOP's
 measured profiles.
 """
 
@@ -38,11 +41,13 @@ from fasop.inputs.profiles import COLUMNS, identity_line
 from fasop.inputs.roofline import Rates, unit_times, unit_work
 
 DEFAULT_DEGREES = (1, 2, 4, 8)
-FORMULA = ("per kernel max(F / (peak x efficiency), B / memory_bandwidth), summed, + kernels x kernel_launch_s "
-           "+ (tp-1)/tp x C / link; F: matmul FLOPs per GPU (2 x weights x tokens + 4 b s^2 x heads x kv_channels, "
+FORMULA = ("per kernel max(F / (peak x efficiency x waves), B / memory_bandwidth), summed, + kernels x "
+           "kernel_launch_s + (tp-1)/tp x C / busbw(C) per collective; waves: share of the SMs busy with 256 x 128 "
+           "output tiles; F: matmul FLOPs per GPU (2 x weights x tokens + 4 b s^2 x heads x kv_channels, "
            "no causal saving, / tp; backward 2F); B: each kernel's reads and writes (element-wise kernels: norms, "
            "softmax, dropout, activations, bias-dropout-add; backward + 8 bytes per weight); C: b s h x bytes per "
-           "all-gather or reduce-scatter (4 per layer)")
+           "all-gather or reduce-scatter (4 per layer); busbw: a measured all-reduce's bus bandwidth at C, else "
+           "the link")
 
 
 # -- times ------------------------------------------------------------------------------------------------
@@ -89,12 +94,6 @@ def check_efficiency(efficiency: float | None, spec: GpuSpec) -> float:
     return float(efficiency)
 
 
-def link_bytes_per_s(spec: GpuSpec, link_bandwidth: str | None) -> float:
-    if link_bandwidth is None:
-        return spec.link_bytes_per_s
-    return parse_bandwidth(link_bandwidth, "--link-bandwidth")
-
-
 def synthesize(model: Model, gpu_spec: GpuSpec | str, tps=DEFAULT_DEGREES, mbss=DEFAULT_DEGREES,
                efficiency: float | None = None, link_bandwidth: str | None = None) -> list[ProfileRow]:
     """Profile rows (tp, mbs, kind, forward_s, backward_s) of `model` on `gpu_spec`, ordered by tp, mbs, kind.
@@ -103,7 +102,8 @@ def synthesize(model: Model, gpu_spec: GpuSpec | str, tps=DEFAULT_DEGREES, mbss=
     """
     spec = load_gpu_spec(gpu_spec) if isinstance(gpu_spec, str) else gpu_spec
     tps, mbss = check_degrees(model, tps, mbss)
-    rates = Rates.of(spec, model, check_efficiency(efficiency, spec), link_bytes_per_s(spec, link_bandwidth))
+    link = None if link_bandwidth is None else parse_bandwidth(link_bandwidth, "--link-bandwidth")
+    rates = Rates.of(spec, model, check_efficiency(efficiency, spec), link)
     rows = []
     for tp in tps:
         for mbs in mbss:
@@ -123,7 +123,11 @@ def header_lines(model: Model, spec: GpuSpec, tps, mbss, efficiency: float | Non
     eff = check_efficiency(efficiency, spec)
     precision = model.precision
     tflops = spec.dense_bf16_tflops if precision == "bf16" else spec.dense_fp16_tflops
-    link = f"{link_bandwidth} (--link-bandwidth)" if link_bandwidth is not None else spec.intra_node_link
+    if link_bandwidth is not None:
+        link = f"{link_bandwidth} (--link-bandwidth)"
+    else:
+        link = spec.intra_node_link + (f" (collectives at the measured all-reduce bus bandwidth of its "
+                                       f"{len(spec.allreduce_busbw)}-point allreduce_busbw)" if spec.allreduce_busbw else "")
     eff_note = ("the table's matmul_efficiency" if efficiency is None
                 else f"--efficiency; the table's matmul_efficiency is {_number(spec.matmul_efficiency)}")
     command = f"fasop profile synth --model {model.file or model.name} --gpu {spec.name}"
@@ -137,7 +141,8 @@ def header_lines(model: Model, spec: GpuSpec, tps, mbss, efficiency: float | Non
         "not measured.",
         f"GPU spec: {spec.file}, gpu {spec.name}: dense {precision} {_number(tflops)} TFLOP/s, memory bandwidth "
         f"{_number(spec.memory_bandwidth_gb_per_s)} GB/s, intra-node link {link}, kernel launch "
-        f"{_number(spec.kernel_launch_us)} us.",
+        f"{_number(spec.kernel_launch_us)} us, " + (f"{spec.sm_count} SMs." if spec.sm_count else "no SM count (no wave "
+                                                     "quantization)."),
         f"GPU spec source: {spec.source}" + (f" (table date {spec.date})" if spec.date else "") + ".",
         f"Efficiency: {_number(eff)} of peak ({eff_note}).",
         f"Formula: {FORMULA}.",
