@@ -44,6 +44,8 @@ CASES = {
     "cluster-nan-latency.toml": (SEARCH, ["node_type.A100.inter_node_latency_us", "got nan"]),
     "cluster-huge-latency.toml": (SEARCH, ["node_type.A100.intra_node_latency_us", "<= 1e+06"]),
     "cluster-inf-overhead.toml": (SEARCH, ["gpu_memory_overhead_gib", "got inf"]),
+    "cluster-gpu-decreasing-busbw.toml": (SEARCH, ["gpu.A100.allreduce_busbw", "payloads increasing"]),
+    "cluster-gpu-nan-busbw.toml": (SEARCH, ["gpu.A100.allreduce_busbw", "nan"]),
     "model-huge-hidden-size.toml": (SEARCH_MODEL, ["model.hidden_size", "from 1 to 1,048,576"]),
     "model-huge-layers.toml": (SEARCH_MODEL, ["model.num_layers", "from 1 to 10,000"]),
     "profile-missing-column.csv": (SEARCH_PROFILE, ["line 5", "expected 5 cells", "got 4"]),
