@@ -26,7 +26,7 @@ from fasop.files import CSV_LIMIT_BYTES, read_text, write_atomically
 from fasop.inputs.catalogue import GpuSpec, load_gpu_spec
 from fasop.inputs.cluster import Cluster, load_cluster
 from fasop.inputs.model import Model, load_model
-from fasop.inputs.profiles import Curve, GpuProfile
+from fasop.inputs.profiles import Curve, GpuProfile, roofline_shape
 from fasop.plans import Plan
 from fasop.profile.synth import synthesize
 from fasop.search.estimate import estimate
@@ -138,18 +138,21 @@ def measured_step_time_s(run: Run, model: Model) -> float:
 
 
 # -- the prediction ---------------------------------------------------------------------------------------
-def synthetic_profile(model: Model, run: Run, spec: GpuSpec) -> dict[str, GpuProfile]:
-    """`fasop profile synth` of the model on `spec` (the catalogue's A100-80GB) at the run's (tp, mbs)."""
+def synthetic_profile(model: Model, run: Run, spec: GpuSpec, shaped: bool = True) -> dict[str, GpuProfile]:
+    """`fasop profile synth` of the model on `spec` (the catalogue's A100-80GB) at the run's (tp, mbs), with the
+    roofline's shape as fasop reads a profile of a catalogue GPU (`shaped`): it gives selective recomputation
+    the attention core's share of the forward time; without it, its share of the FLOPs."""
     rows = synthesize(model, spec, tps=[run.tp], mbss=[run.mbs])
-    curves = {(row.tp, row.kind): Curve(np.array([row.mbs]), np.array([row.forward_s]), np.array([row.backward_s]))
+    curves = {(row.tp, row.kind): Curve(np.array([row.mbs]), np.array([row.forward_s]), np.array([row.backward_s]),
+                                        roofline_shape(model, spec, row.tp, row.kind) if shaped else None)
               for row in rows}
     return {GPU: GpuProfile(GPU, f"fasop profile synth --gpu {GPU}", curves)}
 
 
-def predict(run: Run, model: Model, cluster: Cluster, spec: GpuSpec | None = None) -> Plan:
+def predict(run: Run, model: Model, cluster: Cluster, spec: GpuSpec | None = None, shaped: bool = True) -> Plan:
     """fasop's estimate of the run's plan (Megatron's even split, no distributed optimizer; full recomputation
     uniform over every layer); its step_time_s is the prediction."""
-    profiles = synthetic_profile(model, run, load_gpu_spec(GPU) if spec is None else spec)
+    profiles = synthetic_profile(model, run, load_gpu_spec(GPU) if spec is None else spec, shaped)
     node_type = next(iter(cluster.node_types))
     if model.num_layers % run.pp:
         raise InputError(run.model_file, f"{model.num_layers} layers do not split evenly over {run.pp} stages")
@@ -172,11 +175,11 @@ class Result:
         return self.predicted_s / self.measured_s - 1
 
 
-def validate(runs: list[Run], cluster: Cluster, spec: GpuSpec | None = None) -> list[Result]:
+def validate(runs: list[Run], cluster: Cluster, spec: GpuSpec | None = None, shaped: bool = True) -> list[Result]:
     results = []
     for run in runs:
         model = load_model(str(DATA / run.model_file))
-        plan = predict(run, model, cluster, spec)
+        plan = predict(run, model, cluster, spec, shaped)
         results.append(Result(run, measured_step_time_s(run, model), plan.step_time_s, plan.peak_memory_gib))
     return results
 
@@ -214,21 +217,24 @@ def _by_table(results: list[Result]) -> dict[str, list[Result]]:
     return tables
 
 
-def model_steps(spec: GpuSpec) -> list[tuple[str, GpuSpec]]:
-    """The synth's modelling steps, each added to the one before: what each does to the error."""
+def model_steps(spec: GpuSpec) -> list[tuple[str, GpuSpec, bool]]:
+    """The modelling steps, each added to the ones before: (label, GPU spec, selective recomputation at the
+    attention core's time share)."""
     plain = dataclasses.replace(spec, sm_count=None, allreduce_busbw=())
-    return [("matmuls in full waves, collectives at the nominal 300 GB/s NVLink", plain),
+    return [("matmuls in full waves, collectives at the nominal 300 GB/s NVLink, selective recomputation at the "
+             "attention core's share of the FLOPs", plain, False),
+            ("+ selective recomputation at the attention core's share of the forward time", plain, True),
             ("+ collectives at the measured NCCL all-reduce bus bandwidth (allreduce_busbw)",
-             dataclasses.replace(plain, allreduce_busbw=spec.allreduce_busbw)),
-            ("+ tile and wave quantization of matmuls (sm_count): today's synth", spec)]
+             dataclasses.replace(plain, allreduce_busbw=spec.allreduce_busbw), True),
+            ("+ tile and wave quantization of matmuls (sm_count): today's model", spec, True)]
 
 
 def _steps_table(runs: list[Run], cluster: Cluster) -> list[str]:
     names = list(dict.fromkeys(r.table_name for r in runs))
-    lines = ["| synth | " + " | ".join(f"{name}: mean, worst" for name in names) + " |",
+    lines = ["| model | " + " | ".join(f"{name}: mean, worst" for name in names) + " |",
              "|" + "---|" * (len(names) + 1)]
-    for label, spec in model_steps(load_gpu_spec(GPU)):
-        tables = _by_table(validate(runs, cluster, spec))
+    for label, spec, shaped in model_steps(load_gpu_spec(GPU)):
+        tables = _by_table(validate(runs, cluster, spec, shaped))
         cells = [f"{np.mean(errors):.1%}, {np.max(errors):.1%}"
                  for errors in (np.abs([r.error for r in tables[name]]) for name in names)]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -241,7 +247,7 @@ def report(results: list[Result], steps: list[str]) -> str:
     lines = []
     for name, rows in _by_table(results).items():
         lines += [f"### {name}", "", *_table(rows), ""]
-    lines += ["### What each modelling step of the synth does to the error", "", *steps, ""]
+    lines += ["### What each modelling step does to the error", "", *steps, ""]
     return "\n".join(lines)
 
 

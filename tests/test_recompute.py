@@ -14,9 +14,10 @@ import fasop
 from fasop.cost.config import Config
 from fasop.cost.memory import GIB, layer_activation_bytes, stage_memory_gib, stage_params
 from fasop.errors import InputError
+from fasop.inputs.catalogue import load_gpu_spec
 from fasop.inputs.cluster import Cluster, Derating, NodeType, load_cluster
 from fasop.inputs.model import Model
-from fasop.inputs.roofline import attention_core_share
+from fasop.inputs.roofline import Rates, attention_core_share, attention_core_time_share, unit_work
 from fasop.search import search_plans
 
 # GPT-3 175B's layer as Korthikanti et al. 2022 use it (Table 3): s = 2048, h = 12288, a = 96, dropout, no
@@ -143,7 +144,8 @@ def _tiny(tmp_path, memory_gib=16.0, overhead_gib=0.0, gpus=1, seq=32, layers=4)
 ])
 def test_recomputed_forwards_add_to_stage_compute(tmp_path, recompute, method, k, extra_s):
     model, cluster, profiles = _tiny(tmp_path)
-    if extra_s is None:  # the attention core: 4 s^2 q of 2 s (4 h^2 + 2 h f) + 4 s^2 q
+    if extra_s is None:  # a GPU the catalogue lacks: the attention core's share of the FLOPs, 4 s^2 q of
+        # 2 s (4 h^2 + 2 h f) + 4 s^2 q
         share = 4 * 32 * 32 * 64 / (2 * 32 * (4 * 64 * 64 + 2 * 64 * 256) + 4 * 32 * 32 * 64)
         extra_s = [3 * 0.010 * share, 0.010 * share]
     row = fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers=[3, 1],
@@ -155,6 +157,20 @@ def test_recomputed_forwards_add_to_stage_compute(tmp_path, recompute, method, k
     assert row.recompute == recompute and row.sequence_parallel is False
     assert (row.recompute_method, row.recompute_num_layers) == ((method or "uniform", k or 1) if recompute == "full"
                                                                 else (None, None))
+
+
+def test_selective_recomputation_on_a_catalogue_gpu_reruns_the_cores_share_of_the_time(tmp_path):
+    """With the A100's roofline the core's share of the forward is its kernels' time (the s x s softmax and
+    dropout traffic included), more than its share of the FLOPs."""
+    model, cluster, profiles = _tiny(tmp_path)
+    (tmp_path / "G.csv").rename(tmp_path / "A100.csv")
+    node = replace(cluster.node_types["G"], name="A100", gpu="A100")
+    cluster = replace(cluster, node_types={"A100": node})
+    row = fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["A100", "A100"], layers=[3, 1],
+                         profiles_dir=profiles, recompute="selective")
+    share = attention_core_time_share(unit_work(model, 1, 1)["layer"], 1, Rates.of(load_gpu_spec("A100"), model))
+    assert share > 1.5 * attention_core_share(model, "layer")
+    assert [s.recompute_s for s in row.stages] == pytest.approx([3 * 0.010 * share, 0.010 * share], rel=1e-12)
 
 
 def test_block_recomputation_needs_k_layers_per_stage(tmp_path):

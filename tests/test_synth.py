@@ -174,6 +174,11 @@ def test_every_kernel_of_a_tiny_layer_by_hand():
     assert total == 141568
     assert work.forward_launches == 13
     assert rows[(1, 1, "layer")].forward_s == pytest.approx(total / bandwidth + 13 * launch, rel=1e-12)
+    # the attention core: scores, softmax, dropout, context: 4 kernels
+    core = sum(forward_bytes[k] for k in ("scores Q.K^T", "scale-mask-softmax", "attention dropout",
+                                          "context scores.V"))
+    assert roofline.attention_core_time_share(work, 1, roofline.Rates.of(untiled, model)) == pytest.approx(
+        (core / bandwidth + 4 * launch) / (total / bandwidth + 13 * launch), rel=1e-12)
     # backward: each matmul twice (the weight gradient adds 8 bytes per weight of fp32 main gradient); each
     # element-wise kernel reads its inputs and the output gradient and writes the input gradients
     backward = {k.name: k.bytes for k in work.backward}

@@ -11,7 +11,7 @@ import pytest
 
 from fasop.errors import InputError
 from fasop.inputs.catalogue import load_gpu_spec
-from fasop.inputs.roofline import attention_core_share
+from fasop.inputs.roofline import Rates, attention_core_share, attention_core_time_share, unit_work
 from fasop.profile.synth import synthesize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,11 +49,14 @@ def test_narayanan_step_time_from_tflops_by_hand(vp, runs):
 def test_one_run_against_a_hand_sum(vp, runs, row):
     """22B on one node (tp 8, pp 1, dp 1, one micro-batch of 4): the step is the embedding, 48 layers and the
     head, forward and backward, and each layer's recomputed forward: all of it under full recomputation, the
-    attention core's share of its FLOPs under selective recomputation."""
+    attention core's share of its time under selective recomputation."""
     run = runs[row]
     model = vp.load_model(str(vp.DATA / run.model_file))
-    units = {r.kind: r for r in synthesize(model, load_gpu_spec("A100-80GB"), tps=[8], mbss=[4])}
-    share = 1.0 if run.recompute == "full" else attention_core_share(model, "layer")
+    spec = load_gpu_spec("A100-80GB")
+    units = {r.kind: r for r in synthesize(model, spec, tps=[8], mbss=[4])}
+    core = attention_core_time_share(unit_work(model, 8, 4)["layer"], 8, Rates.of(spec, model))
+    assert 2.5 * attention_core_share(model, "layer") < core < 0.2  # the s x s softmax and dropout traffic
+    share = 1.0 if run.recompute == "full" else core
     layer = units["layer"].forward_s * (1 + share) + units["layer"].backward_s
     by_hand = sum(units[k].forward_s + units[k].backward_s for k in ("embedding", "head")) + 48 * layer
     # then Adam's pass over the rank's parameters: 34 bytes each (docs/cost-model.md), at 2,039 GB/s
@@ -91,13 +94,15 @@ def test_doc_tables_are_the_scripts_output_and_rewriting_is_deterministic(vp, tm
 
 def test_the_modelling_steps_add_one_thing_each_and_end_at_todays_synth(vp, runs):
     steps = vp.model_steps(load_gpu_spec("A100-80GB"))
-    assert [(s.sm_count, bool(s.allreduce_busbw)) for _, s in steps] == [(None, False), (None, True), (108, True)]
+    assert [(s.sm_count, bool(s.allreduce_busbw), shaped) for _, s, shaped in steps] == [
+        (None, False, False), (None, False, True), (None, True, True), (108, True, True)]
     assert steps[-1][1] == load_gpu_spec("A100-80GB")
-    # each step only slows the estimate of a run with tensor parallelism (waves part-empty, NCCL below nominal)
-    run = runs["175B, full recomputation"]
+    # each step only slows the estimate of a selective run with tensor parallelism (the scores' softmax and
+    # dropout rerun too, NCCL below nominal, waves part-empty)
+    run = runs["175B, selective recomputation + sequence parallelism"]
     model, cluster = vp.load_model(str(vp.DATA / run.model_file)), vp.load_cluster(str(vp.CLUSTER))
-    times = [vp.predict(run, model, cluster, spec).step_time_s for _, spec in steps]
-    assert times[0] < times[1] < times[2]
+    times = [vp.predict(run, model, cluster, spec, shaped).step_time_s for _, spec, shaped in steps]
+    assert times[0] < times[1] < times[2] < times[3]
 
 
 def test_refused_inputs_leave_one_line_and_no_change(vp, runs, tmp_path, capsys):

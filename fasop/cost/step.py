@@ -64,7 +64,8 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     m = config.gbs // (config.dp * mbs)
     segment, segment_layers = segments(model, config)
     compute = stage_compute(model, cluster, profiles, geo.stage_node_types, config,
-                            tuple(int(b) for b in mbs_values), segment)
+                            tuple(int(b) for b in mbs_values), segment,
+                            selective=any(c.recompute == "selective" for c in configs))
     fixed_layers = np.zeros(pp, dtype=int)
     if whole:
         fixed_layers[0] = model.num_layers

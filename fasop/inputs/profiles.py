@@ -23,7 +23,7 @@ from fasop.files import CSV_LIMIT_BYTES, read_text
 from fasop.inputs import bundled
 from fasop.inputs.catalogue import GpuSpec, load_gpu_specs
 from fasop.inputs.model import Model
-from fasop.inputs.roofline import Rates, unit_times, unit_work
+from fasop.inputs.roofline import Rates, attention_core_share, attention_core_time_share, unit_times, unit_work
 
 COLUMNS = ("tp", "mbs", "kind", "forward_s", "backward_s")
 MEMORY_COLUMN = "peak_memory_bytes"  # optional last column of measured profiles; the search does not read it
@@ -89,6 +89,9 @@ class RooflineShape:
     def __call__(self, mbs: int) -> tuple[float, float]:
         return unit_times(unit_work(self.model, self.tp, mbs)[self.kind], self.tp, self.rates)
 
+    def attention_core_share(self, mbs: int) -> float:
+        return attention_core_time_share(unit_work(self.model, self.tp, mbs)[self.kind], self.tp, self.rates)
+
 
 def roofline_shape(model: Model, spec: GpuSpec, tp: int, kind: str) -> Shape:
     return RooflineShape(model, Rates.of(spec, model), tp, kind)
@@ -134,6 +137,20 @@ class GpuProfile:
         key = ("forward", tp, kind, mbs_values)
         if key not in self._memo:
             self._memo[key] = np.array([self.time(tp, kind, b)[0] for b in mbs_values])
+        return self._memo[key]
+
+    def attention_core_forward_s(self, model: Model, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
+        """Forward seconds of a layer's attention core for each micro-batch size (memoised): the forward times
+        the core's share of it on the roofline of this GPU (its time share), or of its FLOPs where the profile
+        has no roofline (a GPU the catalogue lacks, a precision without a tensor-core peak)."""
+        key = ("core", tp, kind, mbs_values)
+        if key not in self._memo:
+            shape = self.curves[(tp, kind)].shape if (tp, kind) in self.curves else None
+            if isinstance(shape, RooflineShape):
+                shares = np.array([shape.attention_core_share(b) for b in mbs_values])
+            else:
+                shares = np.full(len(mbs_values), attention_core_share(model, kind))
+            self._memo[key] = self.forward_s(tp, kind, mbs_values) * shares
         return self._memo[key]
 
 

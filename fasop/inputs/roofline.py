@@ -30,7 +30,7 @@ the sequence-parallel shard of b s / tp tokens; matmul inputs gathered to all b 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, lru_cache
 
 import numpy as np
@@ -61,6 +61,7 @@ class Kernel:
     bytes: float
     launches: int = 1
     output: tuple[float, float, float] | None = None  # a matmul's (batch, rows, columns) of output tiles to fill
+    attention_core: bool = False  # what Megatron-LM's selective recomputation reruns
 
 
 Work = tuple[Kernel, tuple[Kernel, ...]]  # a forward kernel and the backward kernels it causes
@@ -214,23 +215,28 @@ def _attention(model: Model, b: int, s_q: int, s_k: int, tp: int) -> list[Work]:
     q, kv = b * s_q * heads * d, b * s_k * groups * d  # elements of Q (and of the output), of K (and of V)
     flops = 2.0 * b * s_q * s_k * heads * d  # each of Q.K^T and scores x V
     if model.flash_attention:
-        forward = Kernel("flash attention", 2 * flops, p * (2 * q + 2 * kv))
+        forward = Kernel("flash attention", 2 * flops, p * (2 * q + 2 * kv), attention_core=True)
         return [(forward, (Kernel("flash attention grad", 4 * flops, 2 * forward.bytes, 2),))]
     scores = b * heads * s_q * s_k
     mask = DROPOUT_MASK_BYTES_PER_ELEMENT * scores if model.dropout else 0.0
     batch = b * heads
     # backward: Q.K^T gives the gradients of Q (s_q x d) and K (s_k x d), scores x V those of the scores
     # (s_q x s_k) and of V (s_k x d)
-    qk = Kernel("scores Q.K^T", flops, p * (q + kv + scores), output=(batch, s_q, s_k))
+    qk = Kernel("scores Q.K^T", flops, p * (q + kv + scores), output=(batch, s_q, s_k), attention_core=True)
     qk_grads = (Kernel("scores grad Q", flops, qk.bytes, output=(batch, s_q, d)),
                 Kernel("scores grad K", flops, qk.bytes, output=(batch, s_k, d)))
-    context = Kernel("context scores.V", flops, p * (scores + kv + q), output=(batch, s_q, d))
+    context = Kernel("context scores.V", flops, p * (scores + kv + q), output=(batch, s_q, d), attention_core=True)
     context_grads = (Kernel("context grad scores", flops, context.bytes, output=(batch, s_q, s_k)),
                      Kernel("context grad V", flops, context.bytes, output=(batch, s_k, d)))
-    work = [(qk, qk_grads), _elementwise("scale-mask-softmax", scores, scores, p)]
+    work = [(qk, qk_grads), _core(_elementwise("scale-mask-softmax", scores, scores, p))]
     if model.dropout:
-        work.append(_elementwise("attention dropout", scores, scores, p, mask))
+        work.append(_core(_elementwise("attention dropout", scores, scores, p, mask)))
     return [*work, (context, context_grads)]
+
+
+def _core(work: Work) -> Work:
+    forward, backward = work
+    return replace(forward, attention_core=True), backward
 
 
 def _layer(model: Model, kind: str, b: int, tp: int) -> tuple[list, tuple[float, ...]]:
@@ -336,6 +342,14 @@ def pass_s(kernels: tuple[Kernel, ...], rates: Rates) -> float:
     return sum(max(k.flops / (rates.flops_per_s * wave_efficiency(k.output, rates.sm_count)),
                    k.bytes / rates.memory_bytes_per_s) + k.launches * rates.kernel_launch_s
                for k in kernels)
+
+
+def attention_core_time_share(work: UnitWork, tp: int, rates: Rates) -> float:
+    """The attention core's share of a layer's forward time (its matmuls, softmax and dropout on the scores, or
+    the flash kernel): what selective recomputation adds to the backward, per second of forward. More than its
+    share of the FLOPs (attention_core_share) wherever the s x s scores make the core memory-bound."""
+    core = tuple(k for k in work.forward if k.attention_core)
+    return pass_s(core, rates) / unit_times(work, tp, rates)[0] if core else 0.0
 
 
 def unit_times(work: UnitWork, tp: int, rates: Rates) -> tuple[float, float]:
