@@ -117,9 +117,12 @@ def test_traffic_zero3_is_one_and_a_half_ddp(setting):
     assert comm["zero1"] == pytest.approx(comm["ddp"]) and comm["zero2"] == pytest.approx(comm["ddp"])
     assert comm["zero3"] == pytest.approx(1.5 * comm["ddp"])
     # hierarchical: 2 (4-1)/4 over 230 GB/s inside the A100 node is faster than 2 (4-1)/4 / 16 GB/s, and the
-    # 4 nodes' 40 Gbit/s interfaces add 2 (4-1)/4 / 5e9
+    # 4 nodes' 40 Gbit/s interfaces add 2 (4-1)/4 / 5e9; one all-reduce's latency on top
     per_byte = 1.5 / 16e9 + 1.5 / 5e9
-    assert comm["ddp"] == pytest.approx(per_byte * 2 * model.total_params())
+    assert dpl.allreduce_cost(cluster)[0] == pytest.approx(per_byte)
+    latency = dpl.allreduce_cost(cluster)[1]
+    assert latency > 0
+    assert comm["ddp"] == pytest.approx(per_byte * 2 * model.total_params() + latency)
 
 
 def test_reasons_when_there_is_no_plan(setting):
@@ -177,6 +180,22 @@ def test_compare_writes_table_plans_and_chart(tmp_path):
     assert out[2].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_compare_no_overlap_reaches_every_plan(tmp_path):
+    rows = {}
+    for flag in ("--overlap", "--no-overlap"):
+        out = tmp_path / f"{flag}.json"
+        result = CliRunner().invoke(main, ["compare", "--model", "bert", "--cluster", "fasop-1xA100-3xA10", flag,
+                                           "--plans", str(out)])
+        assert result.exit_code == 0, result.output
+        rows[flag] = {p.family: p for p in load_plans(out)}
+    assert set(rows["--overlap"]) == set(rows["--no-overlap"])
+    for family, plan in rows["--no-overlap"].items():
+        assert plan.overlap_grad_reduce is False
+        assert plan.step_time_s >= rows["--overlap"][family].step_time_s * (1 - 1e-12)
+        if plan.kind != "3d":
+            assert plan.step_time_s == pytest.approx(plan.compute_s + plan.dp_allreduce_s + plan.optimizer_s)
+
+
 def test_compare_refuses_bad_outputs_before_writing(tmp_path):
     result = CliRunner().invoke(main, ["compare", "--model", "bert", "--cluster", "fasop-4xA10",
                                        "--output", str(tmp_path / "c.csv"), "--plans", str(tmp_path / "p.csv")])
@@ -225,3 +244,48 @@ def test_plan_files_refuse_an_unknown_kind(tmp_path):
 def test_compare_refuses_a_bad_batch():
     result = CliRunner().invoke(main, ["compare", "--model", "bert", "--cluster", "fasop-4xA10", "--gbs", "0"])
     assert result.exit_code == 2 and result.output.startswith("Error: --gbs: expected a positive global batch size")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 10.0), st.floats(0.0, 5.0)), min_size=1, max_size=4),
+       st.floats(0.0, 8.0), st.integers(1, 12))
+def test_reduction_end_is_the_bucket_chain(types, reduce_s, buckets):
+    """Bucket k is ready when every type has computed it (its last backward produces gradients evenly) and is
+    reduced after bucket k - 1: the chain, walked bucket by bucket."""
+    computed = np.array([c + b for c, b in types])  # each type's backward ends after it starts
+    backward = np.array([b for _, b in types])
+    end = 0.0
+    for k in range(1, buckets + 1):
+        ready = max(c - b + k * b / buckets for c, b in zip(computed, backward))
+        end = max(end, ready) + reduce_s / buckets
+    assert dpl.reduction_end_s(computed, backward, reduce_s, buckets) == pytest.approx(end, rel=1e-12, abs=1e-12)
+    # never before the last bucket after the slowest type, nor after the whole reduction after it
+    assert computed.max() + reduce_s / buckets - 1e-12 <= end <= computed.max() + reduce_s + 1e-12
+
+
+@pytest.mark.parametrize("kind", dpl.KINDS)
+def test_step_is_compute_then_traffic_then_the_optimizer_step(setting, kind):
+    """Without overlap: the slowest GPU's compute, all of the traffic, then the optimizer step of the slowest
+    memory (the A10's 600 GB/s): 34 bytes per parameter of the whole model (ddp) or of a 1/16 shard."""
+    model, cluster, profiles = setting
+    row = dpl.plan_row(model, cluster, profiles, kind, 256, overlap=False)
+    shard = 1 if kind == "ddp" else 16
+    assert row.optimizer_s == pytest.approx(model.total_params() / shard * 34 / 600e9, rel=1e-12)
+    assert row.step_time_s == pytest.approx(row.compute_s + row.dp_allreduce_s + row.optimizer_s, rel=1e-12)
+    assert row.dp_exposed_s == pytest.approx(row.dp_allreduce_s, rel=1e-12) and row.overlap_grad_reduce is False
+
+
+@pytest.mark.parametrize("kind", dpl.KINDS)
+def test_overlap_hides_part_of_the_reduction_and_never_more(setting, kind):
+    """With overlap the step is never slower than without it, nor faster than with free gradient reduction;
+    at least one bucket of the reduction and all the parameter all-gathers stay exposed."""
+    model, cluster, profiles = setting
+    plain = dpl.plan_row(model, cluster, profiles, kind, 256, overlap=False)
+    row = dpl.plan_row(model, cluster, profiles, kind, 256)
+    reduce = row.dp_allreduce_s * dpl.reduce_share(kind)
+    buckets = -(-model.total_params() * 2 // dpl.BUCKET_BYTES)
+    assert row.overlap_grad_reduce is True and buckets > 1
+    assert row.step_time_s <= plain.step_time_s * (1 + 1e-12)
+    free = row.compute_s + row.dp_allreduce_s - reduce + row.optimizer_s
+    assert free + reduce / buckets <= row.step_time_s * (1 + 1e-12)
+    assert row.step_time_s < plain.step_time_s  # bert's backward is long enough to hide some of it

@@ -27,6 +27,7 @@ from fasop.search.compare import compare as run_compare
 @common.profiles_option
 @common.mismatch_option
 @common.optimizer_option
+@common.overlap_option
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the comparison, one row per strategy, to a .csv file.")
 @click.option("--plans", "plans_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -35,8 +36,8 @@ from fasop.search.compare import compare as run_compare
 @click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw the throughput of each strategy to chart.png or chart.svg.")
 @common.reports_input_errors
-def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch, distributed_optimizer, output,
-            plans_out, chart):
+def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap,
+            output, plans_out, chart):
     """Compare training strategies for MODEL on CLUSTER: PyTorch DDP with an even and an uneven batch split,
     ZeRO stages 1 to 3 (FSDP) with uneven batches, the best pipeline plan without tensor parallelism and the
     best 3D plan: step time, throughput, price and memory per GPU type, or why a strategy has no plan."""
@@ -49,7 +50,7 @@ def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch,
     check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir))
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir,
                              allow_profile_mismatch, merged_specs(own=cluster.gpus))
-    families = run_compare(model, cluster, profiles, gbs, distributed_optimizer)
+    families = run_compare(model, cluster, profiles, gbs, distributed_optimizer, overlap)
     batch = gbs or model.global_batch_size
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {batch}")
     click.echo(table(families))

@@ -56,18 +56,19 @@ def memory_by_gpu(plan: Plan) -> dict[str, float]:
 
 
 def compare(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], gbs: int | None = None,
-            distributed_optimizer: bool = True) -> list[Family]:
+            distributed_optimizer: bool = True, overlap: bool = True) -> list[Family]:
     batch = model.global_batch_size if gbs is None else gbs
     if batch < 1:
         raise InputError("--gbs", f"expected a positive global batch size, got {batch}")
     families = []
     for name, kind, even in DATA_PARALLEL:
         try:
-            families.append(Family(name, plan_row(model, cluster, profiles, kind, batch, even)))
+            families.append(Family(name, plan_row(model, cluster, profiles, kind, batch, even, overlap=overlap)))
         except NoPlan as reason:
             families.append(Family(name, None, str(reason)))
     try:
-        plans = search_plans(model, cluster, batch, distributed_optimizer=distributed_optimizer, profiles=profiles).plans
+        plans = search_plans(model, cluster, batch, distributed_optimizer=distributed_optimizer, profiles=profiles,
+                             overlap=overlap).plans
     except InputError as err:
         plans, why = [], err.problem.split(" (")[0]
     else:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from fasop.cost.communication import geometry
+from fasop.cost.exact import memory_bytes_per_s, optimizer_bytes_per_param
 from fasop.cost.memory import GIB, embedding_activation_bytes, head_activation_bytes, layer_activation_bytes, usable_gib
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -34,6 +35,9 @@ SHARDED = {"ddp": (False, False, False), "zero1": (True, False, False), "zero2":
 
 
 TIE_TOLERANCE = 1e-9  # relative: step times closer than this are equal when choosing a micro-batch size
+# PyTorch DistributedDataParallel's default gradient bucket (bucket_cap_mb = 25): the reduction starts bucket by
+# bucket during the backward pass
+BUCKET_BYTES = 25 * 2**20
 
 
 class NoPlan(Exception):
@@ -81,6 +85,23 @@ def traffic_factor(model: Model, kind: str) -> float:
     if kind == "ddp":
         return p
     return (p + p) / 2 if kind in ("zero1", "zero2") else (p + 2 * p) / 2
+
+
+def reduce_share(kind: str) -> float:
+    """The share of `kind`'s traffic that reduces gradients (and so may overlap the backward pass): all of ddp's
+    all-reduce, zero1/2's reduce-scatter (half), zero3's reduce-scatter (a third: its two parameter all-gathers
+    are the rest). The parameter all-gathers are charged after the step (zero1/2) or outside the backward."""
+    return {"ddp": 1.0, "zero1": 0.5, "zero2": 0.5, "zero3": 1.0 / 3.0}[kind]
+
+
+def reduction_end_s(computed_s: np.ndarray, last_backward_s: np.ndarray, reduce_s: float, buckets: int) -> float:
+    """When a gradient reduction over every GPU, in `buckets` equal buckets, ends: each GPU type's gradients
+    become ready evenly over its last micro-batch's backward (ending at computed_s); bucket k is reduced once
+    every type has it and bucket k - 1 is done. The chain's end is max over k of ready_k + (buckets - k + 1)
+    reduce_s / buckets."""
+    k = np.arange(1, buckets + 1)
+    ready = (computed_s[:, None] - last_backward_s[:, None] * (1 - k / buckets)).max(0)
+    return float((ready + (buckets - k + 1) * reduce_s / buckets).max())
 
 
 def step_times(unit_s: np.ndarray, max_samples: int) -> tuple[np.ndarray, np.ndarray]:
@@ -142,17 +163,20 @@ class Group:
     gpus: int
     capacity_gib: float
     unit_s: np.ndarray  # forward + backward of the whole model for b = 0 .. largest size that fits
+    backward_s: np.ndarray  # the backward alone, for b = 0 .. largest size
     memory_fixed_bytes: float  # model state and gather buffer
     activation_bytes_per_sample: float
 
 
-def whole_model_s(model: Model, profile: GpuProfile, sizes: tuple[int, ...]) -> np.ndarray:
-    """Forward + backward seconds of every unit of the model on one GPU (tp = 1), for each micro-batch size."""
-    total = profile.step_s(1, "embedding", sizes) + profile.step_s(1, "head", sizes)
+def whole_model_s(model: Model, profile: GpuProfile, sizes: tuple[int, ...], forward: bool = False) -> np.ndarray:
+    """Forward + backward (or forward) seconds of every unit of the model on one GPU (tp = 1), for each
+    micro-batch size."""
+    time = profile.forward_s if forward else profile.step_s
+    total = time(1, "embedding", sizes) + time(1, "head", sizes)
     if model.is_encoder_decoder:
-        total = total + profile.step_s(1, "decoder_embedding", sizes)
+        total = total + time(1, "decoder_embedding", sizes)
     for n, kind in zip(model.segment_layers, model.layer_kinds):
-        total = total + n * profile.step_s(1, kind, sizes)
+        total = total + n * time(1, kind, sizes)
     return total
 
 
@@ -174,22 +198,33 @@ def groups(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind
             raise NoPlan(f"out of memory on {node.gpu}: {need:.1f} of {node.gpu_memory_gib:.1f} GiB for one sample")
         sizes = tuple(range(1, largest + 1))
         unit_s = np.concatenate([[0.0], whole_model_s(model, profile, sizes)])
+        backward_s = unit_s - np.concatenate([[0.0], whole_model_s(model, profile, sizes, forward=True)])
         result.append(Group(name, node.gpu, node.count * cluster.gpus_per_node, node.gpu_memory_gib, unit_s,
-                            fixed, per_sample))
+                            backward_s, fixed, per_sample))
     return result
 
 
-def allreduce_s_per_byte(cluster: Cluster) -> float:
-    """One all-reduce of one byte per GPU over every GPU of the cluster (ring in a node, hierarchical across
-    nodes, section 5), the cluster's own links."""
+def allreduce_cost(cluster: Cluster) -> tuple[float, float]:
+    """(seconds per byte, latency seconds) of one all-reduce over every GPU of the cluster (ring in a node,
+    hierarchical across nodes, section 5), the cluster's own links."""
     placement = tuple(name for name in type_order(cluster) for _ in range(cluster.node_types[name].count))
-    return float(geometry(cluster, placement, 1, cluster.num_gpus, 1).dp_allreduce_s_per_byte[0])
+    geo = geometry(cluster, placement, 1, cluster.num_gpus, 1)
+    return float(geo.dp_allreduce_s_per_byte[0]), float(geo.dp_allreduce_latency_s[0])
+
+
+def optimizer_s(model: Model, cluster: Cluster, kind: str, members: list[Group]) -> float:
+    """The optimizer step of the slowest GPU: a memory-bound pass over its optimizer state (section 7's bytes
+    per parameter), all of the model under ddp, a 1/N shard under ZeRO."""
+    params = model.total_params() / (cluster.num_gpus if SHARDED[kind][0] else 1)
+    bandwidth = min(memory_bytes_per_s(cluster, g.gpu) for g in members)
+    return params * optimizer_bytes_per_param(model) / bandwidth if bandwidth > 0 else 0.0
 
 
 def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind: str, batch: int,
-             even: bool = False, samples: dict[str, int] | None = None) -> Plan:
+             even: bool = False, samples: dict[str, int] | None = None, overlap: bool = True) -> Plan:
     """The best plan of `kind` (or with `even`, every GPU the same samples; or with `samples`, the given
-    samples per GPU of each node type) as a plan row; raises NoPlan with the reason when there is none."""
+    samples per GPU of each node type) as a plan row; raises NoPlan with the reason when there is none.
+    With `overlap` the gradient reduction runs bucket by bucket during the last micro-batch's backward."""
     world = cluster.num_gpus
     if batch < world:
         raise NoPlan(f"global batch {batch} < {world} GPUs")
@@ -198,16 +233,35 @@ def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], ki
     members = groups(model, cluster, profiles, kind, batch)
     counts = [g.gpus for g in members]
     tables = [step_times(g.unit_s, batch // g.gpus) for g in members]
+    per_byte, latency = allreduce_cost(cluster)
+    # traffic_factor bytes per parameter, in all-reduces of one byte: as many all-reduce latencies per p bytes
+    comm = traffic_factor(model, kind) * (per_byte * model.total_params() + latency / model.precision_bytes)
+    reduce = comm * reduce_share(kind)
+    buckets = max(1, -(-int(model.total_params()) * model.precision_bytes // BUCKET_BYTES))
+
+    def after_compute(split: list[int]) -> float:
+        """The step's end past the compute: the gradient reduction (overlapped or not), then the rest."""
+        computed = np.array([t[0][s] for t, s in zip(tables, split)])
+        if not overlap:
+            return float(computed.max()) + comm
+        last = np.array([g.backward_s[s - (int(t[1][s]) * ((s - 1) // int(t[1][s])))]
+                         for g, t, s in zip(members, tables, split)])
+        return reduction_end_s(computed, last, reduce, buckets) + comm - reduce
+
     if samples is not None or even:
         split = [samples[g.node_type] for g in members] if samples else [batch // world] * len(members)
-        compute = max(t[0][s] for t, s in zip(tables, split))
     else:
         best = best_split([t[0] for t in tables], counts, batch)
         if best is None:  # every s_t is possible (micro-batches down to 1 fit): only divisibility can fail
             raise NoPlan(f"global batch {batch} not a sum of per-type batches over {', '.join(map(str, counts))} GPUs")
-        compute, split = best
-    comm = allreduce_s_per_byte(cluster) * traffic_factor(model, kind) * model.total_params()
-    step = float(compute) + comm
+        split = best[1]
+        # the split is the exact optimum of the compute; with overlap the even split may still end earlier
+        if overlap and batch % world == 0 and after_compute([batch // world] * len(members)) < after_compute(split):
+            split = [batch // world] * len(members)
+    compute = max(t[0][s] for t, s in zip(tables, split))
+    optimizer = optimizer_s(model, cluster, kind, members)
+    reduced = after_compute(split)
+    step = reduced + optimizer
     price = cluster.price_per_hour_usd
     per_type: list[dict[str, Any]] = []
     for g, (time_s, mbs_of), s in zip(members, tables, split):
@@ -224,7 +278,8 @@ def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], ki
         "gbs": batch, "mbs": min(t["micro_batch_size"] for t in per_type), "tp": 1, "dp": world, "pp": 1,
         "placement": placement, "gpus_per_node": cluster.gpus_per_node, "layers_per_stage": [model.num_layers],
         "step_time_s": step, "throughput_samples_per_s": batch / step, "tokens_per_s": batch * model.seq_length / step,
-        "compute_s": float(compute), "dp_allreduce_s": comm,
+        "overlap_grad_reduce": overlap, "compute_s": float(compute), "dp_allreduce_s": comm,
+        "dp_exposed_s": reduced - float(compute), "optimizer_s": optimizer,
         "peak_memory_gib": worst["memory_gib"], "memory_capacity_gib": worst["memory_capacity_gib"],
         "cost_per_hour_usd": price, "cost_per_step_usd": price * step / 3600.0,
         "per_type": per_type,
