@@ -32,6 +32,14 @@ Index = Annotated[int, Range(0, MAX_PLAN_INT)]
 NodeType = Annotated[str, Field(min_length=1), expected("a node-type name")]
 
 
+class Chunk(Table):
+    """One model chunk of a stage of an interleaved plan: seconds per micro-batch."""
+
+    forward_s: float
+    recompute_s: float  # forwards recomputed right before the backward
+    backward_s: float  # the backward itself, without the recomputed forwards
+
+
 class Stage(Table):
     """One pipeline stage of a 3D plan: seconds per micro-batch, memory of its most loaded GPU."""
 
@@ -47,6 +55,7 @@ class Stage(Table):
     dp_allreduce_s: float
     memory_gib: float
     memory_capacity_gib: float
+    chunks: list[Chunk] | None = None  # interleaved plans: each model chunk of the stage, in chunk order
 
 
 class TypeShare(Table):
@@ -111,6 +120,7 @@ class Plan(Table):
     dp_exposed_s: float | None = None  # data-parallel traffic the overlap leaves exposed on the slowest stage
     optimizer_s: float | None = None  # the optimizer step of the slowest stage
     closed_form_step_s: float | None = None  # the closed form the partitioner optimised (an estimate, not a bound)
+    wrap_send_s: float | None = None  # interleaved plans: one micro-batch's send from the last stage to the first
     recompute_s: float | None = None  # forwards the bottleneck stage (largest compute) recomputes per step
     peak_memory_gib: float | None = None
     memory_capacity_gib: float | None = None
@@ -135,7 +145,9 @@ class Plan(Table):
         """A plan from a record the search or an estimate built itself (not checked again: searches build many)."""
         fields = dict(record)
         if "stages" in fields:
-            fields["stages"] = [_unchecked(Stage, s) for s in fields["stages"]]
+            fields["stages"] = [_unchecked(Stage, s if "chunks" not in s else
+                                           {**s, "chunks": [Chunk.model_construct(**c) for c in s["chunks"]]})
+                                for s in fields["stages"]]
         if "per_type" in fields:
             fields["per_type"] = [TypeShare.model_construct(**t) for t in fields["per_type"]]
         return cls.model_construct(**fields)

@@ -2,7 +2,8 @@
 
 Forwards, backwards, recomputed forwards, blocking sends and idle time each have their own colour (and hatch,
 for readers of a grey print); bars wide enough carry their micro-batch (and model chunk, when interleaved).
-The times come from fasop.schedule.op_times; matplotlib is imported only when a chart is drawn.
+The times come from fasop.cost.schedule.op_times, fed a plan file's per-stage (interleaved: per-chunk) times;
+matplotlib is imported only when a chart is drawn.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from fasop.cost.schedule import OpTimes
+from fasop.cost.schedule import OpTimes, op_times
+from fasop.errors import InputError
 from fasop.files import check_outputs
-from fasop.plot import _check_out, _figure, _save
+from fasop.plans import Plan
+from fasop.plot import MAX_SECONDS, _check_out, _figure, _save
 
 # (label, face colour, hatch) of each kind of segment, in legend order
 STYLE = {
@@ -26,6 +29,38 @@ STYLE = {
 }
 ROW_HEIGHT = 0.8
 LABEL_MIN_FRACTION = 0.012  # bars narrower than this share of the step carry no micro-batch number
+
+
+def _seconds(value: float | None, where: str, top: float) -> float:
+    if value is None or not 0 <= value <= top:
+        raise InputError(where, f"expected seconds from 0 to {top:g}, got {value!r} (plan files of fasop search "
+                                "hold the per-stage (and, interleaved, per-chunk) times the schedule needs)")
+    return float(value)
+
+
+def plan_op_times(plan: Plan, where: str) -> OpTimes:
+    """The exact schedule of a plan from the times its plan file holds: each stage's forward, recomputed forward
+    and backward per micro-batch (interleaved: each model chunk's) and its sends (interleaved: also the last
+    stage's send to the first). Its makespan is the plan's pipeline_time_s."""
+    stages = plan.stages or []
+    v = plan.virtual_stages or 1
+    sends = [_seconds(s.send_s, f"{where}: stages[{i}].send_s", MAX_SECONDS) for i, s in enumerate(stages[:-1])]
+    wrap = None if v == 1 else _seconds(plan.wrap_send_s, f"{where}: wrap_send_s", MAX_SECONDS)
+    chunks: list[list[tuple[float, ...]]] = []  # per stage, per chunk: (forward, recomputed forward, backward)
+    for i, s in enumerate(stages):
+        if v == 1:
+            forward = _seconds(s.forward_s, f"{where}: stages[{i}].forward_s", s.compute_s)
+            recompute = _seconds(s.recompute_s or 0.0, f"{where}: stages[{i}].recompute_s", s.compute_s - forward)
+            chunks.append([(forward, recompute, s.compute_s - forward - recompute)])
+        elif s.chunks is None or len(s.chunks) != v:
+            raise InputError(f"{where}: stages[{i}].chunks",
+                             f"expected the times of {v} model chunks, got {0 if s.chunks is None else len(s.chunks)}")
+        else:
+            chunks.append([tuple(_seconds(getattr(c, key), f"{where}: stages[{i}].chunks[{j}].{key}", MAX_SECONDS)
+                                 for key in ("forward_s", "recompute_s", "backward_s")) for j, c in enumerate(s.chunks)])
+    forward_s, recompute_s, backward_s = (np.array([[[c[part] for c in stage] for stage in chunks]]) for part in range(3))
+    return op_times(forward_s, backward_s, np.array([sends], dtype=float), int(plan.num_microbatches or 1),
+                    virtual_stages=v, wrap_send_s=wrap, recompute_s=recompute_s)
 
 
 def _segments(times: OpTimes, plan: int) -> dict[str, list[tuple[int, float, float, int]]]:

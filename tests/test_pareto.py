@@ -464,10 +464,11 @@ def test_plot_timeline_command(cluster_file, folder):
     assert first.read_bytes()[:8] == PNG_MAGIC
     assert run("plot", "--plan", plans, "--rank", plan.rank, "--timeline", again).exit_code == 0
     assert again.read_bytes() == first.read_bytes()  # deterministic
-    interleaved = next((p for p in load_plans(plans) if p.virtual_stages > 1), None)
-    if interleaved is not None:
-        one_line_error(run("plot", "--plan", plans, "--rank", interleaved.rank, "--timeline", folder / "t.png"),
-                       "virtual_stages", "plain 1F1B")
+    interleaved = next(p for p in load_plans(plans) if p.virtual_stages > 1)
+    drawn = folder / "interleaved.png"
+    result = run("plot", "--plan", plans, "--rank", interleaved.rank, "--timeline", drawn)
+    assert result.exit_code == 0, result.output
+    assert drawn.read_bytes()[:8] == PNG_MAGIC
     one_line_error(run("plot", "--plan", plans, "--rank", 9999, "--timeline", folder / "t.png"), "--rank 9999")
     one_line_error(run("plot", "--plan", plans, "--rank", plan.rank, "--timeline", folder / "t.pdf"), "--timeline")
     one_line_error(run("plot", "--plan", plans, "--timeline", folder / "t.png", "--out", folder / "s.png"), "--timeline")
@@ -478,6 +479,12 @@ def test_plot_timeline_command(cluster_file, folder):
     old = folder / "old-plans.json"
     old.write_text(json.dumps(records))
     one_line_error(run("plot", "--plan", old, "--timeline", folder / "t.png"), "stages[0].forward_s")
+    # nor an interleaved plan without its chunks' times
+    records = json.loads(plans.read_text())
+    del records[interleaved.rank - 1]["stages"][1]["chunks"]
+    old.write_text(json.dumps(records))
+    one_line_error(run("plot", "--plan", old, "--rank", interleaved.rank, "--timeline", folder / "t.png"),
+                   "stages[1].chunks", "2 model chunks")
     assert not (folder / "t.png").exists() and not (folder / "t.pdf").exists()
 
 

@@ -274,3 +274,34 @@ def test_long_schedules_are_extrapolated_from_their_steady_state(monkeypatch):
     assert makespan_s(forward, backward, send, 200) == pytest.approx(full, rel=1e-2)
     assert makespan_s(chunks_f, chunks_b, send, 200, virtual_stages=2, wrap_send_s=np.full(20, 0.5)) == \
         pytest.approx(interleaved, rel=1e-2)
+
+
+@pytest.mark.parametrize("model, cluster", [("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-1xA100-3xA10")])
+def test_a_plan_files_times_rebuild_its_exact_schedule(model, cluster):
+    """The schedule drawn from a plan file's stage (interleaved: chunk) times ends exactly when the search's
+    exact schedule did, plain and interleaved, with recomputation or without."""
+    from fasop import load_cluster, load_model, search_plans
+    from fasop.timeline import plan_op_times
+
+    plans = search_plans(load_model(model), load_cluster(cluster), recompute=("full", "none")).plans
+    kinds = {(p.virtual_stages, p.recompute) for p in plans if p.pp > 1}
+    assert (2, "none") in kinds and (1, "none") in kinds
+    for plan in (p for p in plans if p.pp > 1):
+        times = plan_op_times(plan, "plan")
+        assert float(times.makespan_s[0]) == pytest.approx(plan.pipeline_time_s, rel=1e-9)
+        if plan.virtual_stages > 1:
+            assert plan.wrap_send_s is not None and all(len(s.chunks) == plan.virtual_stages for s in plan.stages)
+
+
+@pytest.mark.parametrize("virtual_stages", [1, 2])
+def test_recomputed_forwards_are_drawn_apart_and_the_schedule_still_matches(virtual_stages):
+    from fasop import estimate, load_cluster, load_model
+    from fasop.timeline import plan_op_times
+
+    model = load_model("gpt2-xl")
+    plan = estimate(model, load_cluster("fasop-8xA10"), tp=1, dp=4, pp=8, mbs=1,
+                    placement=["A10"] * 8, layers=[6] * 8, recompute="full", virtual_stages=virtual_stages)
+    times = plan_op_times(plan, "plan")
+    assert float(times.makespan_s[0]) == pytest.approx(plan.pipeline_time_s, rel=1e-9)
+    redone = times.recompute_end_s[0] - times.start_s[0]
+    assert redone.max() > 0 and np.all(redone[~times.program.backward] == 0)

@@ -141,35 +141,19 @@ TIMELINE_MICROBATCHES = 1024  # more bars than a chart can show
 
 
 def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
-    """The exact schedule of `plan` from its per-stage forward and send times."""
-    import numpy as np
-
-    from fasop.cost.schedule import op_times
-    from fasop.plot import MAX_SECONDS
-    from fasop.timeline import plot_timeline
+    """The exact schedule of `plan`, drawn from the times its plan file holds."""
+    from fasop.timeline import plan_op_times, plot_timeline
 
     where = f"{plan_file}: plan {plan.rank}"
-    stages = plan.stages or []
-    for index, stage in enumerate(stages):
-        for key, top in (("forward_s", stage.compute_s), ("send_s", MAX_SECONDS)):
-            value = getattr(stage, key)
-            if value is None or not 0 <= value <= top:
-                raise InputError(f"{where}: stages[{index}].{key}",
-                                 f"expected seconds from 0 to {top:g}, got {value!r} (plan files of fasop search "
-                                 "hold the per-stage forward and send times the schedule needs)")
-    m = plan.num_microbatches
+    m, v = plan.num_microbatches, plan.virtual_stages or 1
     assert m is not None  # _load_plan checked it
     if m > TIMELINE_MICROBATCHES:
         raise InputError(f"{where}: num_microbatches", f"{m} micro-batches: a timeline draws at most "
                                                        f"{TIMELINE_MICROBATCHES}")
-    if (plan.virtual_stages or 1) > 1:
-        raise InputError(f"{where}: virtual_stages", f"{plan.virtual_stages}: the timeline draws plain 1F1B schedules "
-                                                     "only (a plan file holds no per-chunk times)")
-    forward = np.array([[s.forward_s for s in stages]], dtype=float)
-    backward = np.array([[s.compute_s for s in stages]]) - forward
-    times = op_times(forward, backward, np.array([[s.send_s for s in stages[:-1]]], dtype=float), m)
+    times = plan_op_times(plan, where)
     drawn = plot_timeline(times, out, inputs=[plan_file],
-                          title=f"plan {plan.rank}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}, "
+                          title=f"plan {plan.rank}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}"
+                                + (f" vp={v}" if v > 1 else "") + ", "
                                 f"{m} micro-batches, pipeline {float(times.makespan_s[0]):.4g} s")
     idle = drawn["idle"]["seconds"] / (plan.pp * float(times.makespan_s[0]))
     click.echo(f"schedule of plan {plan.rank} ({plan.pp} stages, {m} micro-batches, "

@@ -36,6 +36,17 @@ def chunk_layers(counts: np.ndarray, virtual_stages: int) -> np.ndarray:
     return n // virtual_stages + (chunk < n % virtual_stages)
 
 
+def per_chunk(fixed_s: np.ndarray, layer_s: np.ndarray, n: np.ndarray, v: int) -> np.ndarray:
+    """(..., P) seconds beyond the partitioned layers and per layer, for layer counts n -> (..., P, v) seconds of
+    each model chunk: its layers' time, the first stage's fixed time on its first chunk and the last stage's on
+    its last (the embedding and the head)."""
+    layers = chunk_layers(n, v)
+    fixed = np.zeros(layers.shape)
+    fixed[..., 0, 0] = fixed_s[..., 0]
+    fixed[..., -1, -1] += fixed_s[..., -1]
+    return fixed + layer_s[..., None] * layers
+
+
 @dataclass(frozen=True)
 class ScheduleBatch:
     """What the exact step needs of B plans with the same number of stages; per-stage arrays are (B, P), each
@@ -72,18 +83,12 @@ class ScheduleBatch:
     def take(self, rows: np.ndarray) -> ScheduleBatch:
         return ScheduleBatch(*(getattr(self, f.name)[rows] for f in fields(ScheduleBatch)))
 
-    def _chunks(self, rows: np.ndarray, v: int, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def chunks(self, rows: np.ndarray, v: int, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward), each (rows, P, v), of every model chunk: a stage's layers split evenly over its
         chunks (`chunk_layers`); the first stage's fixed units (the embedding) on its first chunk, the last
         stage's (the head) on its last."""
-        layers = chunk_layers(n, v)
-        fixed = np.zeros(layers.shape)
-        fixed_forward = np.zeros(layers.shape)
-        fixed[:, 0, 0], fixed_forward[:, 0, 0] = self.fixed_s[rows, 0], self.fixed_forward_s[rows, 0]
-        fixed[:, -1, -1] += self.fixed_s[rows, -1]
-        fixed_forward[:, -1, -1] += self.fixed_forward_s[rows, -1]
-        forward = fixed_forward + self.layer_forward_s[rows, :, None] * layers
-        return forward, fixed + self.layer_s[rows, :, None] * layers - forward
+        return per_chunk(self.fixed_forward_s[rows], self.layer_forward_s[rows], n, v), \
+            per_chunk(self.fixed_s[rows] - self.fixed_forward_s[rows], self.layer_s[rows] - self.layer_forward_s[rows], n, v)
 
     def step_terms(self, counts: np.ndarray) -> dict[str, np.ndarray]:
         """The step of each plan for layer counts (B, P): the schedule's makespan (`pipeline_time_s`), when each
@@ -96,7 +101,7 @@ class ScheduleBatch:
         first, end = np.empty_like(n), np.empty_like(n)
         for v in np.unique(self.virtual_stages):
             rows = np.flatnonzero(self.virtual_stages == v)
-            f, b = (forward[rows], backward[rows]) if v == 1 else self._chunks(rows, int(v), n[rows])
+            f, b = (forward[rows], backward[rows]) if v == 1 else self.chunks(rows, int(v), n[rows])
             first[rows], end[rows] = stage_times(f, b, self.boundary_s[rows], self.num_microbatches[rows],
                                                  virtual_stages=int(v), wrap_send_s=self.wrap_s[rows])
         grad = self.grad_fixed_s + self.grad_layer_s * n

@@ -7,7 +7,7 @@ import numpy as np
 
 from fasop.cost.communication import Geometry
 from fasop.cost.config import Config
-from fasop.cost.exact import chunk_layers
+from fasop.cost.exact import chunk_layers, per_chunk
 from fasop.cost.price import price_per_hour_usd
 from fasop.cost.step import StageCosts, breakdown
 from fasop.search.space import Inputs
@@ -38,6 +38,11 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
              "memory_capacity_gib": capacity}
             for s, gpu, nodes, n, compute, forward, recompute, send, p2p, allreduce, memory, capacity in columns
         ]
+        interleaved = {}
+        if config.virtual_stages > 1:
+            for stage, chunks in zip(stages, chunk_times(costs, counts, int(k), config.virtual_stages)):
+                stage["chunks"] = chunks
+            interleaved = {"wrap_send_s": float(costs.schedule.wrap_s[k])}
         recompute = {"recompute": config.recompute, "recompute_method": config.recompute_method,
                      "recompute_num_layers": config.recompute_num_layers}
         rows.append({
@@ -61,7 +66,7 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
             "p2p_s": float(terms["p2p_s"][k]), "dp_allreduce_s": float(terms["dp_allreduce_s"][k]),
             "embedding_allreduce_s": float(terms["embedding_allreduce_s"][k]),
             "dp_exposed_s": float(terms["dp_exposed_s"][k]), "optimizer_s": float(terms["optimizer_s"][k]),
-            "closed_form_step_s": float(terms["closed_form_step_s"][k]),
+            "closed_form_step_s": float(terms["closed_form_step_s"][k]), **interleaved,
             "recompute_s": float(terms["recompute_s"][k]),
             "peak_memory_gib": float(terms["stage_memory_gib"][k, worst]),
             "memory_capacity_gib": float(terms["stage_capacity_gib"][k, worst]),
@@ -70,6 +75,15 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
             "stages": stages,
         })
     return rows
+
+
+def chunk_times(costs: StageCosts, counts: np.ndarray, k: int, v: int) -> list[list[dict]]:
+    """Each stage's model chunks of row k: forward, recomputed forward and backward of one micro-batch, as the
+    exact schedule times them (fasop.cost.exact.ScheduleBatch.chunks)."""
+    forward, backward = costs.schedule.chunks(np.array([k]), v, counts[k:k + 1])
+    recompute = per_chunk(costs.recompute_fixed_s[k:k + 1], costs.recompute_layer_s[k:k + 1], counts[k:k + 1], v)
+    return [[{"forward_s": float(f), "recompute_s": float(r), "backward_s": float(b - r)}
+             for f, r, b in zip(fs, rs, bs)] for fs, rs, bs in zip(forward[0], recompute[0], backward[0])]
 
 
 def virtual_layout(layers: np.ndarray, virtual_stages: int) -> list[int]:
