@@ -23,7 +23,7 @@ from fasop.files import CSV_LIMIT_BYTES, read_text
 from fasop.inputs import bundled
 from fasop.inputs.catalogue import GpuSpec, load_gpu_specs
 from fasop.inputs.model import Model
-from fasop.inputs.roofline import Rates, attention_core_share, attention_core_time_share, unit_times, unit_work
+from fasop.inputs.roofline import Rates, attention_core_share, unit_attention_core_share, unit_seconds
 
 COLUMNS = ("tp", "mbs", "kind", "forward_s", "backward_s")
 MEMORY_COLUMN = "peak_memory_bytes"  # optional last column of measured profiles; the search does not read it
@@ -87,10 +87,10 @@ class RooflineShape:
     kind: str
 
     def __call__(self, mbs: int) -> tuple[float, float]:
-        return unit_times(unit_work(self.model, self.tp, mbs)[self.kind], self.tp, self.rates)
+        return unit_seconds(self.model, self.tp, mbs, self.kind, self.rates)
 
     def attention_core_share(self, mbs: int) -> float:
-        return attention_core_time_share(unit_work(self.model, self.tp, mbs)[self.kind], self.tp, self.rates)
+        return unit_attention_core_share(self.model, self.tp, mbs, self.kind, self.rates)
 
 
 def roofline_shape(model: Model, spec: GpuSpec, tp: int, kind: str) -> Shape:

@@ -352,6 +352,18 @@ def attention_core_time_share(work: UnitWork, tp: int, rates: Rates) -> float:
     return pass_s(core, rates) / unit_times(work, tp, rates)[0] if core else 0.0
 
 
+@lru_cache(maxsize=2**16)
+def unit_seconds(model: Model, tp: int, mbs: int, kind: str, rates: Rates) -> tuple[float, float]:
+    """unit_times of one unit of `model` (memoised: the micro-batch scaling of profiles asks again and again)."""
+    return unit_times(unit_work(model, tp, mbs)[kind], tp, rates)
+
+
+@lru_cache(maxsize=2**16)
+def unit_attention_core_share(model: Model, tp: int, mbs: int, kind: str, rates: Rates) -> float:
+    """attention_core_time_share of one unit of `model` (memoised)."""
+    return attention_core_time_share(unit_work(model, tp, mbs)[kind], tp, rates)
+
+
 def unit_times(work: UnitWork, tp: int, rates: Rates) -> tuple[float, float]:
     """(forward_s, backward_s) of one unit, the tensor-parallel collectives (ring: (tp - 1) / tp of each
     payload at the link's bus bandwidth for that payload, not overlapped) included."""
