@@ -29,36 +29,37 @@ _GRID_ELEMENTS = 4_000_000  # grid cells (problems x X x Y x stages) evaluated a
 
 
 class _Filler:
-    """Cheapest placement of each segment's layers under per-stage caps, for many cap vectors at once."""
+    """Cheapest placement of each segment's layers under per-stage caps, for many cap vectors at once.
+
+    Within a segment the stages take layers cheapest first (ties: earlier stage first), each as many as its cap
+    allows until the segment has its layers. So a stage takes what its segment still needs once the stages before
+    it have taken all their room; that room is summed with a 0/1 matrix product, exact because every count is a
+    whole number (caps must be finite)."""
 
     def __init__(self, batch: PartitionBatch):
         self.lo = batch.lo
         b, p = batch.lo.shape
         seg = np.broadcast_to(batch.segment_of_stage, (b, p))
-        # within each segment, cheapest layer first (ties: earlier stage first)
-        self.order = np.lexsort((np.broadcast_to(np.arange(p), (b, p)), batch.layer_s, seg), axis=-1)
-        self.seg_sorted = np.take_along_axis(seg, self.order, axis=-1)
+        cost, stage = batch.layer_s, np.arange(p)
+        # first[b, j, i]: stage j fills before stage i of its segment
+        first = (cost[:, :, None] < cost[:, None, :]) | (cost[:, :, None] == cost[:, None, :]) & (stage[:, None] < stage)
+        self.first = (first & (seg[:, :, None] == seg[:, None, :])).astype(float)
+        self.member = (seg[:, :, None] == np.arange(len(batch.segment_layers))).astype(float)  # (b, p, segments)
         self.remaining = batch.segment_layers[None, :] - segment_sums(batch.lo, seg, len(batch.segment_layers))
+        self.stage_needs = np.take_along_axis(self.remaining, seg, axis=-1)  # (b, p) what the stage's segment needs
 
     def fill(self, caps: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """caps (B', ..., P) for the problems `rows` (default all) -> (counts, feasible (B', ...))."""
         index: slice | np.ndarray = slice(None) if rows is None else rows
-        lo, order, remaining, seg = self.lo[index], self.order[index], self.remaining[index], self.seg_sorted[index]
         expand = (slice(None),) + (None,) * (caps.ndim - 2)
-        lo_b, order_b, seg_b = lo[expand], np.broadcast_to(order[expand], caps.shape), seg[expand]
-        extra = np.take_along_axis(np.clip(caps - lo_b, 0, None), order_b, axis=-1)
-        ok = (caps >= lo_b).all(axis=-1)
-        taken = np.zeros(caps.shape)
-        for s in range(remaining.shape[1]):
-            need = remaining[:, s][expand]
-            mine = seg_b == s
-            avail = np.where(mine, extra, 0.0)
-            before = np.cumsum(avail, axis=-1) - avail  # a segment's stages are contiguous once sorted
-            taken += np.where(mine, np.clip(need[..., None] - before, 0, avail), 0.0)
-            ok &= avail.sum(axis=-1) >= need
-        counts = np.empty_like(taken)
-        np.put_along_axis(counts, order_b, taken, axis=-1)
-        return counts + lo_b, np.asarray(ok)
+        lo = self.lo[index][expand]
+        room = np.clip(caps - lo, 0, None)
+        cells = room.reshape(len(room), -1 if room.size else 0, room.shape[-1])  # (B', cap vectors, P)
+        before = np.matmul(cells, self.first[index]).reshape(room.shape)
+        taken = np.clip(self.stage_needs[index][expand] - before, 0, room)
+        segment_room = np.matmul(cells, self.member[index]).reshape(room.shape[:-1] + self.member.shape[-1:])
+        ok = (caps >= lo).all(axis=-1) & (segment_room >= self.remaining[index][expand]).all(axis=-1)
+        return taken + lo, np.asarray(ok)
 
 
 def _caps(threshold: np.ndarray, fixed: np.ndarray, per_layer: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -99,16 +100,26 @@ def _compact(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return kept[:, :width]
 
 
-def _first_feasible(values: np.ndarray, caps_of, filler: _Filler) -> np.ndarray:
-    """Index of the smallest value whose caps admit a partition (feasibility grows with the threshold)."""
-    low = np.zeros(len(values), dtype=int)
-    high = np.full(len(values), values.shape[1] - 1)
-    while (low < high).any():
-        mid = (low + high) // 2
-        ok = filler.fill(caps_of(values[np.arange(len(values)), mid][:, None]))[1][:, 0]
-        high = np.where(ok, mid, high)
-        low = np.where(ok, low, mid + 1)
-    return low
+def _smallest_feasible(fixed: np.ndarray, per_layer: np.ndarray, p: PartitionBatch, hi: np.ndarray) -> np.ndarray:
+    """(B,) the smallest value fixed_i + per_layer_i n (lo_i <= n <= hi_i) whose caps (`_caps`) admit a partition of
+    each problem, for problems that have one.
+
+    The caps admit a partition when every stage reaches its fewest layers (fixed_i + per_layer_i lo_i <= X) and
+    each segment has room for the layers it holds beyond those minima; the room a threshold X gives a stage is the
+    number of its further counts lo_i < n <= hi_i whose value is <= X, so a segment that needs k more layers needs
+    X to reach the k-th smallest value of its stages' further counts. Values are computed as `_values` computes
+    them, so the answer is the threshold a search over `_values` would find."""
+    seg = np.broadcast_to(p.segment_of_stage, p.lo.shape)
+    need = p.segment_layers[None, :] - segment_sums(p.lo, seg, len(p.segment_layers))
+    smallest = (fixed + per_layer * p.lo).max(-1)
+    n = p.lo[:, :, None] + np.arange(1, max(int((hi - p.lo).max()), 0) + 2)  # one spare column: never empty
+    further = np.where(n <= hi[:, :, None], fixed[:, :, None] + per_layer[:, :, None] * n, np.inf)
+    rows = np.arange(len(p))
+    for s in range(len(p.segment_layers)):
+        mine = np.sort(np.where((seg == s)[:, :, None], further, np.inf).reshape(len(p), -1), axis=-1)
+        kth = mine[rows, np.clip(need[:, s] - 1, 0, mine.shape[1] - 1)]
+        smallest = np.where(need[:, s] > 0, np.maximum(smallest, kth), smallest)
+    return smallest
 
 
 def _clipped_hi(p: PartitionBatch) -> np.ndarray:
@@ -140,9 +151,7 @@ def lower_bounds(batch: PartitionBatch) -> np.ndarray:
     rows = np.flatnonzero(feasible)
     if len(rows):
         q, q_hi = p.take(rows), hi[rows]
-        values = _values(q.period_fixed_s, q.layer_s, q.lo, q_hi)
-        first = _first_feasible(values, lambda x: _caps(x, q.period_fixed_s, q.layer_s, q_hi), _Filler(q))
-        smallest[rows] = values[np.arange(len(rows)), first]
+        smallest[rows] = _smallest_feasible(q.period_fixed_s, q.layer_s, q, q_hi)
     stages = p.lo.shape[1]
     period = np.maximum(smallest, (p.period_fixed_s.sum(-1) + layer_sum) / stages)
     bound = np.maximum(p.base_s + layer_sum, p.num_microbatches * period)
@@ -183,9 +192,8 @@ class _Search:
         xs = _values(p.period_fixed_s, p.layer_s, p.lo, self.hi)
         xs[m1 == 0] = np.inf  # one micro-batch: the period does not count, nothing caps the layers
         ys = _values(p.ar_fixed_s, p.ar_layer_s, p.lo, self.hi)
-        index = np.arange(len(p))
-        x_min = xs[index, _first_feasible(xs, self.caps_x, self.filler)]
-        y_min = ys[index, _first_feasible(ys, self.caps_y, self.filler)]
+        x_min = np.where(m1 == 0, np.inf, _smallest_feasible(p.period_fixed_s, p.layer_s, p, self.hi))
+        y_min = _smallest_feasible(p.ar_fixed_s, p.ar_layer_s, p, self.hi)
         # a first solution: the widest fill (feasible), or one from either smallest threshold alone when it fits
         best, best_counts = p.objective(self.widest), self.widest.copy()
         for caps in (self.caps_x(x_min[:, None]), self.caps_y(y_min[:, None])):
