@@ -16,12 +16,12 @@ from fasop.inputs.roofline import attention_core_share
 
 @dataclass(frozen=True)
 class StageCompute:
-    gpu: tuple[str, ...]  # GPU types hosting each stage, '+'-joined when a stage spans two types
-    layer_s: np.ndarray  # (K, pp) one transformer layer of the stage's segment
-    fixed_s: np.ndarray  # (K, pp) the embedding and head units on the stage (everything when pp = 1)
-    layer_forward_s: np.ndarray  # (K, pp) the forward part of layer_s
-    fixed_forward_s: np.ndarray  # (K, pp) the forward part of fixed_s
-    kind_forward_s: tuple[np.ndarray, ...]  # (K, pp) per layer kind: the forward alone, what recomputation repeats
+    gpu: tuple[tuple[str, ...], ...]  # per row: GPU types hosting each stage, '+'-joined when a stage spans two
+    layer_s: np.ndarray  # (G K, pp) one transformer layer of the stage's segment
+    fixed_s: np.ndarray  # (G K, pp) the embedding and head units on the stage (everything when pp = 1)
+    layer_forward_s: np.ndarray  # (G K, pp) the forward part of layer_s
+    fixed_forward_s: np.ndarray  # (G K, pp) the forward part of fixed_s
+    kind_forward_s: tuple[np.ndarray, ...]  # (G K, pp) per layer kind: the forward alone, what recomputation repeats
 
 
 def recompute_shares(model: Model, config: Config) -> list[float]:
@@ -36,16 +36,17 @@ def recompute_shares(model: Model, config: Config) -> list[float]:
 
 
 def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
-                  stage_node_types: tuple[tuple[str, ...], ...], config: Config, sizes: tuple[int, ...],
+                  placements: list[tuple[tuple[str, ...], ...]], config: Config, sizes: tuple[int, ...],
                   segment: np.ndarray) -> StageCompute:
-    """Compute of each stage for each micro-batch size in `sizes`."""
+    """Compute of each stage for G placements (the node types hosting each stage) and K micro-batch sizes,
+    row g K + k. Placements share the few GPU sets their stages have, so each set's profiles are read once."""
     tp, pp, whole = config.tp, config.pp, config.pp == 1
-    stage_gpus = [tuple(sorted({cluster.node_types[n].gpu for n in names})) for names in stage_node_types]
-    gpu_sets = sorted(set(stage_gpus))
-    stage_set = np.array([gpu_sets.index(g) for g in stage_gpus])
+    stage_gpus = [[tuple(sorted({cluster.node_types[n].gpu for n in names})) for names in stages] for stages in placements]
+    gpu_sets = sorted({gpus for stages in stage_gpus for gpus in stages})
+    stage_set = np.array([[gpu_sets.index(gpus) for gpus in stages] for stages in stage_gpus])  # (G, pp)
 
     def unit_s(kind: str, forward: bool) -> np.ndarray:
-        """(K, pp): forward + backward (or the forward alone) of one unit of `kind` for one micro-batch on each
+        """(G K, pp): forward + backward (or the forward alone) of one unit of `kind` for one micro-batch on each
         stage; a stage of two GPU types takes the slower type's step, and that type's forward."""
         steps = [np.array([profiles[g].step_s(tp, kind, sizes) for g in gpus]) for gpus in gpu_sets]
         if forward:
@@ -53,14 +54,14 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
                                 for gpus, s in zip(gpu_sets, steps)])
         else:
             per_set = np.array([s.max(0) for s in steps])
-        return per_set[stage_set].T
+        return per_set[stage_set].transpose(0, 2, 1).reshape(-1, pp)
 
     def totals(forward: bool) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         kinds = model.layer_kinds
         layer_by_kind = [unit_s(kind, forward) for kind in kinds]
         layer_s = np.choose(segment, layer_by_kind) if len(kinds) > 1 else layer_by_kind[0]
         first_decoder = min(config.encoder_stages, pp - 1)
-        fixed_s = np.zeros((len(sizes), pp))
+        fixed_s = np.zeros(layer_s.shape)
         fixed_s[:, 0] += unit_s("embedding", forward)[:, 0]
         fixed_s[:, -1] += unit_s("head", forward)[:, -1]
         if model.is_encoder_decoder:
@@ -71,8 +72,9 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
 
     layer_s, fixed_s, _ = totals(forward=False)
     layer_forward_s, fixed_forward_s, kind_forward_s = totals(forward=True)
-    return StageCompute(tuple("+".join(g) for g in stage_gpus), layer_s, fixed_s, layer_forward_s, fixed_forward_s,
-                        tuple(kind_forward_s))
+    gpu = [tuple("+".join(g) for g in stages) for stages in stage_gpus]
+    return StageCompute(tuple(names for names in gpu for _ in sizes), layer_s, fixed_s, layer_forward_s,
+                        fixed_forward_s, tuple(kind_forward_s))
 
 
 def recompute_times(model: Model, config: Config, compute: StageCompute,

@@ -154,13 +154,13 @@ def memory_bytes_per_s(cluster: Cluster, gpu: str) -> float:
     return own.memory_bytes_per_s if own is not None else _catalogue_bandwidths().get(gpu, 0.0)
 
 
-def optimizer_times(model: Model, cluster: Cluster, stage_node_types: tuple[tuple[str, ...], ...], config: Config,
+def optimizer_times(model: Model, cluster: Cluster, placements: list[tuple[tuple[str, ...], ...]], config: Config,
                     fixed_params: np.ndarray, layer_params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(fixed, per layer): (pp,) seconds of each stage's optimizer step, a memory-bound pass over its ranks'
-    optimizer state (sharded over the data-parallel group with the distributed optimizer) at the memory
-    bandwidth of the stage's slowest GPU."""
-    bandwidth = np.array([min(memory_bytes_per_s(cluster, cluster.node_types[n].gpu) for n in names)
-                          for names in stage_node_types])
+    """(fixed, per layer): (G, pp) seconds of each stage's optimizer step for G placements (the node types hosting
+    each stage), a memory-bound pass over its ranks' optimizer state (sharded over the data-parallel group with the
+    distributed optimizer) at the memory bandwidth of the stage's slowest GPU."""
+    bandwidth = np.array([[min(memory_bytes_per_s(cluster, cluster.node_types[n].gpu) for n in names)
+                           for names in stages] for stages in placements])
     shard = config.dp if config.distributed_optimizer else 1
     with np.errstate(divide="ignore"):
         per_param = np.where(bandwidth > 0, optimizer_bytes_per_param(model) / shard / bandwidth, 0.0)

@@ -9,7 +9,7 @@ picks the layer counts, and `breakdown` reports every term of the result.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -28,60 +28,74 @@ from fasop.inputs.profiles import GpuProfile
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Everything the partition and the breakdown need for one placement and split of a (tp, dp, pp)
-    plan, for several micro-batch sizes at once: per-stage arrays are (K, pp), one row per size."""
+    """Everything the partition and the breakdown need for one split of a (tp, dp, pp) plan on G placements, each
+    for K micro-batch sizes at once: per-stage arrays are (G K, pp), row g K + k for placement g and size k."""
 
-    mbs: np.ndarray  # (K,)
+    mbs: np.ndarray  # (G K,)
     problem: PartitionBatch
-    gpu: tuple[str, ...]  # GPU types hosting each stage, '+'-joined when a stage spans two types
+    gpu: tuple[tuple[str, ...], ...]  # per row: GPU types hosting each stage, '+'-joined when a stage spans two types
     fixed_s: np.ndarray  # compute of the embedding/head units on the stage, one micro-batch (with recomputation)
-    recompute_fixed_s: np.ndarray  # (K, pp) of which recomputed forwards (fasop.cost.compute)
-    recompute_layer_s: np.ndarray  # (K, pp) forward recomputed per layer and micro-batch, part of problem.layer_s
-    boundary_s: np.ndarray  # (K, pp-1) send of one micro-batch's activation across each boundary
+    recompute_fixed_s: np.ndarray  # (G K, pp) of which recomputed forwards (fasop.cost.compute)
+    recompute_layer_s: np.ndarray  # (G K, pp) forward recomputed per layer and micro-batch, part of problem.layer_s
+    boundary_s: np.ndarray  # (G K, pp-1) send of one micro-batch's activation across each boundary
     exchange_s: np.ndarray  # sends and receives a stage waits for in each steady-state step
     mem_fixed_gib: np.ndarray
     mem_layer_gib: np.ndarray
-    capacity_gib: np.ndarray  # (pp,) memory of the smallest GPU on the stage
-    embedding_allreduce_s: np.ndarray  # (K,)
+    capacity_gib: np.ndarray  # (G K, pp) memory of the smallest GPU on the stage
+    embedding_allreduce_s: np.ndarray  # (G K,)
     fixed_layers: np.ndarray  # (pp,) layers that are not partitioned (one stage holds the whole model)
     schedule: ScheduleBatch  # what the exact step needs
+
+    def take(self, rows: slice) -> StageCosts:
+        """The rows `rows` of these costs (views)."""
+        def part(name: str):
+            value = getattr(self, name)
+            if name == "fixed_layers":  # per stage, the same for every row
+                return value
+            return value.take(rows) if name in ("problem", "schedule") else value[rows]
+
+        return StageCosts(*(part(f.name) for f in fields(StageCosts)))
 
 
 def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
                 config: Config, mbs_values: list[int]) -> StageCosts:
     """Per-stage costs of `config` (its mbs is ignored) on `geo`, for each micro-batch size in mbs_values."""
-    return next(recompute_variants(model, cluster, profiles, geo, [config], mbs_values))
+    return next(recompute_variants(model, cluster, profiles, [geo], [config], mbs_values))
 
 
-def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
+def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geos: list[Geometry],
                        configs: list[Config], mbs_values: list[int]) -> Iterator[StageCosts]:
-    """stage_costs of each of `configs` in turn, one plan under several recompute settings (nothing else
-    differs): what recomputation leaves alone is computed once, and variants not asked for are not built."""
+    """stage_costs of each of `configs` in turn on every placement `geos` at once, one plan under several recompute
+    settings (nothing else differs): what recomputation leaves alone is computed once, and variants not asked for
+    are not built."""
     config = configs[0]
     pp, whole = config.pp, config.pp == 1
     mbs = np.array(mbs_values)
     k = len(mbs)
     m = config.gbs // (config.dp * mbs)
+    rows = len(geos) * k
+    num_microbatches = np.tile(m, len(geos))
     segment, segment_layers = segments(model, config)
-    compute = stage_compute(model, cluster, profiles, geo.stage_node_types, config,
-                            tuple(int(b) for b in mbs_values), segment)
+    placements = [geo.stage_node_types for geo in geos]
+    compute = stage_compute(model, cluster, profiles, placements, config, tuple(int(b) for b in mbs_values), segment)
     fixed_layers = np.zeros(pp, dtype=int)
     if whole:
         fixed_layers[0] = model.num_layers
-    boundary, exchange, wrap = p2p_times(model, geo, config, segment, mbs)
+    boundary, exchange, wrap = p2p_times(model, geos, config, segment, mbs)
     params = stage_params(model, config, segment)
-    ar_fixed, ar_layer, emb_ar = allreduce_times(model, geo, config, *params, k)
-    opt_fixed, opt_layer = optimizer_times(model, cluster, geo.stage_node_types, config, *params)
+    ar_fixed, ar_layer, emb_ar = allreduce_times(model, geos, config, *params, k)
+    opt_fixed, opt_layer = (np.repeat(t, k, axis=0) for t in optimizer_times(model, cluster, placements, config, *params))
     # the distributed optimizer reduce-scatters the gradients (half the all-reduce's traffic) and all-gathers
     # the parameters, in the training precision rather than the gradients'
     grad_share = 0.5 if config.distributed_optimizer else 1.0
     gather_share = 0.5 * model.precision_bytes / gradient_comm_bytes(model) if config.distributed_optimizer else 0.0
-    buckets = np.full(k, float(bucket_params(config.dp)))
-    capacity = stage_capacity_gib(cluster, geo.stage_node_types)
+    buckets = np.full(rows, float(bucket_params(config.dp)))
+    capacity = np.repeat(stage_capacity_gib(cluster, placements), k, axis=0)
     usable = usable_gib(cluster, capacity)
     refused = None  # micro-batch counts Megatron cannot interleave: nothing fits
     if config.virtual_stages > 1:
-        refused = np.array([interleaving_error(pp, config.virtual_stages, int(count)) is not None for count in m])
+        refused = np.tile([interleaving_error(pp, config.virtual_stages, int(count)) is not None for count in m],
+                          len(geos))
     lo = np.ones(pp, dtype=int)
     if whole:
         lo[:] = 0
@@ -93,11 +107,14 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     post_fixed = gather * ar_fixed + opt_fixed
     post_layer = gather * ar_layer + opt_layer
     if config.overlap_grad_reduce:
-        post_fixed = post_fixed + grad_share * geo.dp_allreduce_s_per_byte * gradient_comm_bytes(model) * buckets[:, None]
+        per_byte = np.repeat(np.array([geo.dp_allreduce_s_per_byte for geo in geos]), k, axis=0)
+        post_fixed = post_fixed + grad_share * per_byte * gradient_comm_bytes(model) * buckets[:, None]
     else:
         post_fixed, post_layer = post_fixed + grad_share * ar_fixed, post_layer + grad_share * ar_layer
     for variant in configs:
-        mem_fixed, mem_layer = stage_memory_gib(model, variant, segment, params, mbs, m)
+        # memory does not depend on the placement, only what fits does
+        mem_fixed, mem_layer = (np.tile(t, (len(geos), 1))
+                                for t in stage_memory_gib(model, variant, segment, params, mbs, m))
         hi = layers_that_fit(mem_fixed, mem_layer, usable, whole)
         if refused is not None:
             hi = np.where(refused[:, None], -1, hi)
@@ -108,22 +125,23 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
         fixed_s = compute.fixed_s + recompute_fixed_s
         layer_s = compute.layer_s + recompute_layer_s
         problem = PartitionBatch(
-            segment_of_stage=segment, segment_layers=segment_layers, lo=np.broadcast_to(variant_lo, (k, pp)), hi=hi,
-            layer_s=layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=post_fixed, ar_layer_s=post_layer,
-            num_microbatches=m, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
+            segment_of_stage=segment, segment_layers=segment_layers, lo=np.broadcast_to(variant_lo, (rows, pp)),
+            hi=hi, layer_s=layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=post_fixed, ar_layer_s=post_layer,
+            num_microbatches=num_microbatches, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
         )
         schedule = ScheduleBatch(
             fixed_s=fixed_s, layer_s=layer_s, fixed_forward_s=compute.fixed_forward_s,
-            layer_forward_s=compute.layer_forward_s, boundary_s=boundary, num_microbatches=m,
+            layer_forward_s=compute.layer_forward_s, boundary_s=boundary, num_microbatches=num_microbatches,
             grad_fixed_s=grad_share * ar_fixed, grad_layer_s=grad_share * ar_layer,
             gather_fixed_s=gather_share * ar_fixed, gather_layer_s=gather_share * ar_layer,
-            optimizer_fixed_s=np.broadcast_to(opt_fixed, (k, pp)), optimizer_layer_s=np.broadcast_to(opt_layer, (k, pp)),
-            params_fixed=np.broadcast_to(params[0], (k, pp)), params_layer=np.broadcast_to(params[1], (k, pp)),
-            bucket_params=buckets, embedding_allreduce_s=emb_ar, overlap_grad_reduce=np.full(k, config.overlap_grad_reduce),
-            overlap_param_gather=np.full(k, config.overlap_param_gather),
-            virtual_stages=np.full(k, config.virtual_stages), wrap_s=wrap)
-        yield StageCosts(mbs, problem, compute.gpu, fixed_s, recompute_fixed_s, recompute_layer_s, boundary, exchange,
-                         mem_fixed, mem_layer, capacity, emb_ar, fixed_layers, schedule)
+            optimizer_fixed_s=opt_fixed, optimizer_layer_s=opt_layer,
+            params_fixed=np.broadcast_to(params[0], (rows, pp)), params_layer=np.broadcast_to(params[1], (rows, pp)),
+            bucket_params=buckets, embedding_allreduce_s=emb_ar,
+            overlap_grad_reduce=np.full(rows, config.overlap_grad_reduce),
+            overlap_param_gather=np.full(rows, config.overlap_param_gather),
+            virtual_stages=np.full(rows, config.virtual_stages), wrap_s=wrap)
+        yield StageCosts(np.tile(mbs, len(geos)), problem, compute.gpu, fixed_s, recompute_fixed_s, recompute_layer_s,
+                         boundary, exchange, mem_fixed, mem_layer, capacity, emb_ar, fixed_layers, schedule)
 
 
 def breakdown(costs: StageCosts, counts: np.ndarray, exact: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -155,5 +173,5 @@ def breakdown(costs: StageCosts, counts: np.ndarray, exact: dict[str, np.ndarray
         "stage_p2p_s": costs.exchange_s,
         "stage_allreduce_s": allreduce,
         "stage_memory_gib": memory,
-        "stage_capacity_gib": np.broadcast_to(costs.capacity_gib, memory.shape),
+        "stage_capacity_gib": costs.capacity_gib,
     }

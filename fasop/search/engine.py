@@ -61,7 +61,7 @@ def memory_overshoot(costs: StageCosts, row: int, cluster: Cluster) -> float:
     mem_fixed, mem_layer = costs.mem_fixed_gib[row], costs.mem_layer_gib[row]
 
     def fits(ratio: float) -> bool:
-        room = usable_gib(cluster, ratio * costs.capacity_gib) - mem_fixed
+        room = usable_gib(cluster, ratio * costs.capacity_gib[row]) - mem_fixed
         if (room < -1e-12).any():
             return False
         with np.errstate(divide="ignore"):
@@ -105,6 +105,14 @@ class SearchResult:
         if other.closest_memory_factor is not None and (self.closest_memory_factor is None
                                                         or other.closest_memory_factor < self.closest_memory_factor):
             self.closest_memory_factor, self.closest_plan = other.closest_memory_factor, other.closest_plan
+
+
+def _bounds(batch: PartitionBatch, dominated: np.ndarray) -> np.ndarray:
+    """lower_bounds of the problems a lighter recompute mode does not dominate (the others are never solved)."""
+    bound = np.full(len(batch), np.inf)
+    rows = np.flatnonzero(~dominated)
+    bound[rows] = lower_bounds(batch.take(rows))
+    return bound
 
 
 def _ranking_bound(bound: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -183,33 +191,36 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
               progress: Callable[[int, int], None] | None, sort: str) -> SearchResult:
     model, cluster = inputs.model, inputs.cluster
     todo = groups(inputs, combos, placement_limit)
-    items = [(group, geo) for group in todo for geo in group.geos]
-    buckets: dict[int, list] = {}  # (group, config, geo, costs) of each recompute variant of each plan
+    buckets: dict[int, list] = {}  # (group, config, costs) of each recompute variant of each plan, all placements
     beaten_of: dict[int, list[np.ndarray]] = {}  # by pipeline depth: rows a lighter mode dominates
     items_of: dict[int, int] = {}
     dominated = 0
-    for group, geo in items:  # plans with the same number of stages are partitioned in one batch
+    for group in todo:  # plans with the same number of stages are partitioned in one batch
         for v in virtual_stage_options(model, group.config.pp):  # the best virtual size is the plan's
             configs = [replace(c, virtual_stages=v) for c in (group.variants or (group.config,))]
             lighter: list[StageCosts] = []
-            for config, costs in zip(configs, recompute_variants(model, cluster, inputs.profiles, geo, configs,
+            # placements where every lighter mode's memory binds for some micro-batch size: elsewhere the lightest
+            # free of memory limits beats the heavier modes (as `dominates` finds), which are not partitioned
+            binding = np.ones(len(group.geos), dtype=bool)
+            for config, costs in zip(configs, recompute_variants(model, cluster, inputs.profiles, group.geos, configs,
                                                                  group.mbs_values)):
-                buckets.setdefault(config.pp, []).append((group, config, geo, costs))
-                beaten = np.zeros(len(costs.mbs), dtype=bool)
+                buckets.setdefault(config.pp, []).append((group, config, costs))
+                beaten = ~np.repeat(binding, len(group.mbs_values))
                 for light in lighter:
                     beaten |= light.problem.dominates(costs.problem)
                 beaten_of.setdefault(config.pp, []).append(beaten)
                 lighter.append(costs)
-                if not costs.problem.memory_binds().any():
-                    # free of memory limits: this mode beats the heavier ones, which are not even built
+                binding &= costs.problem.memory_binds().reshape(len(group.geos), -1).any(-1)
+                if not binding.any():  # the heavier modes are not even built
                     dominated += len(costs.mbs) * (len(configs) - len(lighter))
                     break
-        items_of[group.config.pp] = items_of.get(group.config.pp, 0) + 1
-    problems = {pp: PartitionBatch.stack([c.problem for *_, c in bucket]) for pp, bucket in buckets.items()}
-    schedules = {pp: ScheduleBatch.stack([c.schedule for *_, c in bucket]) for pp, bucket in buckets.items()}
+        items_of[group.config.pp] = items_of.get(group.config.pp, 0) + len(group.geos)
+    problems = {pp: PartitionBatch.stack([costs.problem for *_, costs in bucket]) for pp, bucket in buckets.items()}
+    schedules = {pp: ScheduleBatch.stack([costs.schedule for *_, costs in bucket]) for pp, bucket in buckets.items()}
     # bounds prune what cannot reach the kept plans, and heavier recompute modes that cannot beat a lighter one
     bounded = keep or len(inputs.recompute) > 1
-    bounds = {pp: lower_bounds(batch) if bounded else np.zeros(len(batch)) for pp, batch in problems.items()}
+    bounds = {pp: _bounds(batch, np.concatenate(beaten_of[pp])) if bounded else np.zeros(len(batch))
+              for pp, batch in problems.items()}
     # encoder-decoder plans differing only in their encoder/decoder split compete: the best split is the plan's
     best: dict[tuple, tuple] = {}
     found: dict[tuple, float] = {}  # best ranking value found so far of each plan (for the pruning threshold)
@@ -219,14 +230,15 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
     for pp in sorted(buckets, key=lambda pp: bounds[pp].min()):  # most promising first
         bucket, batch = buckets[pp], problems[pp]
         keys, weight = [], []
-        for _, config, geo, costs in bucket:
-            price_per_s = price_per_hour_usd(cluster, geo.placement) / 3600.0
-            for mbs in costs.mbs:
-                keys.append((config.tp, config.dp, config.pp, geo.placement, int(mbs)))
-                weight.append(price_per_s if sort == "cost" else 1.0)
+        for group, config, _ in bucket:
+            for geo in group.geos:
+                price_per_s = price_per_hour_usd(cluster, geo.placement) / 3600.0
+                for mbs in group.mbs_values:
+                    keys.append((config.tp, config.dp, config.pp, geo.placement, int(mbs)))
+                    weight.append(price_per_s if sort == "cost" else 1.0)
         beaten = np.concatenate(beaten_of[pp])
         mode_of_row = np.concatenate([np.full(len(costs.mbs), RECOMPUTE_MODES.index(config.recompute))
-                                      for _, config, _, costs in bucket])
+                                      for _, config, costs in bucket])
         weights = np.array(weight)
         counts = np.zeros(batch.lo.shape, dtype=int)
         terms: dict[str, np.ndarray] = {}
@@ -248,14 +260,14 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
         pruned += len(batch) - int(solved_here.sum()) - int(beaten.sum())
         dominated += int(beaten.sum())
         at = 0
-        for group, config, geo, costs in bucket:
+        for group, config, costs in bucket:
             mode = RECOMPUTE_MODES.index(config.recompute)
             for row in range(len(costs.mbs)):
                 key = keys[at + row]
                 # the best split, recompute mode and virtual size are the plan's; ties go to fewer encoder stages,
                 # then the lighter mode, then fewer chunks
-                entry = (value[at + row], config.encoder_stages, mode, config.virtual_stages, group, config, geo, costs,
-                         row, counts[at + row], {name: column[at + row] for name, column in terms.items()})
+                entry = (value[at + row], config.encoder_stages, mode, config.virtual_stages, group, config, costs, row,
+                         counts[at + row], terms, at + row)
                 if not solved_here[at + row] and not beaten[at + row]:
                     skipped.add(key)
                 if np.isinf(value[at + row]) and (solved_here[at + row] or beaten[at + row]):
@@ -265,16 +277,14 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
             at += len(costs.mbs)
         done += items_of[pp]
         if progress:
-            progress(done, len(items))
+            progress(done, sum(items_of.values()))
     rows = []
-    for value, _, _, _, group, config, geo, costs, row, counts, exact in best.values():
+    for value, _, _, _, group, config, costs, row, counts, terms, at in best.values():
         if np.isfinite(value):
-            chosen = np.zeros(len(costs.mbs), dtype=bool)
-            chosen[row] = True
-            shape = costs.problem.lo.shape
-            exact = {name: np.broadcast_to(column, shape[:1] + np.shape(column)) for name, column in exact.items()}
-            rows += plan_rows(inputs, config, geo, costs, np.broadcast_to(counts, shape), chosen, group.exhaustive,
-                              exact)
+            geo = group.geos[row // len(group.mbs_values)]
+            exact = {name: column[at:at + 1] for name, column in terms.items()}
+            rows += plan_rows(inputs, config, geo, costs.take(slice(row, row + 1)), counts[None, :], np.array([True]),
+                              group.exhaustive, exact)
     oom = sum(1 for key, entry in best.items() if np.isinf(entry[0]) and key not in skipped)
     oversized = _oversized_plans(todo)
     result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned, dominated)

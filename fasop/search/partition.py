@@ -32,21 +32,43 @@ class _Filler:
     """Cheapest placement of each segment's layers under per-stage caps, for many cap vectors at once.
 
     Within a segment the stages take layers cheapest first (ties: earlier stage first), each as many as its cap
-    allows until the segment has its layers. So a stage takes what its segment still needs once the stages before
-    it have taken all their room; that room is summed with a 0/1 matrix product, exact because every count is a
-    whole number (caps must be finite)."""
+    allows until the segment has its layers: a stage takes what its segment still needs once the stages before it
+    have taken all their room. Counts are whole numbers, so every sum of room is exact in any order (caps must be
+    finite)."""
 
     def __init__(self, batch: PartitionBatch):
-        self.lo = batch.lo
+        self.lo, self.layer_s = batch.lo, batch.layer_s
         b, p = batch.lo.shape
-        seg = np.broadcast_to(batch.segment_of_stage, (b, p))
-        cost, stage = batch.layer_s, np.arange(p)
-        # first[b, j, i]: stage j fills before stage i of its segment
-        first = (cost[:, :, None] < cost[:, None, :]) | (cost[:, :, None] == cost[:, None, :]) & (stage[:, None] < stage)
-        self.first = (first & (seg[:, :, None] == seg[:, None, :])).astype(float)
-        self.member = (seg[:, :, None] == np.arange(len(batch.segment_layers))).astype(float)  # (b, p, segments)
-        self.remaining = batch.segment_layers[None, :] - segment_sums(batch.lo, seg, len(batch.segment_layers))
-        self.stage_needs = np.take_along_axis(self.remaining, seg, axis=-1)  # (b, p) what the stage's segment needs
+        self.segment = np.broadcast_to(batch.segment_of_stage, (b, p))
+        stage = np.broadcast_to(np.arange(p), (b, p))
+        # the stages in filling order (segment by segment), each one's place in it, and where its segment starts
+        self.order = np.lexsort((stage, batch.layer_s, self.segment), axis=-1)
+        self.place = np.argsort(self.order, axis=-1)
+        ordered_segment = np.take_along_axis(self.segment, self.order, axis=-1)
+        starts = np.ones((b, p), dtype=bool)
+        starts[:, 1:] = ordered_segment[:, 1:] != ordered_segment[:, :-1]
+        self.segment_start = np.maximum.accumulate(np.where(starts, stage, 0), axis=-1)
+        self.member = (self.segment[:, :, None] == np.arange(len(batch.segment_layers))).astype(float)  # (b, p, S)
+        self.remaining = batch.segment_layers[None, :] - segment_sums(batch.lo, self.segment, len(batch.segment_layers))
+        self.stage_needs = np.take_along_axis(self.remaining, self.segment, axis=-1)  # what the stage's segment needs
+
+    def _room_before(self, room: np.ndarray, cells: np.ndarray, index) -> np.ndarray:
+        """(B', ..., P) room of the stages that fill before each stage in its segment (`cells`: the room as (B', cap
+        vectors, P)). With at least as many cap vectors per problem as stages, a product with each problem's 0/1
+        matrix of who fills before whom (no larger than the product itself); else a running sum along the stages in
+        filling order."""
+        if cells.shape[1] >= cells.shape[2]:
+            cost, segment, stage = self.layer_s[index], self.segment[index], np.arange(cells.shape[2])
+            first = (cost[:, :, None] < cost[:, None, :]) | (cost[:, :, None] == cost[:, None, :]) & (stage[:, None] < stage)
+            first &= segment[:, :, None] == segment[:, None, :]
+            return np.matmul(cells, first.astype(float)).reshape(room.shape)
+        expand = (slice(None),) + (None,) * (room.ndim - 2)
+        order, place, start = (np.broadcast_to(a[index][expand], room.shape)
+                               for a in (self.order, self.place, self.segment_start))
+        ordered = np.take_along_axis(room, order, axis=-1)
+        before = np.cumsum(ordered, axis=-1) - ordered
+        before -= np.take_along_axis(before, start, axis=-1)  # counted from the start of the stage's segment
+        return np.take_along_axis(before, place, axis=-1)
 
     def fill(self, caps: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """caps (B', ..., P) for the problems `rows` (default all) -> (counts, feasible (B', ...))."""
@@ -54,10 +76,10 @@ class _Filler:
         expand = (slice(None),) + (None,) * (caps.ndim - 2)
         lo = self.lo[index][expand]
         room = np.clip(caps - lo, 0, None)
-        cells = room.reshape(len(room), -1 if room.size else 0, room.shape[-1])  # (B', cap vectors, P)
-        before = np.matmul(cells, self.first[index]).reshape(room.shape)
-        taken = np.clip(self.stage_needs[index][expand] - before, 0, room)
-        segment_room = np.matmul(cells, self.member[index]).reshape(room.shape[:-1] + self.member.shape[-1:])
+        cells = room.reshape(len(room), room.size // max(room.shape[0] * room.shape[-1], 1), room.shape[-1])
+        taken = np.clip(self.stage_needs[index][expand] - self._room_before(room, cells, index), 0, room)
+        member = self.member[index]
+        segment_room = np.matmul(cells, member).reshape(room.shape[:-1] + member.shape[-1:])
         ok = (caps >= lo).all(axis=-1) & (segment_room >= self.remaining[index][expand]).all(axis=-1)
         return taken + lo, np.asarray(ok)
 

@@ -28,7 +28,7 @@ def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, 
         step = float(terms["step_time_s"][k])
         mbs = int(costs.mbs[k])
         sends = [*costs.boundary_s[k].tolist(), 0.0]
-        columns = zip(range(config.pp), costs.gpu, geo.stage_nodes, layers[k].tolist(), terms["stage_compute_s"][k].tolist(),
+        columns = zip(range(config.pp), costs.gpu[k], geo.stage_nodes, layers[k].tolist(), terms["stage_compute_s"][k].tolist(),
                       terms["stage_forward_s"][k].tolist(), terms["stage_recompute_s"][k].tolist(), sends,
                       terms["stage_p2p_s"][k].tolist(), terms["stage_allreduce_s"][k].tolist(),
                       terms["stage_memory_gib"][k].tolist(), terms["stage_capacity_gib"][k].tolist())
