@@ -56,6 +56,21 @@ class StageCosts:
 
         return StageCosts(*(part(f.name) for f in fields(StageCosts)))
 
+    @staticmethod
+    def stack(parts: list[StageCosts]) -> StageCosts:
+        """The rows of every part, in order (parts with the same stages and segments)."""
+        def whole(name: str):
+            values = [getattr(part, name) for part in parts]
+            if name == "problem":
+                return PartitionBatch.stack(values)
+            if name == "schedule":
+                return ScheduleBatch.stack(values)
+            if name == "gpu":
+                return sum(values, ())
+            return values[0] if name == "fixed_layers" else np.concatenate(values)
+
+        return StageCosts(*(whole(f.name) for f in fields(StageCosts)))
+
 
 def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
                 config: Config, mbs_values: list[int]) -> StageCosts:

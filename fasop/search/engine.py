@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -167,6 +168,22 @@ def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, ke
     return counts, terms, solved, outdone
 
 
+class _Candidate(NamedTuple):
+    """A partition problem of a plan, solved or not; the plan's best compares lowest on the first four fields."""
+
+    step_time_s: float  # inf when not solved or nothing fits
+    encoder_stages: int
+    mode: int  # index of the recompute mode, lightest first
+    virtual_stages: int
+    group: Group
+    config: Config
+    costs: StageCosts
+    row: int  # of costs
+    counts: np.ndarray  # layers per stage
+    terms: dict[str, np.ndarray]  # the exact step terms of the problem's batch
+    at: int  # the problem's row in terms
+
+
 def _oversized_plans(todo: list[Group]) -> int:
     """Plans (tp, dp, pp, placement, micro-batch size) whose micro-batch size `groups` left out."""
     placements_of: dict[tuple, set] = {}
@@ -222,7 +239,7 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
     bounds = {pp: _bounds(batch, np.concatenate(beaten_of[pp])) if bounded else np.zeros(len(batch))
               for pp, batch in problems.items()}
     # encoder-decoder plans differing only in their encoder/decoder split compete: the best split is the plan's
-    best: dict[tuple, tuple] = {}
+    best: dict[tuple, _Candidate] = {}
     found: dict[tuple, float] = {}  # best ranking value found so far of each plan (for the pruning threshold)
     solved = pruned = done = 0
     skipped: set[tuple] = set()  # plans with a split that was pruned rather than found not to fit
@@ -266,26 +283,29 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
                 key = keys[at + row]
                 # the best split, recompute mode and virtual size are the plan's; ties go to fewer encoder stages,
                 # then the lighter mode, then fewer chunks
-                entry = (value[at + row], config.encoder_stages, mode, config.virtual_stages, group, config, costs, row,
-                         counts[at + row], terms, at + row)
+                candidate = _Candidate(value[at + row], config.encoder_stages, mode, config.virtual_stages, group,
+                                       config, costs, row, counts[at + row], terms, at + row)
                 if not solved_here[at + row] and not beaten[at + row]:
                     skipped.add(key)
                 if np.isinf(value[at + row]) and (solved_here[at + row] or beaten[at + row]):
                     unfit.append((config, costs, row))
-                if key not in best or entry[:4] < best[key][:4]:
-                    best[key] = entry
+                if key not in best or candidate[:4] < best[key][:4]:
+                    best[key] = candidate
             at += len(costs.mbs)
         done += items_of[pp]
         if progress:
             progress(done, sum(items_of.values()))
     rows = []
-    for value, _, _, _, group, config, costs, row, counts, terms, at in best.values():
-        if np.isfinite(value):
-            geo = group.geos[row // len(group.mbs_values)]
-            exact = {name: column[at:at + 1] for name, column in terms.items()}
-            rows += plan_rows(inputs, config, geo, costs.take(slice(row, row + 1)), counts[None, :], np.array([True]),
-                              group.exhaustive, exact)
-    oom = sum(1 for key, entry in best.items() if np.isinf(entry[0]) and key not in skipped)
+    fitting_of: dict[int, list[_Candidate]] = {}  # the best of each plan that fits, by pipeline depth
+    for candidate in best.values():
+        if np.isfinite(candidate.step_time_s):
+            fitting_of.setdefault(candidate.config.pp, []).append(candidate)
+    for fitting in fitting_of.values():  # recorded together
+        plans = [(c.config, c.group.geos[c.row // len(c.group.mbs_values)], c.group.exhaustive) for c in fitting]
+        costs = StageCosts.stack([c.costs.take(slice(c.row, c.row + 1)) for c in fitting])
+        exact = {name: np.concatenate([c.terms[name][c.at:c.at + 1] for c in fitting]) for name in fitting[0].terms}
+        rows += plan_rows(inputs, plans, costs, np.array([c.counts for c in fitting]), exact)
+    oom = sum(1 for key, candidate in best.items() if np.isinf(candidate.step_time_s) and key not in skipped)
     oversized = _oversized_plans(todo)
     result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned, dominated)
     if not rows:

@@ -48,7 +48,10 @@ class _Filler:
         starts = np.ones((b, p), dtype=bool)
         starts[:, 1:] = ordered_segment[:, 1:] != ordered_segment[:, :-1]
         self.segment_start = np.maximum.accumulate(np.where(starts, stage, 0), axis=-1)
-        self.member = (self.segment[:, :, None] == np.arange(len(batch.segment_layers))).astype(float)  # (b, p, S)
+        # (b, segments) the stage of each segment that fills last
+        segments = np.arange(len(batch.segment_layers))
+        ends = (ordered_segment[:, :, None] <= segments).sum(axis=1) - 1
+        self.segment_last = np.take_along_axis(self.order, ends, axis=-1)
         self.remaining = batch.segment_layers[None, :] - segment_sums(batch.lo, self.segment, len(batch.segment_layers))
         self.stage_needs = np.take_along_axis(self.remaining, self.segment, axis=-1)  # what the stage's segment needs
 
@@ -56,12 +59,13 @@ class _Filler:
         """(B', ..., P) room of the stages that fill before each stage in its segment (`cells`: the room as (B', cap
         vectors, P)). With at least as many cap vectors per problem as stages, a product with each problem's 0/1
         matrix of who fills before whom (no larger than the product itself); else a running sum along the stages in
-        filling order."""
+        filling order. The product is an einsum, numpy's own loop: a BLAS product would start threads that cost more
+        than they save on products this small."""
         if cells.shape[1] >= cells.shape[2]:
             cost, segment, stage = self.layer_s[index], self.segment[index], np.arange(cells.shape[2])
             first = (cost[:, :, None] < cost[:, None, :]) | (cost[:, :, None] == cost[:, None, :]) & (stage[:, None] < stage)
             first &= segment[:, :, None] == segment[:, None, :]
-            return np.matmul(cells, first.astype(float)).reshape(room.shape)
+            return np.einsum("bvp,bpq->bvq", cells, first.astype(float)).reshape(room.shape)
         expand = (slice(None),) + (None,) * (room.ndim - 2)
         order, place, start = (np.broadcast_to(a[index][expand], room.shape)
                                for a in (self.order, self.place, self.segment_start))
@@ -77,9 +81,11 @@ class _Filler:
         lo = self.lo[index][expand]
         room = np.clip(caps - lo, 0, None)
         cells = room.reshape(len(room), room.size // max(room.shape[0] * room.shape[-1], 1), room.shape[-1])
-        taken = np.clip(self.stage_needs[index][expand] - self._room_before(room, cells, index), 0, room)
-        member = self.member[index]
-        segment_room = np.matmul(cells, member).reshape(room.shape[:-1] + member.shape[-1:])
+        before = self._room_before(room, cells, index)
+        taken = np.clip(self.stage_needs[index][expand] - before, 0, room)
+        last = self.segment_last[index][expand]
+        # a segment's room: what its stages before the last leave, and the last's
+        segment_room = np.take_along_axis(before + room, np.broadcast_to(last, room.shape[:-1] + last.shape[-1:]), axis=-1)
         ok = (caps >= lo).all(axis=-1) & (segment_room >= self.remaining[index][expand]).all(axis=-1)
         return taken + lo, np.asarray(ok)
 
