@@ -7,7 +7,6 @@ import gc
 import os
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -350,6 +349,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
         result = evaluate(inputs, combos, placement_limit, keep, progress, sort)
     else:
         result = SearchResult([], 0, 0, 0)
+        from concurrent.futures import ProcessPoolExecutor, as_completed  # only here: its import costs a small search
+
         shares = [combos[i::workers] for i in range(workers)]  # interleaved, so each gets all pipeline depths
         with ProcessPoolExecutor(workers) as pool:
             futures = [pool.submit(evaluate, inputs, share, placement_limit, keep, None, sort) for share in shares]

@@ -26,6 +26,10 @@ from fasop.cost.problem import PartitionBatch, segment_sums
 
 _EPS = 1e-9
 _GRID_ELEMENTS = 4_000_000  # grid cells (problems x X x Y x stages) evaluated at once
+# Multiply-adds per problem up to which the fill's products go to BLAS, which runs products this small on the calling
+# thread (OpenBLAS's threshold); larger ones run in numpy's own loop, since BLAS threads cost more than they save on
+# them, and far more when other processes hold the cores.
+_BLAS_PRODUCT = 2**18
 
 
 class _Filler:
@@ -59,12 +63,13 @@ class _Filler:
         """(B', ..., P) room of the stages that fill before each stage in its segment (`cells`: the room as (B', cap
         vectors, P)). With at least as many cap vectors per problem as stages, a product with each problem's 0/1
         matrix of who fills before whom (no larger than the product itself); else a running sum along the stages in
-        filling order. The product is an einsum, numpy's own loop: a BLAS product would start threads that cost more
-        than they save on products this small."""
+        filling order."""
         if cells.shape[1] >= cells.shape[2]:
             cost, segment, stage = self.layer_s[index], self.segment[index], np.arange(cells.shape[2])
             first = (cost[:, :, None] < cost[:, None, :]) | (cost[:, :, None] == cost[:, None, :]) & (stage[:, None] < stage)
             first &= segment[:, :, None] == segment[:, None, :]
+            if cells.shape[1] * cells.shape[2] ** 2 <= _BLAS_PRODUCT:
+                return np.matmul(cells, first.astype(float)).reshape(room.shape)
             return np.einsum("bvp,bpq->bvq", cells, first.astype(float)).reshape(room.shape)
         expand = (slice(None),) + (None,) * (room.ndim - 2)
         order, place, start = (np.broadcast_to(a[index][expand], room.shape)
