@@ -168,12 +168,9 @@ def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, ke
 
 
 class _Candidate(NamedTuple):
-    """A partition problem of a plan, solved or not; the plan's best compares lowest on the first four fields."""
+    """The best partition problem of a plan, solved or not."""
 
     step_time_s: float  # inf when not solved or nothing fits
-    encoder_stages: int
-    mode: int  # index of the recompute mode, lightest first
-    virtual_stages: int
     group: Group
     config: Config
     costs: StageCosts
@@ -242,7 +239,8 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
     found: dict[tuple, float] = {}  # best ranking value found so far of each plan (for the pruning threshold)
     solved = pruned = done = 0
     skipped: set[tuple] = set()  # plans with a split that was pruned rather than found not to fit
-    unfit: list[tuple] = []  # (config, costs, row) of every problem found not to fit, each split and mode
+    # the problems found not to fit, each split and mode: by pipeline depth, (bucket, entry and first row, rows)
+    unfit: list[tuple] = []
     for pp in sorted(buckets, key=lambda pp: bounds[pp].min()):  # most promising first
         bucket, batch = buckets[pp], problems[pp]
         keys, weight = [], []
@@ -275,22 +273,21 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
         solved += int(solved_here.sum())
         pruned += len(batch) - int(solved_here.sum()) - int(beaten.sum())
         dominated += int(beaten.sum())
-        at = 0
-        for group, config, costs in bucket:
-            mode = RECOMPUTE_MODES.index(config.recompute)
-            for row in range(len(costs.mbs)):
-                key = keys[at + row]
-                # the best split, recompute mode and virtual size are the plan's; ties go to fewer encoder stages,
-                # then the lighter mode, then fewer chunks
-                candidate = _Candidate(value[at + row], config.encoder_stages, mode, config.virtual_stages, group,
-                                       config, costs, row, counts[at + row], terms, at + row)
-                if not solved_here[at + row] and not beaten[at + row]:
-                    skipped.add(key)
-                if np.isinf(value[at + row]) and (solved_here[at + row] or beaten[at + row]):
-                    unfit.append((config, costs, row))
-                if key not in best or candidate[:4] < best[key][:4]:
-                    best[key] = candidate
-            at += len(costs.mbs)
+        sizes = [len(costs.mbs) for *_, costs in bucket]
+        entry = np.repeat(np.arange(len(bucket)), sizes)  # the bucket entry of each row
+        start = np.cumsum([0] + sizes)[:-1]  # the first row of each entry
+        ids: dict[tuple, int] = {}
+        plan = np.array([ids.setdefault(key, len(ids)) for key in keys])
+        # the best split, recompute mode and virtual size are the plan's; ties go to fewer encoder stages, then the
+        # lighter mode, then fewer chunks
+        encoder = np.array([config.encoder_stages for _, config, _ in bucket])[entry]
+        virtual = np.array([config.virtual_stages for _, config, _ in bucket])[entry]
+        order = np.lexsort((np.arange(len(batch)), virtual, mode_of_row, encoder, value, plan))
+        for i in order[np.r_[True, plan[order][1:] != plan[order][:-1]]].tolist():
+            group, config, costs = bucket[entry[i]]
+            best[keys[i]] = _Candidate(value[i], group, config, costs, i - start[entry[i]], counts[i], terms, i)
+        skipped.update(keys[i] for i in np.flatnonzero(~solved_here & ~beaten).tolist())
+        unfit.append((bucket, entry, start, np.flatnonzero(np.isinf(value) & (solved_here | beaten))))
         done += items_of[pp]
         if progress:
             progress(done, sum(items_of.values()))
@@ -308,10 +305,13 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
     oversized = _oversized_plans(todo)
     result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned, dominated)
     if not rows:
-        for config, costs, row in unfit:
-            factor = memory_overshoot(costs, row, cluster)
-            if result.closest_memory_factor is None or factor < result.closest_memory_factor:
-                result.closest_memory_factor, result.closest_plan = factor, replace(config, mbs=int(costs.mbs[row]))
+        for bucket, entry, start, rows_unfit in unfit:
+            for i in rows_unfit:
+                _, config, costs = bucket[entry[i]]
+                row = i - start[entry[i]]
+                factor = memory_overshoot(costs, row, cluster)
+                if result.closest_memory_factor is None or factor < result.closest_memory_factor:
+                    result.closest_memory_factor, result.closest_plan = factor, replace(config, mbs=int(costs.mbs[row]))
     return result
 
 

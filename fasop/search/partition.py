@@ -103,13 +103,24 @@ def _caps(threshold: np.ndarray, fixed: np.ndarray, per_layer: np.ndarray, hi: n
     taken from `_values` admits every count whose value it is: a tolerance here would either admit a count
     whose value exceeds the threshold or refuse the count that defines it."""
     x, f, r, top = threshold[:, :, None], fixed[:, None, :], per_layer[:, None, :], hi[:, None, :]
+    positive = r > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         guess = np.floor((x - f) / r)
-    caps = np.clip(np.where(r > 0, guess, np.where(f <= x, top, -1)), -1, top)
-    for _ in range(2):  # the rounded quotient can be one off either way: settle it on the values themselves
-        caps = caps + ((r > 0) & (caps + 1 <= top) & (f + r * (caps + 1) <= x))
-        caps = caps - ((r > 0) & (caps >= 0) & (f + r * caps > x))
-    return caps
+    caps = np.clip(np.where(positive, guess, np.where(f <= x, top, -1)), -1, top)
+    # the rounded quotient can be one off either way: settle it on the values themselves, in two passes; a pass
+    # repeats itself on a count it left unmoved, so the second visits only the counts the first moved
+    settled = _settle(caps, x, f, r, top, positive)
+    moved = np.nonzero(settled != caps)
+    if len(moved[0]):
+        settled[moved] = _settle(settled[moved], *(np.broadcast_to(a, caps.shape)[moved] for a in (x, f, r, top, positive)))
+    return settled
+
+
+def _settle(caps, x, f, r, top, positive):
+    """One pass of `_caps`' correction: up one where the next count's value is still <= x, down one where the
+    count's own value exceeds x."""
+    caps = caps + (positive & (caps + 1 <= top) & (f + r * (caps + 1) <= x))
+    return caps - (positive & (caps >= 0) & (f + r * caps > x))
 
 
 def _values(fixed: np.ndarray, per_layer: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
