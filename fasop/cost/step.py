@@ -9,6 +9,7 @@ picks the layer counts, and `breakdown` reports every term of the result.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import chain
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -46,12 +47,14 @@ class StageCosts:
     fixed_layers: np.ndarray  # (pp,) layers that are not partitioned (one stage holds the whole model)
     schedule: ScheduleBatch  # what the exact step needs
 
-    def take(self, rows: slice) -> StageCosts:
-        """The rows `rows` of these costs (views)."""
+    def take(self, rows: np.ndarray) -> StageCosts:
+        """The rows `rows` of these costs."""
         def part(name: str):
             value = getattr(self, name)
             if name == "fixed_layers":  # per stage, the same for every row
                 return value
+            if name == "gpu":
+                return tuple(value[row] for row in rows)
             return value.take(rows) if name in ("problem", "schedule") else value[rows]
 
         return StageCosts(*(part(f.name) for f in fields(StageCosts)))
@@ -66,7 +69,7 @@ class StageCosts:
             if name == "schedule":
                 return ScheduleBatch.stack(values)
             if name == "gpu":
-                return sum(values, ())
+                return tuple(chain.from_iterable(values))
             return values[0] if name == "fixed_layers" else np.concatenate(values)
 
         return StageCosts(*(whole(f.name) for f in fields(StageCosts)))

@@ -173,11 +173,10 @@ class _Candidate(NamedTuple):
     step_time_s: float  # inf when not solved or nothing fits
     group: Group
     config: Config
-    costs: StageCosts
-    row: int  # of costs
+    row: int  # among the group's placements and micro-batch sizes
     counts: np.ndarray  # layers per stage
     terms: dict[str, np.ndarray]  # the exact step terms of the problem's batch
-    at: int  # the problem's row in terms
+    at: int  # the problem's row in its batch
 
 
 def _oversized_plans(todo: list[Group]) -> int:
@@ -228,8 +227,8 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
                     dominated += len(costs.mbs) * (len(configs) - len(lighter))
                     break
         items_of[group.config.pp] = items_of.get(group.config.pp, 0) + len(group.geos)
-    problems = {pp: PartitionBatch.stack([costs.problem for *_, costs in bucket]) for pp, bucket in buckets.items()}
-    schedules = {pp: ScheduleBatch.stack([costs.schedule for *_, costs in bucket]) for pp, bucket in buckets.items()}
+    stacked = {pp: StageCosts.stack([costs for *_, costs in bucket]) for pp, bucket in buckets.items()}
+    problems = {pp: costs.problem for pp, costs in stacked.items()}
     # bounds prune what cannot reach the kept plans, and heavier recompute modes that cannot beat a lighter one
     bounded = keep or len(inputs.recompute) > 1
     bounds = {pp: _bounds(batch, np.concatenate(beaten_of[pp])) if bounded else np.zeros(len(batch))
@@ -261,7 +260,7 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
             this = mode_of_row == mode
             reached = np.array([found.get(key, np.inf) for key in keys])
             beaten |= this & (_ranking_bound(bounds[pp], weights) > reached * (1 + PRUNE_SLACK))
-            mode_counts, mode_terms, mode_solved, outdone = _solve(batch, schedules[pp], bounds[pp], keep, keys,
+            mode_counts, mode_terms, mode_solved, outdone = _solve(batch, stacked[pp].schedule, bounds[pp], keep, keys,
                                                                    weights, found, beaten | ~this)
             beaten |= outdone
             counts[mode_solved] = mode_counts[mode_solved]
@@ -284,8 +283,8 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
         virtual = np.array([config.virtual_stages for _, config, _ in bucket])[entry]
         order = np.lexsort((np.arange(len(batch)), virtual, mode_of_row, encoder, value, plan))
         for i in order[np.r_[True, plan[order][1:] != plan[order][:-1]]].tolist():
-            group, config, costs = bucket[entry[i]]
-            best[keys[i]] = _Candidate(value[i], group, config, costs, i - start[entry[i]], counts[i], terms, i)
+            group, config, _ = bucket[entry[i]]
+            best[keys[i]] = _Candidate(value[i], group, config, i - start[entry[i]], counts[i], terms, i)
         skipped.update(keys[i] for i in np.flatnonzero(~solved_here & ~beaten).tolist())
         unfit.append((bucket, entry, start, np.flatnonzero(np.isinf(value) & (solved_here | beaten))))
         done += items_of[pp]
@@ -298,9 +297,10 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
             fitting_of.setdefault(candidate.config.pp, []).append(candidate)
     for fitting in fitting_of.values():  # recorded together
         plans = [(c.config, c.group.geos[c.row // len(c.group.mbs_values)], c.group.exhaustive) for c in fitting]
-        costs = StageCosts.stack([c.costs.take(slice(c.row, c.row + 1)) for c in fitting])
-        exact = {name: np.concatenate([c.terms[name][c.at:c.at + 1] for c in fitting]) for name in fitting[0].terms}
-        rows += plan_rows(inputs, plans, costs, np.array([c.counts for c in fitting]), exact)
+        at = np.array([c.at for c in fitting])
+        exact = {name: column[at] for name, column in fitting[0].terms.items()}
+        rows += plan_rows(inputs, plans, stacked[fitting[0].config.pp].take(at), np.array([c.counts for c in fitting]),
+                          exact)
     oom = sum(1 for key, candidate in best.items() if np.isinf(candidate.step_time_s) and key not in skipped)
     oversized = _oversized_plans(todo)
     result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned, dominated)
