@@ -112,11 +112,26 @@ def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp:
 
 def with_embedding_group(cluster: Cluster, geo: Geometry, stages: tuple[int, ...]) -> Geometry:
     """`geo` with the cost of all-reducing the tied embedding between `stages` (one group per (d, t))."""
-    if len(stages) < 2:
-        return replace(geo, embedding_allreduce_s_per_byte=0.0, embedding_allreduce_latency_s=0.0)
-    groups = geo.node[list(stages)].reshape(len(stages), -1).T
-    cost, latency = _Links(cluster, geo.placement).allreduce(groups[None])
-    return replace(geo, embedding_allreduce_s_per_byte=float(cost[0]), embedding_allreduce_latency_s=float(latency[0]))
+    return with_embedding_groups(cluster, geo, [stages])[0]
+
+
+def with_embedding_groups(cluster: Cluster, geo: Geometry, stage_sets: list[tuple[int, ...]]) -> list[Geometry]:
+    """with_embedding_group for each of `stage_sets` (the encoder splits of one placement): sets of as many stages
+    are costed in one call."""
+    result: list[Geometry] = [replace(geo, embedding_allreduce_s_per_byte=0.0, embedding_allreduce_latency_s=0.0)
+                              for _ in stage_sets]
+    by_size: dict[int, list[int]] = {}
+    for i, stages in enumerate(stage_sets):
+        if len(stages) >= 2:
+            by_size.setdefault(len(stages), []).append(i)
+    links = _Links(cluster, geo.placement)
+    for size, sets in by_size.items():
+        groups = np.stack([geo.node[list(stage_sets[i])].reshape(size, -1).T for i in sets])
+        cost, latency = links.allreduce(groups)
+        for i, set_cost, set_latency in zip(sets, cost, latency):
+            result[i] = replace(geo, embedding_allreduce_s_per_byte=float(set_cost),
+                                embedding_allreduce_latency_s=float(set_latency))
+    return result
 
 
 class _Links:
