@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fasop.cost.config import Config
+from fasop.cost.config import Config, per_stage
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
@@ -41,7 +41,7 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
     """Compute of each stage for G placements (the node types hosting each stage) and K micro-batch sizes,
     row g K + k. Placements share the few GPU sets their stages have, so each set's profiles are read once."""
     tp, pp, whole = config.tp, config.pp, config.pp == 1
-    stage_gpus = [[tuple(sorted({cluster.node_types[n].gpu for n in names})) for names in stages] for stages in placements]
+    stage_gpus = per_stage(placements, lambda names: tuple(sorted({cluster.node_types[n].gpu for n in names})))
     gpu_sets = sorted({gpus for stages in stage_gpus for gpus in stages})
     stage_set = np.array([[gpu_sets.index(gpus) for gpus in stages] for stages in stage_gpus])  # (G, pp)
 

@@ -13,7 +13,7 @@ from functools import cache
 
 import numpy as np
 
-from fasop.cost.config import Config
+from fasop.cost.config import Config, per_stage
 from fasop.cost.schedule import stage_times
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -159,8 +159,8 @@ def optimizer_times(model: Model, cluster: Cluster, placements: list[tuple[tuple
     """(fixed, per layer): (G, pp) seconds of each stage's optimizer step for G placements (the node types hosting
     each stage), a memory-bound pass over its ranks' optimizer state (sharded over the data-parallel group with the
     distributed optimizer) at the memory bandwidth of the stage's slowest GPU."""
-    bandwidth = np.array([[min(memory_bytes_per_s(cluster, cluster.node_types[n].gpu) for n in names)
-                           for names in stages] for stages in placements])
+    bandwidth = np.array(per_stage(placements, lambda names: min(memory_bytes_per_s(cluster, cluster.node_types[n].gpu)
+                                                                 for n in names)))
     shard = config.dp if config.distributed_optimizer else 1
     with np.errstate(divide="ignore"):
         per_param = np.where(bandwidth > 0, optimizer_bytes_per_param(model) / shard / bandwidth, 0.0)

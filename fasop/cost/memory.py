@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from fasop.cost.config import Config
+from fasop.cost.config import Config, per_stage
 from fasop.cost.pipeline import in_flight
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -138,8 +138,7 @@ def stage_params(model: Model, config: Config, segment: np.ndarray) -> tuple[np.
 
 def stage_capacity_gib(cluster: Cluster, placements: list[tuple[tuple[str, ...], ...]]) -> np.ndarray:
     """(G, pp) memory of the smallest GPU on each stage of G placements (the node types hosting each stage)."""
-    return np.array([[min(cluster.node_types[n].gpu_memory_gib for n in names) for names in stages]
-                     for stages in placements])
+    return np.array(per_stage(placements, lambda names: min(cluster.node_types[n].gpu_memory_gib for n in names)))
 
 
 def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: tuple[np.ndarray, np.ndarray],
