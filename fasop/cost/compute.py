@@ -45,16 +45,22 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
     gpu_sets = sorted({gpus for stages in stage_gpus for gpus in stages})
     stage_set = np.array([[gpu_sets.index(gpus) for gpus in stages] for stages in stage_gpus])  # (G, pp)
 
+    kinds = [*model.layer_kinds, "embedding", "head", *(["decoder_embedding"] if model.is_encoder_decoder else [])]
+
+    def set_times(gpus: tuple[str, ...]) -> np.ndarray:
+        """(2, kinds, K) forward + backward, and the forward alone, of one unit of each kind for one micro-batch
+        on a stage of these GPU types: the slower type's step, and that type's forward."""
+        times = np.array([[profiles[g].times_s(tp, kind, sizes) for kind in kinds] for g in gpus])
+        step = times[..., 0] + times[..., 1]
+        slowest = step.argmax(0)[None]
+        return np.stack([np.take_along_axis(step, slowest, 0)[0], np.take_along_axis(times[..., 0], slowest, 0)[0]])
+
+    stage_times = np.array([set_times(gpus) for gpus in gpu_sets])[stage_set]  # (G, pp, 2, kinds, K)
+
     def unit_s(kind: str, forward: bool) -> np.ndarray:
         """(G K, pp): forward + backward (or the forward alone) of one unit of `kind` for one micro-batch on each
-        stage; a stage of two GPU types takes the slower type's step, and that type's forward."""
-        steps = [np.array([profiles[g].step_s(tp, kind, sizes) for g in gpus]) for gpus in gpu_sets]
-        if forward:
-            per_set = np.array([np.array([profiles[g].forward_s(tp, kind, sizes) for g in gpus])[s.argmax(0), range(len(sizes))]
-                                for gpus, s in zip(gpu_sets, steps)])
-        else:
-            per_set = np.array([s.max(0) for s in steps])
-        return per_set[stage_set].transpose(0, 2, 1).reshape(-1, pp)
+        stage."""
+        return stage_times[:, :, int(forward), kinds.index(kind)].transpose(0, 2, 1).reshape(-1, pp)
 
     def totals(forward: bool) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         kinds = model.layer_kinds

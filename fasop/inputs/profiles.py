@@ -140,10 +140,6 @@ class GpuProfile:
         times = self.times_s(tp, kind, mbs_values)
         return times[:, 0] + times[:, 1]
 
-    def forward_s(self, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
-        """Forward seconds of one unit for each micro-batch size."""
-        return self.times_s(tp, kind, mbs_values)[:, 0]
-
 
 def required_kinds(model: Model) -> tuple[str, ...]:
     if model.is_encoder_decoder:
