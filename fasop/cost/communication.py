@@ -39,30 +39,31 @@ def boundary_bytes(model: Model, segment: int, mbs: int, tp: int) -> float:
 
 def p2p_times(model: Model, geos: list[Geometry], config: Config, segment: np.ndarray,
               mbs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(boundary, exchange, wrap) of each placement `geos` and micro-batch size, row g K + k: (G K, pp-1) seconds
-    to send one micro-batch's activation across each boundary, (G K, pp) the sends and receives each stage waits
-    for in each steady-state step, and (G K,) the send from the last stage to the first of an interleaved
-    pipeline."""
+    """(boundary, exchange, wrap) of each placement `geos`, its stages' segments `segment` (G, pp), and each
+    micro-batch size, row g K + k: (G K, pp-1) seconds to send one micro-batch's activation across each boundary,
+    (G K, pp) the sends and receives each stage waits for in each steady-state step, and (G K,) the send from the
+    last stage to the first of an interleaved pipeline."""
     # activation sizes grow linearly with the micro-batch: compute them once for one sample
     per_sample_bytes = np.array([boundary_bytes(model, s, 1, config.tp)
-                                 for s in range(len(model.layer_kinds))])[segment[1:]]
-    per_byte = np.array([geo.boundary_s_per_byte for geo in geos])[:, None, :]
+                                 for s in range(len(model.layer_kinds))])[segment[:, 1:]]
+    per_byte = np.array([geo.boundary_s_per_byte for geo in geos])
     latency = np.array([geo.boundary_latency_s for geo in geos])[:, None, :]
-    boundary = (per_byte * per_sample_bytes * mbs[None, :, None] + latency).reshape(len(geos) * len(mbs), config.pp - 1)
+    boundary = ((per_byte * per_sample_bytes)[:, None, :] * mbs[None, :, None]
+                + latency).reshape(len(geos) * len(mbs), config.pp - 1)
     exchange = np.zeros((len(boundary), config.pp))
     exchange[:, 1:] += boundary
     exchange[:, :-1] += boundary
-    wrap_per_byte = np.array([geo.wrap_s_per_byte for geo in geos])[:, None]
+    wrap_per_byte = np.array([geo.wrap_s_per_byte for geo in geos])
     wrap_latency = np.array([geo.wrap_latency_s for geo in geos])[:, None]
-    wrap = wrap_per_byte * per_sample_bytes[:1].sum() * mbs + wrap_latency
+    wrap = (wrap_per_byte * per_sample_bytes[:, :1].sum(-1))[:, None] * mbs + wrap_latency
     return boundary, exchange, wrap.ravel()
 
 
 def allreduce_times(model: Model, geos: list[Geometry], config: Config, fixed_params: np.ndarray,
                     layer_params: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(fixed, per layer, embedding) of each placement `geos`, each repeated for k micro-batch sizes (row g k + j):
-    (G k, pp) data-parallel all-reduce of each stage's gradients beyond its layers, (G k, pp) what each layer adds,
-    and (G k,) the tied embedding's all-reduce between its stages."""
+    """(fixed, per layer, embedding) of each placement `geos`, with its stages' parameters (G, pp), each repeated
+    for k micro-batch sizes (row g k + j): (G k, pp) data-parallel all-reduce of each stage's gradients beyond its
+    layers, (G k, pp) what each layer adds, and (G k,) the tied embedding's all-reduce between its stages."""
     grad_bytes = gradient_comm_bytes(model)
     per_byte = np.array([geo.dp_allreduce_s_per_byte for geo in geos])
     latency = np.array([geo.dp_allreduce_latency_s for geo in geos])

@@ -37,10 +37,12 @@ def recompute_shares(model: Model, config: Config) -> list[float]:
 
 def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
                   placements: list[tuple[tuple[str, ...], ...]], config: Config, sizes: tuple[int, ...],
-                  segment: np.ndarray) -> StageCompute:
-    """Compute of each stage for G placements (the node types hosting each stage) and K micro-batch sizes,
-    row g K + k. Placements share the few GPU sets their stages have, so each set's profiles are read once."""
+                  segment: np.ndarray, encoder_stages: np.ndarray) -> StageCompute:
+    """Compute of each stage for G placements (the node types hosting each stage), each with its stages' segments
+    (G, pp) and encoder stages (G,), and K micro-batch sizes, row g K + k. Placements share the few GPU sets their
+    stages have, so each set's profiles are read once."""
     tp, pp, whole = config.tp, config.pp, config.pp == 1
+    segment = np.repeat(segment, len(sizes), axis=0)
     stage_gpus = per_stage(placements, lambda names: tuple(sorted({cluster.node_types[n].gpu for n in names})))
     gpu_sets = sorted({gpus for stages in stage_gpus for gpus in stages})
     stage_set = np.array([[gpu_sets.index(gpus) for gpus in stages] for stages in stage_gpus])  # (G, pp)
@@ -66,12 +68,12 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
         kinds = model.layer_kinds
         layer_by_kind = [unit_s(kind, forward) for kind in kinds]
         layer_s = np.choose(segment, layer_by_kind) if len(kinds) > 1 else layer_by_kind[0]
-        first_decoder = min(config.encoder_stages, pp - 1)
         fixed_s = np.zeros(layer_s.shape)
         fixed_s[:, 0] += unit_s("embedding", forward)[:, 0]
         fixed_s[:, -1] += unit_s("head", forward)[:, -1]
         if model.is_encoder_decoder:
-            fixed_s[:, first_decoder] += unit_s("decoder_embedding", forward)[:, first_decoder]
+            rows, first_decoder = np.arange(len(fixed_s)), np.repeat(np.minimum(encoder_stages, pp - 1), len(sizes))
+            fixed_s[rows, first_decoder] += unit_s("decoder_embedding", forward)[rows, first_decoder]
         if whole:
             fixed_s[:, 0] += sum(n * t[:, 0] for n, t in zip(model.segment_layers, layer_by_kind))
         return layer_s, fixed_s, layer_by_kind
@@ -85,8 +87,9 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
 
 def recompute_times(model: Model, config: Config, compute: StageCompute,
                     segment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(per layer, fixed): (K, pp) seconds of forwards each stage recomputes per micro-batch, for each of its
-    layers and whatever its layers (the block method's k layers; everything when one stage holds the model)."""
+    """(per layer, fixed): seconds of forwards each stage recomputes per micro-batch, for each of its layers and
+    whatever its layers (the block method's k layers; everything when one stage holds the model), per row of
+    `compute` and its stages' segments `segment`."""
     recomputed = [share * f for share, f in zip(recompute_shares(model, config), compute.kind_forward_s)]
     per_layer = np.choose(segment, recomputed)
     blocked = config.blocked_layers

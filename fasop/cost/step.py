@@ -78,29 +78,38 @@ class StageCosts:
 def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
                 config: Config, mbs_values: list[int]) -> StageCosts:
     """Per-stage costs of `config` (its mbs is ignored) on `geo`, for each micro-batch size in mbs_values."""
-    return next(recompute_variants(model, cluster, profiles, [geo], [config], mbs_values))
+    return next(recompute_variants(model, cluster, profiles, [([geo], [config])], mbs_values))
 
 
-def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geos: list[Geometry],
-                       configs: list[Config], mbs_values: list[int]) -> Iterator[StageCosts]:
-    """stage_costs of each of `configs` in turn on every placement `geos` at once, one plan under several recompute
-    settings (nothing else differs): what recomputation leaves alone is computed once, and variants not asked for
-    are not built."""
-    config = configs[0]
+def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
+                       splits: list[tuple[list[Geometry], list[Config]]], mbs_values: list[int]) -> Iterator[StageCosts]:
+    """Per-stage costs of one (tp, dp, pp) plan under each of several recompute settings in turn (nothing else
+    differs), for every encoder/decoder split at once: `splits` holds each split's placements and its config under
+    each setting. Rows run over the splits' placements, split by split, and the micro-batch sizes: row g K + k for
+    placement g and size k. What recomputation leaves alone is computed once, and settings not asked for are not
+    built."""
+    config = splits[0][1][0]
     pp, whole = config.pp, config.pp == 1
     mbs = np.array(mbs_values)
     k = len(mbs)
     m = config.gbs // (config.dp * mbs)
+    geos = [geo for split_geos, _ in splits for geo in split_geos]
+    split_of_geo = np.repeat(np.arange(len(splits)), [len(split_geos) for split_geos, _ in splits])
     rows = len(geos) * k
     num_microbatches = np.tile(m, len(geos))
-    segment, segment_layers = segments(model, config)
+    split_segments = [segments(model, configs[0])[0] for _, configs in splits]
+    segment_layers = segments(model, config)[1]
+    split_params = [stage_params(model, configs[0], segment) for (_, configs), segment in zip(splits, split_segments)]
+    segment = np.array(split_segments)[split_of_geo]  # (G, pp)
+    params = tuple(np.array([params[i] for params in split_params])[split_of_geo] for i in range(2))  # (G, pp) each
     placements = [geo.stage_node_types for geo in geos]
-    compute = stage_compute(model, cluster, profiles, placements, config, tuple(int(b) for b in mbs_values), segment)
+    compute = stage_compute(model, cluster, profiles, placements, config, tuple(int(b) for b in mbs_values), segment,
+                            np.array([configs[0].encoder_stages for _, configs in splits])[split_of_geo])
+    segment_rows = np.repeat(segment, k, axis=0)
     fixed_layers = np.zeros(pp, dtype=int)
     if whole:
         fixed_layers[0] = model.num_layers
     boundary, exchange, wrap = p2p_times(model, geos, config, segment, mbs)
-    params = stage_params(model, config, segment)
     ar_fixed, ar_layer, emb_ar = allreduce_times(model, geos, config, *params, k)
     opt_fixed, opt_layer = (np.repeat(t, k, axis=0) for t in optimizer_times(model, cluster, placements, config, *params))
     # the distributed optimizer reduce-scatters the gradients (half the all-reduce's traffic) and all-gathers
@@ -129,21 +138,23 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
         post_fixed = post_fixed + grad_share * per_byte * gradient_comm_bytes(model) * buckets[:, None]
     else:
         post_fixed, post_layer = post_fixed + grad_share * ar_fixed, post_layer + grad_share * ar_layer
-    for variant in configs:
+    for setting in range(len(splits[0][1])):
+        variant = splits[0][1][setting]
         # memory does not depend on the placement, only what fits does
-        mem_fixed, mem_layer = (np.tile(t, (len(geos), 1))
-                                for t in stage_memory_gib(model, variant, segment, params, mbs, m))
+        memory = [stage_memory_gib(model, configs[setting], split_segment, split_param, mbs, m)
+                  for (_, configs), split_segment, split_param in zip(splits, split_segments, split_params)]
+        mem_fixed, mem_layer = (np.array([part[i] for part in memory])[split_of_geo].reshape(rows, pp) for i in range(2))
         hi = layers_that_fit(mem_fixed, mem_layer, usable, whole)
         if refused is not None:
             hi = np.where(refused[:, None], -1, hi)
         # block recomputation: every stage holds the k layers it recomputes (keeps the costs affine)
         variant_lo = lo if whole else np.maximum(lo, variant.blocked_layers)
-        recompute_layer_s, recompute_fixed_s = recompute_times(model, variant, compute, segment)
+        recompute_layer_s, recompute_fixed_s = recompute_times(model, variant, compute, segment_rows)
         # recomputed forwards run right before each backward: part of the backward in the schedule
         fixed_s = compute.fixed_s + recompute_fixed_s
         layer_s = compute.layer_s + recompute_layer_s
         problem = PartitionBatch(
-            segment_of_stage=segment, segment_layers=segment_layers, lo=np.broadcast_to(variant_lo, (rows, pp)),
+            segment_of_stage=segment_rows, segment_layers=segment_layers, lo=np.broadcast_to(variant_lo, (rows, pp)),
             hi=hi, layer_s=layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=post_fixed, ar_layer_s=post_layer,
             num_microbatches=num_microbatches, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
         )
@@ -153,7 +164,7 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
             grad_fixed_s=grad_share * ar_fixed, grad_layer_s=grad_share * ar_layer,
             gather_fixed_s=gather_share * ar_fixed, gather_layer_s=gather_share * ar_layer,
             optimizer_fixed_s=opt_fixed, optimizer_layer_s=opt_layer,
-            params_fixed=np.broadcast_to(params[0], (rows, pp)), params_layer=np.broadcast_to(params[1], (rows, pp)),
+            params_fixed=np.repeat(params[0], k, axis=0), params_layer=np.repeat(params[1], k, axis=0),
             bucket_params=buckets, embedding_allreduce_s=emb_ar,
             overlap_grad_reduce=np.full(rows, config.overlap_grad_reduce),
             overlap_param_gather=np.full(rows, config.overlap_param_gather),

@@ -6,12 +6,13 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
+from fasop.cost.communication import Geometry
 from fasop.cost.config import RECOMPUTE_MODES, Config
 from fasop.cost.exact import ScheduleBatch
 from fasop.cost.memory import usable_gib
@@ -167,16 +168,40 @@ def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, ke
     return counts, terms, solved, outdone
 
 
+class _Entry(NamedTuple):
+    """One recompute setting and virtual size of a (tp, dp, pp) plan: its stage costs on every encoder/decoder split,
+    placement and micro-batch size (fasop.cost.step.recompute_variants)."""
+
+    splits: list[Group]
+    configs: list[Config]  # each split's
+    costs: StageCosts
+    split: np.ndarray  # the split of each row of costs
+    split_start: np.ndarray  # the first row of each split
+    order: tuple[int, int, int]  # (plan, virtual size, setting): where the search meets it
+
+
 class _Candidate(NamedTuple):
     """The best partition problem of a plan, solved or not."""
 
     step_time_s: float  # inf when not solved or nothing fits
-    group: Group
     config: Config
-    row: int  # among the group's placements and micro-batch sizes
+    geo: Geometry
+    exhaustive: bool  # whether the plan's placements were all searched
     counts: np.ndarray  # layers per stage
     terms: dict[str, np.ndarray]  # the exact step terms of the problem's batch
     at: int  # the problem's row in its batch
+
+
+def _plans(todo: list[Group]) -> list[list[Group]]:
+    """The groups of `todo` plan by plan (tp, dp, pp): the encoder/decoder splits of a plan, which `groups` lists
+    one after another."""
+    plans: list[list[Group]] = []
+    for group in todo:
+        if plans and plans[-1][0].config.pp == group.config.pp and plans[-1][0].config.tp == group.config.tp:
+            plans[-1].append(group)
+        else:
+            plans.append([group])
+    return plans
 
 
 def _oversized_plans(todo: list[Group]) -> int:
@@ -203,31 +228,38 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
               progress: Callable[[int, int], None] | None, sort: str) -> SearchResult:
     model, cluster = inputs.model, inputs.cluster
     todo = groups(inputs, combos, placement_limit)
-    buckets: dict[int, list] = {}  # (group, config, costs) of each recompute variant of each plan, all placements
+    buckets: dict[int, list[_Entry]] = {}  # by pipeline depth
     beaten_of: dict[int, list[np.ndarray]] = {}  # by pipeline depth: rows a lighter mode dominates
     items_of: dict[int, int] = {}
     dominated = 0
-    for group in todo:  # plans with the same number of stages are partitioned in one batch
-        for v in virtual_stage_options(model, group.config.pp):  # the best virtual size is the plan's
-            configs = [replace(c, virtual_stages=v) for c in (group.variants or (group.config,))]
+    for index, splits in enumerate(_plans(todo)):  # plans with the same number of stages are partitioned in one batch
+        pp, k = splits[0].config.pp, len(splits[0].mbs_values)
+        geos = [geo for group in splits for geo in group.geos]
+        split_rows = [len(group.geos) * k for group in splits]
+        split, split_start = np.repeat(np.arange(len(splits)), split_rows), np.cumsum([0] + split_rows)[:-1]
+        for v in virtual_stage_options(model, pp):  # the best virtual size is the plan's
+            settings = [[replace(c, virtual_stages=v) for c in (group.variants or (group.config,))] for group in splits]
             lighter: list[StageCosts] = []
             # placements where every lighter mode's memory binds for some micro-batch size: elsewhere the lightest
             # free of memory limits beats the heavier modes (as `dominates` finds), which are not partitioned
-            binding = np.ones(len(group.geos), dtype=bool)
-            for config, costs in zip(configs, recompute_variants(model, cluster, inputs.profiles, group.geos, configs,
-                                                                 group.mbs_values)):
-                buckets.setdefault(config.pp, []).append((group, config, costs))
-                beaten = ~np.repeat(binding, len(group.mbs_values))
+            binding = np.ones(len(geos), dtype=bool)
+            variants = recompute_variants(model, cluster, inputs.profiles,
+                                          [(group.geos, configs) for group, configs in zip(splits, settings)],
+                                          splits[0].mbs_values)
+            for setting, costs in enumerate(variants):
+                configs = [configs[setting] for configs in settings]
+                buckets.setdefault(pp, []).append(_Entry(splits, configs, costs, split, split_start, (index, v, setting)))
+                beaten = ~np.repeat(binding, k)
                 for light in lighter:
                     beaten |= light.problem.dominates(costs.problem)
-                beaten_of.setdefault(config.pp, []).append(beaten)
+                beaten_of.setdefault(pp, []).append(beaten)
                 lighter.append(costs)
-                binding &= costs.problem.memory_binds().reshape(len(group.geos), -1).any(-1)
+                binding &= costs.problem.memory_binds().reshape(len(geos), -1).any(-1)
                 if not binding.any():  # the heavier modes are not even built
-                    dominated += len(costs.mbs) * (len(configs) - len(lighter))
+                    dominated += len(costs.mbs) * (len(settings[0]) - len(lighter))
                     break
-        items_of[group.config.pp] = items_of.get(group.config.pp, 0) + len(group.geos)
-    stacked = {pp: StageCosts.stack([costs for *_, costs in bucket]) for pp, bucket in buckets.items()}
+        items_of[pp] = items_of.get(pp, 0) + len(geos)
+    stacked = {pp: StageCosts.stack([entry.costs for entry in bucket]) for pp, bucket in buckets.items()}
     problems = {pp: costs.problem for pp, costs in stacked.items()}
     # bounds prune what cannot reach the kept plans, and heavier recompute modes that cannot beat a lighter one
     bounded = keep or len(inputs.recompute) > 1
@@ -243,15 +275,17 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
     for pp in sorted(buckets, key=lambda pp: bounds[pp].min()):  # most promising first
         bucket, batch = buckets[pp], problems[pp]
         keys, weight = [], []
-        for group, config, _ in bucket:
-            for geo in group.geos:
-                price_per_s = price_per_hour_usd(cluster, geo.placement) / 3600.0
-                for mbs in group.mbs_values:
-                    keys.append((config.tp, config.dp, config.pp, geo.placement, int(mbs)))
-                    weight.append(price_per_s if sort == "cost" else 1.0)
+        for entry in bucket:
+            config = entry.configs[0]
+            for group in entry.splits:
+                for geo in group.geos:
+                    price_per_s = price_per_hour_usd(cluster, geo.placement) / 3600.0
+                    for mbs in group.mbs_values:
+                        keys.append((config.tp, config.dp, config.pp, geo.placement, int(mbs)))
+                        weight.append(price_per_s if sort == "cost" else 1.0)
         beaten = np.concatenate(beaten_of[pp])
-        mode_of_row = np.concatenate([np.full(len(costs.mbs), RECOMPUTE_MODES.index(config.recompute))
-                                      for _, config, costs in bucket])
+        mode_of_row = np.concatenate([np.full(len(entry.costs.mbs), RECOMPUTE_MODES.index(entry.configs[0].recompute))
+                                      for entry in bucket])
         weights = np.array(weight)
         counts = np.zeros(batch.lo.shape, dtype=int)
         terms: dict[str, np.ndarray] = {}
@@ -272,21 +306,24 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
         solved += int(solved_here.sum())
         pruned += len(batch) - int(solved_here.sum()) - int(beaten.sum())
         dominated += int(beaten.sum())
-        sizes = [len(costs.mbs) for *_, costs in bucket]
-        entry = np.repeat(np.arange(len(bucket)), sizes)  # the bucket entry of each row
+        sizes = [len(entry.costs.mbs) for entry in bucket]
+        entry_of = np.repeat(np.arange(len(bucket)), sizes)  # the bucket entry of each row
         start = np.cumsum([0] + sizes)[:-1]  # the first row of each entry
+        split = np.concatenate([entry.split for entry in bucket])
         ids: dict[tuple, int] = {}
         plan = np.array([ids.setdefault(key, len(ids)) for key in keys])
         # the best split, recompute mode and virtual size are the plan's; ties go to fewer encoder stages, then the
         # lighter mode, then fewer chunks
-        encoder = np.array([config.encoder_stages for _, config, _ in bucket])[entry]
-        virtual = np.array([config.virtual_stages for _, config, _ in bucket])[entry]
+        encoder = np.concatenate([np.array([c.encoder_stages for c in entry.configs])[entry.split] for entry in bucket])
+        virtual = np.array([entry.configs[0].virtual_stages for entry in bucket])[entry_of]
         order = np.lexsort((np.arange(len(batch)), virtual, mode_of_row, encoder, value, plan))
         for i in order[np.r_[True, plan[order][1:] != plan[order][:-1]]].tolist():
-            group, config, _ = bucket[entry[i]]
-            best[keys[i]] = _Candidate(value[i], group, config, i - start[entry[i]], counts[i], terms, i)
+            entry, row = bucket[entry_of[i]], i - start[entry_of[i]]
+            group = entry.splits[split[i]]
+            geo = group.geos[(row - entry.split_start[split[i]]) // len(group.mbs_values)]
+            best[keys[i]] = _Candidate(value[i], entry.configs[split[i]], geo, group.exhaustive, counts[i], terms, i)
         skipped.update(keys[i] for i in np.flatnonzero(~solved_here & ~beaten).tolist())
-        unfit.append((bucket, entry, start, np.flatnonzero(np.isinf(value) & (solved_here | beaten))))
+        unfit.append((bucket, entry_of, start, np.flatnonzero(np.isinf(value) & (solved_here | beaten))))
         done += items_of[pp]
         if progress:
             progress(done, sum(items_of.values()))
@@ -296,7 +333,7 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
         if np.isfinite(candidate.step_time_s):
             fitting_of.setdefault(candidate.config.pp, []).append(candidate)
     for fitting in fitting_of.values():  # recorded together
-        plans = [(c.config, c.group.geos[c.row // len(c.group.mbs_values)], c.group.exhaustive) for c in fitting]
+        plans = [(c.config, c.geo, c.exhaustive) for c in fitting]
         at = np.array([c.at for c in fitting])
         exact = {name: column[at] for name, column in fitting[0].terms.items()}
         rows += plan_rows(inputs, plans, stacked[fitting[0].config.pp].take(at), np.array([c.counts for c in fitting]),
@@ -305,13 +342,15 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
     oversized = _oversized_plans(todo)
     result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned, dominated)
     if not rows:
-        for bucket, entry, start, rows_unfit in unfit:
-            for i in rows_unfit:
-                _, config, costs = bucket[entry[i]]
-                row = i - start[entry[i]]
-                factor = memory_overshoot(costs, row, cluster)
+        for bucket, entry_of, start, rows_unfit in unfit:
+            problems_unfit = [(bucket[entry_of[i]], i - start[entry_of[i]]) for i in rows_unfit]
+            # plan by plan, each split's virtual sizes, recompute settings and rows in turn
+            problems_unfit.sort(key=lambda p: (p[0].order[0], p[0].split[p[1]], *p[0].order[1:], p[1]))
+            for entry, row in problems_unfit:
+                factor = memory_overshoot(entry.costs, row, cluster)
                 if result.closest_memory_factor is None or factor < result.closest_memory_factor:
-                    result.closest_memory_factor, result.closest_plan = factor, replace(config, mbs=int(costs.mbs[row]))
+                    config = entry.configs[entry.split[row]]
+                    result.closest_memory_factor, result.closest_plan = factor, replace(config, mbs=int(entry.costs.mbs[row]))
     return result
 
 
