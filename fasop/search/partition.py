@@ -128,13 +128,20 @@ def _values(fixed: np.ndarray, per_layer: np.ndarray, lo: np.ndarray, hi: np.nda
 
     Only exact repeats are merged: the optimum's own maxima must stay candidates, however close another
     value comes."""
-    span = max(int((hi - lo).max()) + 1, 1)
-    n = lo[:, :, None] + np.arange(span)
-    values = np.where(n <= hi[:, :, None], fixed[:, :, None] + per_layer[:, :, None] * n, np.inf)
+    values = _stage_values(fixed, per_layer, lo, hi, 0, max(int((hi - lo).max()) + 1, 1))
     values = np.sort(values.reshape(len(lo), -1), axis=-1)
     repeat = np.zeros(values.shape, dtype=bool)
     repeat[:, 1:] = values[:, 1:] == values[:, :-1]
     return _compact(values, ~repeat)
+
+
+def _stage_values(fixed: np.ndarray, per_layer: np.ndarray, lo: np.ndarray, hi: np.ndarray, first: int,
+                  span: int) -> np.ndarray:
+    """(B, P, span): fixed_i + per_layer_i n for n = lo_i + first, lo_i + first + 1, ..., +inf beyond hi_i."""
+    n = lo[:, :, None] + np.arange(first, first + span, dtype=float)
+    values = fixed[:, :, None] + per_layer[:, :, None] * n
+    values[n > hi[:, :, None]] = np.inf
+    return values
 
 
 def _compact(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -156,8 +163,7 @@ def _smallest_feasible(fixed: np.ndarray, per_layer: np.ndarray, p: PartitionBat
     seg = np.broadcast_to(p.segment_of_stage, p.lo.shape)
     need = p.segment_layers[None, :] - segment_sums(p.lo, seg, len(p.segment_layers))
     smallest = (fixed + per_layer * p.lo).max(-1)
-    n = p.lo[:, :, None] + np.arange(1, max(int((hi - p.lo).max()), 0) + 2)  # one spare column: never empty
-    further = np.where(n <= hi[:, :, None], fixed[:, :, None] + per_layer[:, :, None] * n, np.inf)
+    further = _stage_values(fixed, per_layer, p.lo, hi, 1, max(int((hi - p.lo).max()), 0) + 1)  # never empty
     rows = np.arange(len(p))
     for s in range(len(p.segment_layers)):
         mine = np.sort(np.where((seg == s)[:, :, None], further, np.inf).reshape(len(p), -1), axis=-1)
