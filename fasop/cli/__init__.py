@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import MutableMapping
 
 import click
 
@@ -16,13 +17,13 @@ class _Group(click.Group):
     """The top-level group: commands imported on first use; `commands` imports and holds them all."""
 
     @property
-    def commands(self) -> dict[str, click.Command]:
+    def commands(self) -> MutableMapping[str, click.Command]:
         for name in COMMAND_MODULES:
             self._command(name)
         return self._loaded
 
     @commands.setter
-    def commands(self, commands: dict[str, click.Command]) -> None:
+    def commands(self, commands: MutableMapping[str, click.Command]) -> None:
         self._loaded = dict(commands)
 
     def _command(self, name: str) -> click.Command:

@@ -159,8 +159,10 @@ def optimizer_times(model: Model, cluster: Cluster, placements: list[tuple[tuple
     """(fixed, per layer): (G, pp) seconds of each stage's optimizer step for G placements (the node types hosting
     each stage), a memory-bound pass over its ranks' optimizer state (sharded over the data-parallel group with the
     distributed optimizer) at the memory bandwidth of the stage's slowest GPU."""
-    bandwidth = np.array(per_stage(placements, lambda names: min(memory_bytes_per_s(cluster, cluster.node_types[n].gpu)
-                                                                 for n in names)))
+    def slowest(names: tuple[str, ...]) -> float:
+        return min(memory_bytes_per_s(cluster, cluster.node_types[n].gpu) for n in names)
+
+    bandwidth: np.ndarray = np.array(per_stage(placements, slowest))
     shard = config.dp if config.distributed_optimizer else 1
     with np.errstate(divide="ignore"):
         per_param = np.where(bandwidth > 0, optimizer_bytes_per_param(model) / shard / bandwidth, 0.0)

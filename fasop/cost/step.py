@@ -9,8 +9,8 @@ picks the layer counts, and `breakdown` reports every term of the result.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import chain
 from dataclasses import dataclass, fields
+from itertools import chain
 
 import numpy as np
 
@@ -101,7 +101,7 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     segment_layers = segments(model, config)[1]
     split_params = [stage_params(model, configs[0], segment) for (_, configs), segment in zip(splits, split_segments)]
     segment = np.array(split_segments)[split_of_geo]  # (G, pp)
-    params = tuple(np.array([params[i] for params in split_params])[split_of_geo] for i in range(2))  # (G, pp) each
+    fixed_params, layer_params = (np.array([params[i] for params in split_params])[split_of_geo] for i in range(2))
     placements = [geo.stage_node_types for geo in geos]
     compute = stage_compute(model, cluster, profiles, placements, config, tuple(int(b) for b in mbs_values), segment,
                             np.array([configs[0].encoder_stages for _, configs in splits])[split_of_geo])
@@ -110,8 +110,9 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     if whole:
         fixed_layers[0] = model.num_layers
     boundary, exchange, wrap = p2p_times(model, geos, config, segment, mbs)
-    ar_fixed, ar_layer, emb_ar = allreduce_times(model, geos, config, *params, k)
-    opt_fixed, opt_layer = (np.repeat(t, k, axis=0) for t in optimizer_times(model, cluster, placements, config, *params))
+    ar_fixed, ar_layer, emb_ar = allreduce_times(model, geos, config, fixed_params, layer_params, k)
+    opt_fixed, opt_layer = (np.repeat(t, k, axis=0)
+                            for t in optimizer_times(model, cluster, placements, config, fixed_params, layer_params))
     # the distributed optimizer reduce-scatters the gradients (half the all-reduce's traffic) and all-gathers
     # the parameters, in the training precision rather than the gradients'
     grad_share = 0.5 if config.distributed_optimizer else 1.0
@@ -164,7 +165,7 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
             grad_fixed_s=grad_share * ar_fixed, grad_layer_s=grad_share * ar_layer,
             gather_fixed_s=gather_share * ar_fixed, gather_layer_s=gather_share * ar_layer,
             optimizer_fixed_s=opt_fixed, optimizer_layer_s=opt_layer,
-            params_fixed=np.repeat(params[0], k, axis=0), params_layer=np.repeat(params[1], k, axis=0),
+            params_fixed=np.repeat(fixed_params, k, axis=0), params_layer=np.repeat(layer_params, k, axis=0),
             bucket_params=buckets, embedding_allreduce_s=emb_ar,
             overlap_grad_reduce=np.full(rows, config.overlap_grad_reduce),
             overlap_param_gather=np.full(rows, config.overlap_param_gather),
