@@ -124,19 +124,20 @@ def _ranking_bound(bound: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return ranking_bound
 
 
-def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, keep: int | None, keys: list[tuple],
-           weight: np.ndarray, found: dict[tuple, float], dominated: np.ndarray):
+def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, keep: int | None, plan: np.ndarray,
+           weight: np.ndarray, found: list[np.ndarray], dominated: np.ndarray):
     """(counts, exact step terms, solved mask, outdone mask) of a batch, most promising problems first: each problem's layers
     are partitioned for the closed form, and the partition is timed with the exact schedule. `dominated`
     problems (a lighter recompute mode of the same plan is never worse, or another recompute mode is solved
     apart) are not solved.
 
     With `keep`, a problem is skipped when its lower bound on the exact step time, times its ranking weight (1 to
-    rank by time, the price per second to rank by cost), exceeds the keep-th best ranking value among the plans in
-    `found` (plan key -> its best value so far; several problems, the encoder splits of one encoder-decoder plan,
-    can share a key and count once). The threshold tightens chunk by chunk as problems are solved. Whatever
-    `keep`, a problem whose bound exceeds what another problem of its plan reached (a split, a recompute mode, a
-    virtual size) is skipped: it cannot become the plan's (the outdone mask)."""
+    rank by time, the price per second to rank by cost), exceeds the keep-th best ranking value among the plans
+    `found` (the best value so far of each plan, inf if none, one array per pipeline depth, this batch's last;
+    several problems, the encoder splits of one encoder-decoder plan, share their `plan` and count once). The
+    threshold tightens chunk by chunk as problems are solved. Whatever `keep`, a problem whose bound exceeds what
+    another problem of its plan reached (a split, a recompute mode, a virtual size) is skipped: it cannot become the
+    plan's (the outdone mask)."""
     counts = np.zeros(batch.lo.shape, dtype=int)
     terms: dict[str, np.ndarray] = {"step_time_s": np.full(len(batch), np.inf)}
     solved = np.zeros(len(batch), dtype=bool)
@@ -145,14 +146,17 @@ def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, ke
     order = np.argsort(ranking_bound, kind="stable")
     order = order[~dominated[order]]
     step = PRUNE_CHUNK if keep or bound.any() else max(1, len(order))
+    reached = found[-1]
     for start in range(0, len(order), step):
-        best = sorted(found.values())
-        # the slack keeps plans whose bound ties the threshold up to rounding (bound, step time and the
-        # ranking figures are computed along different paths)
-        threshold = best[keep - 1] * (1 + PRUNE_SLACK) if keep and len(best) >= keep else np.inf
+        threshold = np.inf
+        if keep:
+            values = np.concatenate(found)
+            if np.isfinite(values).sum() >= keep:
+                # the slack keeps plans whose bound ties the threshold up to rounding (bound, step time and the
+                # ranking figures are computed along different paths)
+                threshold = np.partition(values, keep - 1)[keep - 1] * (1 + PRUNE_SLACK)
         chunk = order[start:start + step]
-        reached = np.array([found.get(keys[i], np.inf) for i in chunk])  # by another split or mode of the plan
-        beaten = ranking_bound[chunk] > reached * (1 + PRUNE_SLACK)
+        beaten = ranking_bound[chunk] > reached[plan[chunk]] * (1 + PRUNE_SLACK)  # by another split or mode
         outdone[chunk[beaten]] = True
         chunk = chunk[(ranking_bound[chunk] <= threshold) & ~beaten]
         if len(chunk):
@@ -163,8 +167,7 @@ def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, ke
                 if name not in terms:
                     terms[name] = np.full((len(batch),) + column.shape[1:], np.nan)
                 terms[name][timed] = column
-            for i in timed:
-                found[keys[i]] = min(found.get(keys[i], np.inf), float(terms["step_time_s"][i] * weight[i]))
+            np.minimum.at(reached, plan[timed], terms["step_time_s"][timed] * weight[timed])
     return counts, terms, solved, outdone
 
 
@@ -267,7 +270,7 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
               for pp, batch in problems.items()}
     # encoder-decoder plans differing only in their encoder/decoder split compete: the best split is the plan's
     best: dict[tuple, _Candidate] = {}
-    found: dict[tuple, float] = {}  # best ranking value found so far of each plan (for the pruning threshold)
+    found: list[np.ndarray] = []  # by pipeline depth: the best ranking value found so far of each plan
     solved = pruned = done = 0
     skipped: set[tuple] = set()  # plans with a split that was pruned rather than found not to fit
     # the problems found not to fit, each split and mode: by pipeline depth, (bucket, entry and first row, rows)
@@ -283,6 +286,9 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
                     for mbs in group.mbs_values:
                         keys.append((config.tp, config.dp, config.pp, geo.placement, int(mbs)))
                         weight.append(price_per_s if sort == "cost" else 1.0)
+        ids: dict[tuple, int] = {}
+        plan = np.array([ids.setdefault(key, len(ids)) for key in keys])
+        found.append(np.full(len(ids), np.inf))
         beaten = np.concatenate(beaten_of[pp])
         mode_of_row = np.concatenate([np.full(len(entry.costs.mbs), RECOMPUTE_MODES.index(entry.configs[0].recompute))
                                       for entry in bucket])
@@ -292,9 +298,8 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
         solved_here = np.zeros(len(batch), dtype=bool)
         for mode in np.unique(mode_of_row):  # lightest first: a heavier mode has to beat what they reached
             this = mode_of_row == mode
-            reached = np.array([found.get(key, np.inf) for key in keys])
-            beaten |= this & (_ranking_bound(bounds[pp], weights) > reached * (1 + PRUNE_SLACK))
-            mode_counts, mode_terms, mode_solved, outdone = _solve(batch, stacked[pp].schedule, bounds[pp], keep, keys,
+            beaten |= this & (_ranking_bound(bounds[pp], weights) > found[-1][plan] * (1 + PRUNE_SLACK))
+            mode_counts, mode_terms, mode_solved, outdone = _solve(batch, stacked[pp].schedule, bounds[pp], keep, plan,
                                                                    weights, found, beaten | ~this)
             beaten |= outdone
             counts[mode_solved] = mode_counts[mode_solved]
@@ -310,8 +315,6 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
         entry_of = np.repeat(np.arange(len(bucket)), sizes)  # the bucket entry of each row
         start = np.cumsum([0] + sizes)[:-1]  # the first row of each entry
         split = np.concatenate([entry.split for entry in bucket])
-        ids: dict[tuple, int] = {}
-        plan = np.array([ids.setdefault(key, len(ids)) for key in keys])
         # the best split, recompute mode and virtual size are the plan's; ties go to fewer encoder stages, then the
         # lighter mode, then fewer chunks
         encoder = np.concatenate([np.array([c.encoder_stages for c in entry.configs])[entry.split] for entry in bucket])
