@@ -279,3 +279,23 @@ def test_smallest_feasible_threshold_is_the_first_value_whose_caps_admit_a_parti
             admitted = (v for v in values
                         if _Filler(one).fill(_caps(np.array([[v]]), fixed, per_layer, one_hi))[1][0, 0])
             assert _smallest_feasible(fixed, per_layer, one, one_hi)[0] == next(admitted)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(problems(), tied_problems()), st.data())
+def test_caps_are_the_most_layers_whose_value_stays_within_the_threshold(batch, data):
+    """_caps against a scan of every count 0..hi, thresholds taken among the values themselves (where the rounded
+    quotient is most often one off), just beside them, and infinite."""
+    hi = _clipped_hi(batch)
+    fixed, per_layer = batch.period_fixed_s, batch.layer_s
+    values = [fixed[b, i] + per_layer[b, i] * n for b in range(len(batch)) for i in range(hi.shape[1])
+              for n in range(int(hi[b, i]) + 1)]
+    pick = st.sampled_from(values) if values else st.just(1.0)
+    thresholds = np.array([[data.draw(st.one_of(pick, pick.map(lambda x: x * (1 + 1e-12)), st.just(np.inf)))
+                            for _ in range(3)] for _ in range(len(batch))])
+    caps = _caps(thresholds, fixed, per_layer, hi)
+    for b in range(len(batch)):
+        for k, x in enumerate(thresholds[b]):
+            for i in range(hi.shape[1]):
+                within = [n for n in range(int(hi[b, i]) + 1) if fixed[b, i] + per_layer[b, i] * n <= x]
+                assert caps[b, k, i] == (max(within) if within else -1)
