@@ -28,6 +28,9 @@ import numpy as np
 # Plans are evaluated in blocks whose (operations x plans) end times take 32 MiB: wide enough that numpy's cost
 # per call (a few calls per level, hundreds of levels) is small against the work, and memory stays bounded.
 BLOCK_ELEMENTS = 2**22
+# Blocks of at most this many plans gather every operation's durations before the sweep (fewer numpy calls a level);
+# larger blocks gather each level's from the small tables of durations, which stay in cache.
+GATHER_AHEAD_PLANS = 256
 # Schedules of more micro-batches are timed at about this count and one group fewer, and extrapolated: past its
 # warm-up the schedule repeats, each micro-batch adding the same time (docs/cost-model.md section 4.1)
 MAX_EXACT_MICROBATCHES = 1024
@@ -129,12 +132,18 @@ class Program:
         return len(self.stage)
 
     @cached_property
-    def sweep(self) -> list[tuple[np.ndarray, ...]]:
-        """Per level, the index arrays its evaluation gathers with: (operations, the operation before each on its
-        stage, the one each waits for, its row among the compute times (forwards of every chunk, then
-        backwards), its send)."""
+    def sweep(self) -> tuple[np.ndarray, list[tuple[int, int]], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The operations renumbered level by level, each level a run of consecutive numbers: (the new number of
+        each operation and of the sentinel, [start, end) of each level, and in the new order each operation's
+        previous and waits_for (new numbers), its row among the compute times (forwards of every chunk, then
+        backwards) and its send)."""
+        order = np.concatenate(self.levels)
+        number = np.empty(self.ops + 1, dtype=int)
+        number[order], number[self.ops] = np.arange(self.ops), self.ops
+        edges = np.cumsum([0] + [len(ops) for ops in self.levels]).tolist()
         slot = self.stage * self.virtual_stages + self.chunk + np.where(self.backward, self.stages * self.virtual_stages, 0)
-        return [(ops, self.previous[ops], self.waits_for[ops], slot[ops], self.link[ops]) for ops in self.levels]
+        return (number, list(zip(edges[:-1], edges[1:])), number[self.previous[order]], number[self.waits_for[order]],
+                slot[order], self.link[order])
 
 
 @lru_cache(maxsize=256)
@@ -242,18 +251,22 @@ def _inputs(forward_s, backward_s, send_s, virtual_stages, wrap_send_s, recomput
 
 
 def _evaluate(prog: Program, forward, backward, recompute, links, keep: bool):
-    """End times (ops + 1, plans) of one block of plans, transposed so that each level gathers whole rows;
-    with keep, also the start times. Durations come per level from small tables (one row per chunk and kind,
-    one per link), which stay in cache."""
+    """End times (ops + 1, plans) of one block of plans, rows in `Program.sweep` order (operation op at row
+    number[op], the sentinel last), so that each level is a run of rows; with keep, also the start times."""
+    _, levels, previous, waits_for, slot, link = prog.sweep
     compute = np.concatenate([forward.T, recompute.T + backward.T])  # (2 p v, plans): forwards, then backwards
     send = links.T
+    # each level's rows of those small tables; for few plans, every operation's row is gathered once instead
+    rows = [(slot[a:b], link[a:b]) for a, b in levels]
+    if forward.shape[0] <= GATHER_AHEAD_PLANS:
+        compute, send, rows = compute[slot], send[link], [(slice(a, b), slice(a, b)) for a, b in levels]
     end = np.zeros((prog.ops + 1, forward.shape[0]))
     start = np.empty_like(end)
-    for ops, previous, waits_for, slot, link in prog.sweep:
-        begin = np.maximum(end[previous], end[waits_for])
-        end[ops] = begin + compute[slot] + send[link]
+    for (a, b), (compute_rows, send_rows) in zip(levels, rows):
+        begin = np.maximum(end[previous[a:b]], end[waits_for[a:b]])
+        end[a:b] = begin + compute[compute_rows] + send[send_rows]
         if keep:
-            start[ops] = begin
+            start[a:b] = begin
     return end, (start if keep else None)
 
 
@@ -288,7 +301,8 @@ def stage_times(forward_s, backward_s, send_s, num_microbatches, *, virtual_stag
         for at in range(0, len(rows), block):
             part = rows[at:at + block]
             end, _ = _evaluate(prog, forward[part], backward[part], recompute[part], links[part], keep=False)
-            first[part], last[part] = end[prog.waits_for[heads]].T, end[prog.last].T
+            number = prog.sweep[0]
+            first[part], last[part] = end[number[prog.waits_for[heads]]].T, end[number[prog.last]].T
 
     for m in np.unique(counts):
         rows = np.flatnonzero(counts == m)
@@ -313,7 +327,7 @@ def op_times(forward_s, backward_s, send_s, num_microbatches: int, *, virtual_st
     p, forward, backward, recompute, links = _inputs(forward_s, backward_s, send_s, virtual_stages, wrap_send_s,
                                                      recompute_s)
     prog = program(p, int(num_microbatches), virtual_stages, group_size)
-    end, start = _evaluate(prog, forward, backward, recompute, links, keep=True)
+    end, start = (times[prog.sweep[0]] for times in _evaluate(prog, forward, backward, recompute, links, keep=True))
     slot = prog.stage * virtual_stages + prog.chunk
     start = start[:-1].T
     redo = np.where(prog.backward, recompute[:, slot], 0.0)
