@@ -257,7 +257,7 @@ def _evaluate(prog: Program, forward, backward, recompute, links, keep: bool):
     compute = np.concatenate([forward.T, recompute.T + backward.T])  # (2 p v, plans): forwards, then backwards
     send = links.T
     # each level's rows of those small tables; for few plans, every operation's row is gathered once instead
-    rows = [(slot[a:b], link[a:b]) for a, b in levels]
+    rows: list[tuple[np.ndarray | slice, np.ndarray | slice]] = [(slot[a:b], link[a:b]) for a, b in levels]
     if forward.shape[0] <= GATHER_AHEAD_PLANS:
         compute, send, rows = compute[slot], send[link], [(slice(a, b), slice(a, b)) for a, b in levels]
     end = np.zeros((prog.ops + 1, forward.shape[0]))
