@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fasop.cost.problem import PartitionBatch
-from fasop.search.partition import optimal_partitions
+from fasop.search.partition import _caps, _clipped_hi, _Filler, _smallest_feasible, optimal_partitions
 
 
 def compositions(total: int, parts: int, lo: list[int]):
@@ -230,3 +230,72 @@ def test_a_dominating_problem_is_never_worse(data):
             assert best_light is not None and best_light <= best_heavy * (1 + 1e-12)
         if not light.memory_binds()[row]:  # caps that never bind: the lighter problem dominates
             assert dominates[row]
+
+
+def greedy_fill(batch: PartitionBatch, row: int, caps: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The fill by hand: in each segment, stages by cost per layer (ties: earlier first) take what their cap
+    allows beyond their minimum until the segment holds its layers."""
+    lo, cost = batch.lo[row], batch.layer_s[row]
+    counts, ok = lo.astype(float), bool((caps >= lo).all())
+    for s, layers in enumerate(batch.segment_layers):
+        stages = sorted(np.flatnonzero(batch.segment_of_stage == s), key=lambda i: (cost[i], i))
+        need = int(layers) - int(lo[stages].sum())
+        for i in stages:
+            take = min(max(caps[i] - lo[i], 0), need)
+            counts[i] += take
+            need -= take
+        ok &= need == 0
+    return counts, ok
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(problems(), tied_problems()), st.data())
+def test_fill_takes_the_cheapest_layers_under_the_caps(batch, data):
+    b, p = batch.lo.shape
+    vectors = data.draw(st.integers(1, 3))
+    caps = np.array(data.draw(st.lists(st.integers(-1, 14), min_size=b * vectors * p, max_size=b * vectors * p)),
+                    dtype=float).reshape(b, vectors, p)
+    counts, ok = _Filler(batch).fill(caps)
+    for row in range(b):
+        for v in range(vectors):
+            expected, fits = greedy_fill(batch, row, caps[row, v])
+            assert ok[row, v] == fits
+            if fits:
+                assert counts[row, v].tolist() == expected.tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(problems(), tied_problems()))
+def test_smallest_feasible_threshold_is_the_first_value_whose_caps_admit_a_partition(batch):
+    """The threshold search starts from the smallest period (and all-reduce) value whose caps admit a
+    partition: against a scan of every value fixed_i + per_layer_i n in ascending order."""
+    hi = _clipped_hi(batch)
+    fits = _Filler(batch).fill(hi[:, None, :])[1][:, 0] & (hi >= batch.lo).all(-1)
+    for row in np.flatnonzero(fits):
+        one, one_hi = row_problem(batch, row), hi[row:row + 1]
+        for fixed, per_layer in ((one.period_fixed_s, one.layer_s), (one.ar_fixed_s, one.ar_layer_s)):
+            values = sorted({fixed[0, i] + per_layer[0, i] * n for i in range(one.lo.shape[1])
+                             for n in range(int(one.lo[0, i]), int(one_hi[0, i]) + 1)})
+            admitted = (v for v in values
+                        if _Filler(one).fill(_caps(np.array([[v]]), fixed, per_layer, one_hi))[1][0, 0])
+            assert _smallest_feasible(fixed, per_layer, one, one_hi)[0] == next(admitted)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(problems(), tied_problems()), st.data())
+def test_caps_are_the_most_layers_whose_value_stays_within_the_threshold(batch, data):
+    """_caps against a scan of every count 0..hi, thresholds taken among the values themselves (where the rounded
+    quotient is most often one off), just beside them, and infinite."""
+    hi = _clipped_hi(batch)
+    fixed, per_layer = batch.period_fixed_s, batch.layer_s
+    values = [fixed[b, i] + per_layer[b, i] * n for b in range(len(batch)) for i in range(hi.shape[1])
+              for n in range(int(hi[b, i]) + 1)]
+    pick = st.sampled_from(values) if values else st.just(1.0)
+    thresholds = np.array([[data.draw(st.one_of(pick, pick.map(lambda x: x * (1 + 1e-12)), st.just(np.inf)))
+                            for _ in range(3)] for _ in range(len(batch))])
+    caps = _caps(thresholds, fixed, per_layer, hi)
+    for b in range(len(batch)):
+        for k, x in enumerate(thresholds[b]):
+            for i in range(hi.shape[1]):
+                within = [n for n in range(int(hi[b, i]) + 1) if fixed[b, i] + per_layer[b, i] * n <= x]
+                assert caps[b, k, i] == (max(within) if within else -1)

@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import MutableMapping
+
 import click
 
-from fasop.cli import calibration, compare, emit, pareto, profile, search
+# The module (in fasop.cli) of each command, a function of the command's name. A command's module is imported when
+# the command runs or is listed, so that `fasop search` does not load the launch, calibration and charting code.
+COMMAND_MODULES = {"search": "search", "estimate": "search", "emit": "emit", "compare": "compare", "profile": "profile",
+                   "validate": "calibration", "calibrate": "calibration", "pareto": "pareto", "plot": "pareto"}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """The top-level group: commands imported on first use; `commands` imports and holds them all."""
+
+    @property
+    def commands(self) -> MutableMapping[str, click.Command]:
+        for name in COMMAND_MODULES:
+            self._command(name)
+        return self._loaded
+
+    @commands.setter
+    def commands(self, commands: MutableMapping[str, click.Command]) -> None:
+        self._loaded = dict(commands)
+
+    def _command(self, name: str) -> click.Command:
+        if name not in self._loaded:
+            self._loaded[name] = getattr(importlib.import_module(f"fasop.cli.{COMMAND_MODULES[name]}"), name)
+        return self._loaded[name]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return self._command(cmd_name) if cmd_name in COMMAND_MODULES else None
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMAND_MODULES)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fasop")
 def main():
     """Plan data, tensor and pipeline parallelism for Megatron-LM on heterogeneous GPU clusters."""
-
-
-for command in (search.search, search.estimate, emit.emit, compare.compare, profile.profile, calibration.validate,
-                calibration.calibrate, pareto.pareto, pareto.plot):
-    main.add_command(command)

@@ -19,8 +19,6 @@ from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.inputs.profiles import load_profiles
-from fasop.launch.options import launch_options
-from fasop.launch.write import check_out_dir, render_plan, write_files
 from fasop.plans import plans_text
 from fasop.search.robust import CANDIDATES, check_noise
 
@@ -93,6 +91,8 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     inputs = common.input_paths(model_name, cluster_name, model, cluster, profiles_dir)
     outputs = [(output, "--output")] if output is not None else []
     if emit_dir is not None:
+        from fasop.launch.write import check_out_dir  # the launch code is loaded only for --emit
+
         check_out_dir(emit_dir, force=False)
     check_outputs(outputs, inputs)
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch,
@@ -142,6 +142,9 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> 
     is written: the plan list is moved into place only once the launch scripts are written."""
     emitted = {}
     if emit_dir is not None:
+        from fasop.launch.options import launch_options  # the launch code is loaded only for --emit
+        from fasop.launch.write import render_plan, write_files
+
         options = launch_options(cluster.launch, f"{cluster.file or cluster.name}: launch")
         check_finite(plans[0].record(), "--emit plan 1")
         emitted = render_plan(plans[0], model, cluster, options, where="plan 1")

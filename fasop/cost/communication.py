@@ -37,33 +37,42 @@ def boundary_bytes(model: Model, segment: int, mbs: int, tp: int) -> float:
     return model.precision_bytes * tokens * mbs * model.hidden_size / tp
 
 
-def p2p_times(model: Model, geo: Geometry, config: Config, segment: np.ndarray,
+def p2p_times(model: Model, geos: list[Geometry], config: Config, segment: np.ndarray,
               mbs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(boundary, exchange, wrap): (K, pp-1) seconds to send one micro-batch's activation across each boundary,
-    (K, pp) the sends and receives each stage waits for in each steady-state step, and (K,) the send from the
+    """(boundary, exchange, wrap) of each placement `geos`, its stages' segments `segment` (G, pp), and each
+    micro-batch size, row g K + k: (G K, pp-1) seconds to send one micro-batch's activation across each boundary,
+    (G K, pp) the sends and receives each stage waits for in each steady-state step, and (G K,) the send from the
     last stage to the first of an interleaved pipeline."""
     # activation sizes grow linearly with the micro-batch: compute them once for one sample
     per_sample_bytes = np.array([boundary_bytes(model, s, 1, config.tp)
-                                 for s in range(len(model.layer_kinds))])[segment[1:]]
-    boundary = geo.boundary_s_per_byte[None, :] * per_sample_bytes[None, :] * mbs[:, None] + geo.boundary_latency_s
-    exchange = np.zeros((len(mbs), config.pp))
+                                 for s in range(len(model.layer_kinds))])[segment[:, 1:]]
+    per_byte = np.array([geo.boundary_s_per_byte for geo in geos])
+    latency = np.array([geo.boundary_latency_s for geo in geos])[:, None, :]
+    boundary = ((per_byte * per_sample_bytes)[:, None, :] * mbs[None, :, None]
+                + latency).reshape(len(geos) * len(mbs), config.pp - 1)
+    exchange = np.zeros((len(boundary), config.pp))
     exchange[:, 1:] += boundary
     exchange[:, :-1] += boundary
-    wrap = geo.wrap_s_per_byte * per_sample_bytes[:1].sum() * mbs + geo.wrap_latency_s
-    return boundary, exchange, wrap
+    wrap_per_byte = np.array([geo.wrap_s_per_byte for geo in geos])
+    wrap_latency = np.array([geo.wrap_latency_s for geo in geos])[:, None]
+    wrap = (wrap_per_byte * per_sample_bytes[:, :1].sum(-1))[:, None] * mbs + wrap_latency
+    return boundary, exchange, wrap.ravel()
 
 
-def allreduce_times(model: Model, geo: Geometry, config: Config, fixed_params: np.ndarray,
+def allreduce_times(model: Model, geos: list[Geometry], config: Config, fixed_params: np.ndarray,
                     layer_params: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(fixed, per layer, embedding): (K, pp) data-parallel all-reduce of each stage's gradients beyond its
-    layers, (K, pp) what each layer adds, and (K,) the tied embedding's all-reduce between its stages."""
+    """(fixed, per layer, embedding) of each placement `geos`, with its stages' parameters (G, pp), each repeated
+    for k micro-batch sizes (row g k + j): (G k, pp) data-parallel all-reduce of each stage's gradients beyond its
+    layers, (G k, pp) what each layer adds, and (G k,) the tied embedding's all-reduce between its stages."""
     grad_bytes = gradient_comm_bytes(model)
-    ar_fixed = np.broadcast_to(geo.dp_allreduce_s_per_byte * grad_bytes * fixed_params + geo.dp_allreduce_latency_s,
-                               (k, config.pp))
-    ar_layer = np.broadcast_to(geo.dp_allreduce_s_per_byte * grad_bytes * layer_params, (k, config.pp))
-    emb_ar = np.full(k, geo.embedding_allreduce_s_per_byte * grad_bytes * model.padded_vocab(config.tp)
-                     * model.hidden_size / config.tp + geo.embedding_allreduce_latency_s)
-    return ar_fixed, ar_layer, emb_ar
+    per_byte = np.array([geo.dp_allreduce_s_per_byte for geo in geos])
+    latency = np.array([geo.dp_allreduce_latency_s for geo in geos])
+    ar_fixed = per_byte * grad_bytes * fixed_params + latency
+    ar_layer = per_byte * grad_bytes * layer_params
+    embedding = np.array([geo.embedding_allreduce_s_per_byte for geo in geos]) * grad_bytes \
+        * model.padded_vocab(config.tp) * model.hidden_size / config.tp \
+        + np.array([geo.embedding_allreduce_latency_s for geo in geos])
+    return np.repeat(ar_fixed, k, axis=0), np.repeat(ar_layer, k, axis=0), np.repeat(embedding, k)
 
 
 @dataclass(frozen=True)
@@ -104,11 +113,26 @@ def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp:
 
 def with_embedding_group(cluster: Cluster, geo: Geometry, stages: tuple[int, ...]) -> Geometry:
     """`geo` with the cost of all-reducing the tied embedding between `stages` (one group per (d, t))."""
-    if len(stages) < 2:
-        return replace(geo, embedding_allreduce_s_per_byte=0.0, embedding_allreduce_latency_s=0.0)
-    groups = geo.node[list(stages)].reshape(len(stages), -1).T
-    cost, latency = _Links(cluster, geo.placement).allreduce(groups[None])
-    return replace(geo, embedding_allreduce_s_per_byte=float(cost[0]), embedding_allreduce_latency_s=float(latency[0]))
+    return with_embedding_groups(cluster, geo, [stages])[0]
+
+
+def with_embedding_groups(cluster: Cluster, geo: Geometry, stage_sets: list[tuple[int, ...]]) -> list[Geometry]:
+    """with_embedding_group for each of `stage_sets` (the encoder splits of one placement): sets of as many stages
+    are costed in one call."""
+    result: list[Geometry] = [replace(geo, embedding_allreduce_s_per_byte=0.0, embedding_allreduce_latency_s=0.0)
+                              for _ in stage_sets]
+    by_size: dict[int, list[int]] = {}
+    for i, stages in enumerate(stage_sets):
+        if len(stages) >= 2:
+            by_size.setdefault(len(stages), []).append(i)
+    links = _Links(cluster, geo.placement)
+    for size, sets in by_size.items():
+        groups = np.stack([geo.node[list(stage_sets[i])].reshape(size, -1).T for i in sets])
+        cost, latency = links.allreduce(groups)
+        for i, set_cost, set_latency in zip(sets, cost, latency):
+            result[i] = replace(geo, embedding_allreduce_s_per_byte=float(set_cost),
+                                embedding_allreduce_latency_s=float(set_latency))
+    return result
 
 
 class _Links:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fasop.cost.config import Config
+from fasop.cost.config import Config, per_stage
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
@@ -15,72 +15,81 @@ from fasop.inputs.profiles import GpuProfile
 
 @dataclass(frozen=True)
 class StageCompute:
-    gpu: tuple[str, ...]  # GPU types hosting each stage, '+'-joined when a stage spans two types
-    layer_s: np.ndarray  # (K, pp) one transformer layer of the stage's segment
-    fixed_s: np.ndarray  # (K, pp) the embedding and head units on the stage (everything when pp = 1)
-    layer_forward_s: np.ndarray  # (K, pp) the forward part of layer_s
-    fixed_forward_s: np.ndarray  # (K, pp) the forward part of fixed_s
-    kind_forward_s: tuple[np.ndarray, ...]  # (K, pp) per layer kind: the forward alone, what recomputation repeats
-    # (K, pp) per layer kind: the attention core's forward, what selective recomputation repeats (empty unless
+    gpu: tuple[tuple[str, ...], ...]  # per row: GPU types hosting each stage, '+'-joined when a stage spans two
+    layer_s: np.ndarray  # (G K, pp) one transformer layer of the stage's segment
+    fixed_s: np.ndarray  # (G K, pp) the embedding and head units on the stage (everything when pp = 1)
+    layer_forward_s: np.ndarray  # (G K, pp) the forward part of layer_s
+    fixed_forward_s: np.ndarray  # (G K, pp) the forward part of fixed_s
+    kind_forward_s: tuple[np.ndarray, ...]  # (G K, pp) per layer kind: the forward alone, what recomputation repeats
+    # (G K, pp) per layer kind: the attention core's forward, what selective recomputation repeats (empty unless
     # asked for)
     kind_core_forward_s: tuple[np.ndarray, ...] = ()
 
 
 def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
-                  stage_node_types: tuple[tuple[str, ...], ...], config: Config, sizes: tuple[int, ...],
-                  segment: np.ndarray, selective: bool = False) -> StageCompute:
-    """Compute of each stage for each micro-batch size in `sizes`; with `selective`, the attention cores'
-    forwards too."""
+                  placements: list[tuple[tuple[str, ...], ...]], config: Config, sizes: tuple[int, ...],
+                  segment: np.ndarray, encoder_stages: np.ndarray, selective: bool = False) -> StageCompute:
+    """Compute of each stage for G placements (the node types hosting each stage), each with its stages' segments
+    (G, pp) and encoder stages (G,), and K micro-batch sizes, row g K + k. Placements share the few GPU sets their
+    stages have, so each set's profiles are read once. With `selective`, the layers' attention cores too."""
     tp, pp, whole = config.tp, config.pp, config.pp == 1
-    stage_gpus = [tuple(sorted({cluster.node_types[n].gpu for n in names})) for names in stage_node_types]
-    gpu_sets = sorted(set(stage_gpus))
-    stage_set = np.array([gpu_sets.index(g) for g in stage_gpus])
+    segment = np.repeat(segment, len(sizes), axis=0)
+    stage_gpus = per_stage(placements, lambda names: tuple(sorted({cluster.node_types[n].gpu for n in names})))
+    gpu_sets = sorted({gpus for stages in stage_gpus for gpus in stages})
+    stage_set = np.array([[gpu_sets.index(gpus) for gpus in stages] for stages in stage_gpus])  # (G, pp)
 
-    def unit_s(kind: str, part: str = "step") -> np.ndarray:
-        """(K, pp): forward + backward ("step"), the forward alone ("forward") or the attention core's forward
-        ("core") of one unit of `kind` for one micro-batch on each stage; a stage of two GPU types takes the
+    kinds = [*model.layer_kinds, "embedding", "head", *(["decoder_embedding"] if model.is_encoder_decoder else [])]
+
+    def set_times(gpus: tuple[str, ...]) -> np.ndarray:
+        """(3, kinds, K) forward + backward, the forward alone and the attention core's forward (layers, with
+        `selective`; else 0) of one unit of each kind for one micro-batch on a stage of these GPU types: the
         slower type's step, and that type's forward and core."""
-        steps = [np.array([profiles[g].step_s(tp, kind, sizes) for g in gpus]) for gpus in gpu_sets]
-        if part == "step":
-            per_set = np.array([s.max(0) for s in steps])
-        else:
-            def part_s(g: str) -> np.ndarray:
-                if part == "core":
-                    return profiles[g].attention_core_forward_s(model, tp, kind, sizes)
-                return profiles[g].forward_s(tp, kind, sizes)
-            per_set = np.array([np.array([part_s(g) for g in gpus])[s.argmax(0), range(len(sizes))]
-                                for gpus, s in zip(gpu_sets, steps)])
-        return per_set[stage_set].T
+        times = np.array([[profiles[g].times_s(tp, kind, sizes) for kind in kinds] for g in gpus])
+        core = np.array([[profiles[g].attention_core_forward_s(model, tp, kind, sizes)
+                          if selective and kind in model.layer_kinds else np.zeros(len(sizes)) for kind in kinds]
+                         for g in gpus])
+        step = times[..., 0] + times[..., 1]
+        slowest = step.argmax(0)[None]
+        return np.stack([np.take_along_axis(part, slowest, 0)[0] for part in (step, times[..., 0], core)])
+
+    stage_times = np.array([set_times(gpus) for gpus in gpu_sets])[stage_set]  # (G, pp, 3, kinds, K)
+
+    def unit_s(kind: str, forward: bool, core: bool = False) -> np.ndarray:
+        """(G K, pp): forward + backward (or the forward alone, or the attention core's forward) of one unit of
+        `kind` for one micro-batch on each stage."""
+        part = 2 if core else int(forward)
+        return stage_times[:, :, part, kinds.index(kind)].transpose(0, 2, 1).reshape(-1, pp)
 
     def totals(forward: bool) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         kinds = model.layer_kinds
-        layer_by_kind = [unit_s(kind, "forward" if forward else "step") for kind in kinds]
+        layer_by_kind = [unit_s(kind, forward) for kind in kinds]
         layer_s = np.choose(segment, layer_by_kind) if len(kinds) > 1 else layer_by_kind[0]
-        first_decoder = min(config.encoder_stages, pp - 1)
-        fixed_s = np.zeros((len(sizes), pp))
-        part = "forward" if forward else "step"
-        fixed_s[:, 0] += unit_s("embedding", part)[:, 0]
-        fixed_s[:, -1] += unit_s("head", part)[:, -1]
+        fixed_s = np.zeros(layer_s.shape)
+        fixed_s[:, 0] += unit_s("embedding", forward)[:, 0]
+        fixed_s[:, -1] += unit_s("head", forward)[:, -1]
         if model.is_encoder_decoder:
-            fixed_s[:, first_decoder] += unit_s("decoder_embedding", part)[:, first_decoder]
+            rows, first_decoder = np.arange(len(fixed_s)), np.repeat(np.minimum(encoder_stages, pp - 1), len(sizes))
+            fixed_s[rows, first_decoder] += unit_s("decoder_embedding", forward)[rows, first_decoder]
         if whole:
             fixed_s[:, 0] += sum(n * t[:, 0] for n, t in zip(model.segment_layers, layer_by_kind))
         return layer_s, fixed_s, layer_by_kind
 
     layer_s, fixed_s, _ = totals(forward=False)
     layer_forward_s, fixed_forward_s, kind_forward_s = totals(forward=True)
-    core = tuple(unit_s(kind, "core") for kind in model.layer_kinds) if selective else ()
-    return StageCompute(tuple("+".join(g) for g in stage_gpus), layer_s, fixed_s, layer_forward_s, fixed_forward_s,
-                        tuple(kind_forward_s), core)
+    gpu = [tuple("+".join(g) for g in stages) for stages in stage_gpus]
+    core = tuple(unit_s(kind, True, core=True) for kind in model.layer_kinds) if selective else ()
+    return StageCompute(tuple(names for names in gpu for _ in sizes), layer_s, fixed_s, layer_forward_s,
+                        fixed_forward_s, tuple(kind_forward_s), core)
 
 
 def recompute_times(model: Model, config: Config, compute: StageCompute,
                     segment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(per layer, fixed): (K, pp) seconds of forwards each stage recomputes per micro-batch, for each of its
-    layers and whatever its layers (the block method's k layers; everything when one stage holds the model).
-    Per layer: the attention core's forward under selective recomputation (with flash attention too: Megatron
-    checkpoints the fused kernel and reruns its forward), the whole forward under full uniform recomputation,
-    nothing otherwise (the block method recomputes a fixed number of layers per stage instead)."""
+    """(per layer, fixed): seconds of forwards each stage recomputes per micro-batch, for each of its layers and
+    whatever its layers (the block method's k layers; everything when one stage holds the model), per row of
+    `compute` and its stages' segments `segment`. Per layer: the attention core's forward under selective
+    recomputation (with flash attention too: Megatron checkpoints the fused kernel and reruns its forward), the
+    whole forward under full uniform recomputation, nothing otherwise (the block method recomputes a fixed number
+    of layers per stage instead)."""
     if config.recompute == "selective":
         recomputed = list(compute.kind_core_forward_s)
     else:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 
 from fasop.cost.schedule import interleaving_error
 from fasop.inputs.model import Model
+
+T = TypeVar("T")
 
 # Megatron-LM's --recompute-granularity, lightest first (none: the flag left out)
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -92,3 +96,10 @@ def embedding_stages(model: Model, config: Config) -> tuple[int, ...]:
     if model.is_encoder_decoder:
         stages.add(config.encoder_stages)
     return tuple(sorted(stages))
+
+
+def per_stage(placements: list[tuple[tuple[str, ...], ...]], of: Callable[[tuple[str, ...]], T]) -> list[list[T]]:
+    """of(node types) for every stage of every placement (the node types hosting each stage), computed once for
+    each distinct set of node types: placements share a few."""
+    value = {names: of(names) for names in {names for stages in placements for names in stages}}
+    return [[value[names] for names in stages] for stages in placements]

@@ -13,7 +13,7 @@ from functools import cache
 
 import numpy as np
 
-from fasop.cost.config import Config
+from fasop.cost.config import Config, per_stage
 from fasop.cost.schedule import stage_times
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -159,13 +159,15 @@ def memory_bytes_per_s(cluster: Cluster, gpu: str) -> float:
     return own.memory_bytes_per_s if own is not None else _catalogue_bandwidths().get(gpu, 0.0)
 
 
-def optimizer_times(model: Model, cluster: Cluster, stage_node_types: tuple[tuple[str, ...], ...], config: Config,
+def optimizer_times(model: Model, cluster: Cluster, placements: list[tuple[tuple[str, ...], ...]], config: Config,
                     fixed_params: np.ndarray, layer_params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(fixed, per layer): (pp,) seconds of each stage's optimizer step, a memory-bound pass over its ranks'
-    optimizer state (sharded over the data-parallel group with the distributed optimizer) at the memory
-    bandwidth of the stage's slowest GPU."""
-    bandwidth = np.array([min(memory_bytes_per_s(cluster, cluster.node_types[n].gpu) for n in names)
-                          for names in stage_node_types])
+    """(fixed, per layer): (G, pp) seconds of each stage's optimizer step for G placements (the node types hosting
+    each stage), a memory-bound pass over its ranks' optimizer state (sharded over the data-parallel group with the
+    distributed optimizer) at the memory bandwidth of the stage's slowest GPU."""
+    def slowest(names: tuple[str, ...]) -> float:
+        return min(memory_bytes_per_s(cluster, cluster.node_types[n].gpu) for n in names)
+
+    bandwidth: np.ndarray = np.array(per_stage(placements, slowest))
     shard = config.dp if config.distributed_optimizer else 1
     with np.errstate(divide="ignore"):
         per_param = np.where(bandwidth > 0, optimizer_bytes_per_param(model) / shard / bandwidth, 0.0)

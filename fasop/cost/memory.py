@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from fasop.cost.config import Config
+from fasop.cost.config import Config, per_stage
 from fasop.cost.pipeline import in_flight
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -136,9 +136,9 @@ def stage_params(model: Model, config: Config, segment: np.ndarray) -> tuple[np.
     return fixed_params, kind_params[segment]
 
 
-def stage_capacity_gib(cluster: Cluster, stage_node_types: tuple[tuple[str, ...], ...]) -> np.ndarray:
-    """(pp,) memory of the smallest GPU on each stage."""
-    return np.array([min(cluster.node_types[n].gpu_memory_gib for n in names) for names in stage_node_types])
+def stage_capacity_gib(cluster: Cluster, placements: list[tuple[tuple[str, ...], ...]]) -> np.ndarray:
+    """(G, pp) memory of the smallest GPU on each stage of G placements (the node types hosting each stage)."""
+    return np.array(per_stage(placements, lambda names: min(cluster.node_types[n].gpu_memory_gib for n in names)))
 
 
 def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: tuple[np.ndarray, np.ndarray],

@@ -21,13 +21,16 @@ all plans at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
 # Plans are evaluated in blocks whose (operations x plans) end times take 32 MiB: wide enough that numpy's cost
 # per call (a few calls per level, hundreds of levels) is small against the work, and memory stays bounded.
 BLOCK_ELEMENTS = 2**22
+# Blocks of at most this many plans gather every operation's durations before the sweep (fewer numpy calls a level);
+# larger blocks gather each level's from the small tables of durations, which stay in cache.
+GATHER_AHEAD_PLANS = 256
 # Schedules of more micro-batches are timed at about this count and one group fewer, and extrapolated: past its
 # warm-up the schedule repeats, each micro-batch adding the same time (docs/cost-model.md section 4.1)
 MAX_EXACT_MICROBATCHES = 1024
@@ -58,44 +61,52 @@ def interleaving_error(stages: int, virtual_stages: int, num_microbatches: int, 
     return None
 
 
-def _warmup(stages: int, rank: int, virtual_stages: int, group: int, total: int) -> int:
-    """Forwards a stage runs before its first backward (schedules.py, get_pp_rank_microbatches)."""
+def _warmup(stages: int, rank: np.ndarray, virtual_stages: int, group: int, total: int) -> np.ndarray:
+    """Forwards each stage `rank` runs before its first backward (schedules.py, get_pp_rank_microbatches)."""
     if virtual_stages == 1:
-        return min(stages - rank - 1, total)
-    return min((stages - rank - 1) * 2 + (virtual_stages - 1) * group, total)
+        return np.minimum(stages - rank - 1, total)
+    return np.minimum((stages - rank - 1) * 2 + (virtual_stages - 1) * group, total)
 
 
-def _chunk_and_microbatch(k: int, m: int, virtual_stages: int, group: int) -> tuple[int, int]:
-    """The model chunk and micro-batch of a stage's k-th forward: micro-batches go in groups of `group` (the
+def _chunk_and_microbatch(k: np.ndarray, m: int, virtual_stages: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """The model chunk and micro-batch of a stage's k-th forwards: micro-batches go in groups of `group` (the
     last group takes the rest), each group through chunk 0, then chunk 1, ... (schedules.py,
     get_schedule_table)."""
     first = (k // (group * virtual_stages)) * group
-    size = group if first + group < m else m - first
+    size = np.where(first + group < m, group, m - first)
     offset = k - first * virtual_stages
     return offset // size, first + offset % size
 
 
-def stage_program(stages: int, rank: int, num_microbatches: int, virtual_stages: int = 1,
-                  group_size: int | None = None) -> list[tuple[str, int, int]]:
-    """The operations of one stage in the order it runs them: ("F" or "B", chunk, micro-batch). Warm-up
-    forwards, then one forward and one backward at a time, then the remaining backwards; the k-th backward
-    runs the chunk mirrored from the k-th forward's (schedules.py, get_model_chunk_id with forward=False)."""
+def _programs(stages: int, num_microbatches: int, virtual_stages: int = 1,
+              group_size: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(backward, chunk, micro-batch), each (stages, 2 m v): the operations of every stage in the order it runs
+    them. Warm-up forwards, then one forward and one backward at a time, then the remaining backwards; the k-th
+    backward runs the chunk mirrored from the k-th forward's (schedules.py, get_model_chunk_id with
+    forward=False)."""
     v, m = virtual_stages, num_microbatches
     group = stages if group_size is None else group_size
     total = m * v
-    warm = _warmup(stages, rank, v, group, total)
+    warm = _warmup(stages, np.arange(stages), v, group, total)[:, None]
+    k = np.arange(total)
+    chunk, microbatch = _chunk_and_microbatch(k, m, v, group)
+    # where a stage runs its k-th forward and its k-th backward
+    forward_at = np.where(k < warm, k, 2 * k - warm)
+    backward_at = np.where(k < total - warm, warm + 2 * k + 1, total + k)
+    stage = np.arange(stages)[:, None]
+    backward = np.zeros((stages, 2 * total), dtype=bool)
+    backward[stage, backward_at] = True
+    chunks, microbatches = np.empty((stages, 2 * total), dtype=int), np.empty((stages, 2 * total), dtype=int)
+    chunks[stage, forward_at], chunks[stage, backward_at] = chunk, v - 1 - chunk
+    microbatches[stage, forward_at], microbatches[stage, backward_at] = microbatch, microbatch
+    return backward, chunks, microbatches
 
-    def forward(k):
-        return ("F", *_chunk_and_microbatch(k, m, v, group))
 
-    def backward(k):
-        chunk, j = _chunk_and_microbatch(k, m, v, group)
-        return ("B", v - 1 - chunk, j)
-
-    ops = [forward(k) for k in range(warm)]
-    for k in range(total - warm):
-        ops += [forward(k + warm), backward(k)]
-    return ops + [backward(k) for k in range(total - warm, total)]
+def stage_program(stages: int, rank: int, num_microbatches: int, virtual_stages: int = 1,
+                  group_size: int | None = None) -> list[tuple[str, int, int]]:
+    """The operations of one stage in the order it runs them: ("F" or "B", chunk, micro-batch) (`_programs`)."""
+    backward, chunk, microbatch = (a[rank] for a in _programs(stages, num_microbatches, virtual_stages, group_size))
+    return [("B" if b else "F", c, j) for b, c, j in zip(backward.tolist(), chunk.tolist(), microbatch.tolist())]
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,20 @@ class Program:
     def ops(self) -> int:
         return len(self.stage)
 
+    @cached_property
+    def sweep(self) -> tuple[np.ndarray, list[tuple[int, int]], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The operations renumbered level by level, each level a run of consecutive numbers: (the new number of
+        each operation and of the sentinel, [start, end) of each level, and in the new order each operation's
+        previous and waits_for (new numbers), its row among the compute times (forwards of every chunk, then
+        backwards) and its send)."""
+        order = np.concatenate(self.levels)
+        number = np.empty(self.ops + 1, dtype=int)
+        number[order], number[self.ops] = np.arange(self.ops), self.ops
+        edges = np.cumsum([0] + [len(ops) for ops in self.levels]).tolist()
+        slot = self.stage * self.virtual_stages + self.chunk + np.where(self.backward, self.stages * self.virtual_stages, 0)
+        return (number, list(zip(edges[:-1], edges[1:])), number[self.previous[order]], number[self.waits_for[order]],
+                slot[order], self.link[order])
+
 
 @lru_cache(maxsize=256)
 def program(stages: int, num_microbatches: int, virtual_stages: int = 1, group_size: int | None = None) -> Program:
@@ -130,30 +155,29 @@ def program(stages: int, num_microbatches: int, virtual_stages: int = 1, group_s
     error = interleaving_error(p, v, m, group_size)
     if error:
         raise ValueError(error)
-    rows = [(r, kind, c, j) for r in range(p) for kind, c, j in stage_program(p, r, m, v, group_size)]
-    index = {(kind, r, c, j): i for i, (r, kind, c, j) in enumerate(rows)}
-    n = len(rows)
-    previous, waits_for, link = np.full(n, n), np.full(n, n), np.full(n, p)
-    for i, (r, kind, c, j) in enumerate(rows):
-        if i and rows[i - 1][0] == r:
-            previous[i] = i - 1
-        s = c * p + r  # virtual stage
-        if kind == "F":
-            if s > 0:
-                waits_for[i] = index["F", r - 1, c, j] if r else index["F", p - 1, c - 1, j]
-            if s < p * v - 1:
-                link[i] = r if r < p - 1 else p - 1
-        else:
-            if s == p * v - 1:
-                waits_for[i] = index["F", r, c, j]
-            else:
-                waits_for[i] = index["B", r + 1, c, j] if r < p - 1 else index["B", 0, c + 1, j]
-            if s > 0:
-                link[i] = r - 1 if r else p - 1
+    backward, chunk, microbatch = (a.ravel() for a in _programs(p, m, v, group_size))
+    n = len(backward)
+    stage = np.repeat(np.arange(p), n // p)  # operations are numbered stage by stage
+    number = np.empty((2, p, v, m), dtype=int)  # of each (kind, stage, chunk, micro-batch)
+    number[backward.astype(int), stage, chunk, microbatch] = np.arange(n)
+    previous = np.where(np.arange(n) % (n // p) > 0, np.arange(n) - 1, n)
+    virtual = chunk * p + stage
+    last = p * v - 1
+    up, down = np.maximum(stage - 1, 0), np.minimum(stage + 1, p - 1)  # clipped: used only where they exist
+    # a forward waits for the forward one virtual stage up (the last stage of the chunk before for stage 0)
+    forward_waits = np.where(stage > 0, number[0, up, chunk, microbatch],
+                             np.where(virtual > 0, number[0, p - 1, np.maximum(chunk - 1, 0), microbatch], n))
+    # a backward for the backward one virtual stage down (the first stage of the chunk after for the last
+    # stage), the very last virtual stage's for its own forward
+    backward_waits = np.where(virtual == last, number[0, stage, chunk, microbatch],
+                              np.where(stage < p - 1, number[1, down, chunk, microbatch],
+                                       number[1, 0, np.minimum(chunk + 1, v - 1), microbatch]))
+    waits_for = np.where(backward, backward_waits, forward_waits)
+    # the send after it: forwards down to the next virtual stage, backwards up to the one before
+    link = np.where(backward, np.where(virtual > 0, np.where(stage > 0, stage - 1, p - 1), p),
+                    np.where(virtual < last, stage, p))
     levels = _levels(previous, waits_for)
-    stage = np.array([row[0] for row in rows])
-    return Program(p, v, m, stage, np.array([row[2] for row in rows]), np.array([row[3] for row in rows]),
-                   np.array([row[1] == "B" for row in rows]), previous, waits_for, link,
+    return Program(p, v, m, stage, chunk, microbatch, backward, previous, waits_for, link,
                    np.searchsorted(stage, np.arange(p), side="right") - 1, levels)
 
 
@@ -162,23 +186,24 @@ def _levels(previous: np.ndarray, waits_for: np.ndarray) -> tuple[np.ndarray, ..
     Each stage's operations are contiguous, so a sweep over the stages, each advancing as far as its inputs
     are known, ends in at most (longest chain) sweeps; a sweep without progress is a deadlocked schedule."""
     n = len(previous)
-    level = np.full(n + 1, -1)
-    level[n] = 0
-    heads = [i for i in range(n) if previous[i] == n]
+    previous_of, waits_for_of = previous.tolist(), waits_for.tolist()  # plain lists: this loop visits every operation
+    level = [-1] * n + [0]
+    heads = [i for i in range(n) if previous_of[i] == n]
     ends = heads[1:] + [n]
     done = 0
     while done < n:
         progress = done
         for s, (i, end) in enumerate(zip(heads, ends)):
-            while i < end and level[waits_for[i]] >= 0:
-                level[i] = 1 + max(level[previous[i]], level[waits_for[i]])
+            while i < end and level[waits_for_of[i]] >= 0:
+                level[i] = 1 + max(level[previous_of[i]], level[waits_for_of[i]])
                 i += 1
             done += i - heads[s]
             heads[s] = i
         if done == progress:
             raise RuntimeError("the schedule deadlocks: an operation waits for one that never runs")
-    order = np.argsort(level[:n], kind="stable")
-    return tuple(np.split(order, np.flatnonzero(np.diff(level[order])) + 1))
+    levels = np.array(level[:n])
+    order = np.argsort(levels, kind="stable")
+    return tuple(np.split(order, np.flatnonzero(np.diff(levels[order])) + 1))
 
 
 @dataclass(frozen=True)
@@ -226,19 +251,22 @@ def _inputs(forward_s, backward_s, send_s, virtual_stages, wrap_send_s, recomput
 
 
 def _evaluate(prog: Program, forward, backward, recompute, links, keep: bool):
-    """End times (ops + 1, plans) of one block of plans, transposed so that each level gathers whole rows;
-    with keep, also the start times. Durations come per level from small tables (one row per chunk and kind,
-    one per link), which stay in cache."""
-    slot = prog.stage * prog.virtual_stages + prog.chunk + np.where(prog.backward, forward.shape[1], 0)
+    """End times (ops + 1, plans) of one block of plans, rows in `Program.sweep` order (operation op at row
+    number[op], the sentinel last), so that each level is a run of rows; with keep, also the start times."""
+    _, levels, previous, waits_for, slot, link = prog.sweep
     compute = np.concatenate([forward.T, recompute.T + backward.T])  # (2 p v, plans): forwards, then backwards
     send = links.T
+    # each level's rows of those small tables; for few plans, every operation's row is gathered once instead
+    rows: list[tuple[np.ndarray | slice, np.ndarray | slice]] = [(slot[a:b], link[a:b]) for a, b in levels]
+    if forward.shape[0] <= GATHER_AHEAD_PLANS:
+        compute, send, rows = compute[slot], send[link], [(slice(a, b), slice(a, b)) for a, b in levels]
     end = np.zeros((prog.ops + 1, forward.shape[0]))
     start = np.empty_like(end)
-    for ops in prog.levels:
-        begin = np.maximum(end[prog.previous[ops]], end[prog.waits_for[ops]])
-        end[ops] = begin + compute[slot[ops]] + send[prog.link[ops]]
+    for (a, b), (compute_rows, send_rows) in zip(levels, rows):
+        begin = np.maximum(end[previous[a:b]], end[waits_for[a:b]])
+        end[a:b] = begin + compute[compute_rows] + send[send_rows]
         if keep:
-            start[ops] = begin
+            start[a:b] = begin
     return end, (start if keep else None)
 
 
@@ -273,7 +301,8 @@ def stage_times(forward_s, backward_s, send_s, num_microbatches, *, virtual_stag
         for at in range(0, len(rows), block):
             part = rows[at:at + block]
             end, _ = _evaluate(prog, forward[part], backward[part], recompute[part], links[part], keep=False)
-            first[part], last[part] = end[prog.waits_for[heads]].T, end[prog.last].T
+            number = prog.sweep[0]
+            first[part], last[part] = end[number[prog.waits_for[heads]]].T, end[number[prog.last]].T
 
     for m in np.unique(counts):
         rows = np.flatnonzero(counts == m)
@@ -298,7 +327,7 @@ def op_times(forward_s, backward_s, send_s, num_microbatches: int, *, virtual_st
     p, forward, backward, recompute, links = _inputs(forward_s, backward_s, send_s, virtual_stages, wrap_send_s,
                                                      recompute_s)
     prog = program(p, int(num_microbatches), virtual_stages, group_size)
-    end, start = _evaluate(prog, forward, backward, recompute, links, keep=True)
+    end, start = (times[prog.sweep[0]] for times in _evaluate(prog, forward, backward, recompute, links, keep=True))
     slot = prog.stage * virtual_stages + prog.chunk
     start = start[:-1].T
     redo = np.where(prog.backward, recompute[:, slot], 0.0)

@@ -9,7 +9,8 @@ picks the layer counts, and `breakdown` reports every term of the result.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from itertools import chain
 
 import numpy as np
 
@@ -28,61 +29,102 @@ from fasop.inputs.profiles import GpuProfile
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Everything the partition and the breakdown need for one placement and split of a (tp, dp, pp)
-    plan, for several micro-batch sizes at once: per-stage arrays are (K, pp), one row per size."""
+    """Everything the partition and the breakdown need for one split of a (tp, dp, pp) plan on G placements, each
+    for K micro-batch sizes at once: per-stage arrays are (G K, pp), row g K + k for placement g and size k."""
 
-    mbs: np.ndarray  # (K,)
+    mbs: np.ndarray  # (G K,)
     problem: PartitionBatch
-    gpu: tuple[str, ...]  # GPU types hosting each stage, '+'-joined when a stage spans two types
+    gpu: tuple[tuple[str, ...], ...]  # per row: GPU types hosting each stage, '+'-joined when a stage spans two types
     fixed_s: np.ndarray  # compute of the embedding/head units on the stage, one micro-batch (with recomputation)
-    recompute_fixed_s: np.ndarray  # (K, pp) of which recomputed forwards (fasop.cost.compute)
-    recompute_layer_s: np.ndarray  # (K, pp) forward recomputed per layer and micro-batch, part of problem.layer_s
-    boundary_s: np.ndarray  # (K, pp-1) send of one micro-batch's activation across each boundary
+    recompute_fixed_s: np.ndarray  # (G K, pp) of which recomputed forwards (fasop.cost.compute)
+    recompute_layer_s: np.ndarray  # (G K, pp) forward recomputed per layer and micro-batch, part of problem.layer_s
+    boundary_s: np.ndarray  # (G K, pp-1) send of one micro-batch's activation across each boundary
     exchange_s: np.ndarray  # sends and receives a stage waits for in each steady-state step
     mem_fixed_gib: np.ndarray
     mem_layer_gib: np.ndarray
-    capacity_gib: np.ndarray  # (pp,) memory of the smallest GPU on the stage
-    embedding_allreduce_s: np.ndarray  # (K,)
+    capacity_gib: np.ndarray  # (G K, pp) memory of the smallest GPU on the stage
+    embedding_allreduce_s: np.ndarray  # (G K,)
     fixed_layers: np.ndarray  # (pp,) layers that are not partitioned (one stage holds the whole model)
     schedule: ScheduleBatch  # what the exact step needs
+
+    def take(self, rows: np.ndarray) -> StageCosts:
+        """The rows `rows` of these costs."""
+        def part(name: str):
+            value = getattr(self, name)
+            if name == "fixed_layers":  # per stage, the same for every row
+                return value
+            if name == "gpu":
+                return tuple(value[row] for row in rows)
+            return value.take(rows) if name in ("problem", "schedule") else value[rows]
+
+        return StageCosts(*(part(f.name) for f in fields(StageCosts)))
+
+    @staticmethod
+    def stack(parts: list[StageCosts]) -> StageCosts:
+        """The rows of every part, in order (parts with the same stages and segments)."""
+        def whole(name: str):
+            values = [getattr(part, name) for part in parts]
+            if name == "problem":
+                return PartitionBatch.stack(values)
+            if name == "schedule":
+                return ScheduleBatch.stack(values)
+            if name == "gpu":
+                return tuple(chain.from_iterable(values))
+            return values[0] if name == "fixed_layers" else np.concatenate(values)
+
+        return StageCosts(*(whole(f.name) for f in fields(StageCosts)))
 
 
 def stage_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
                 config: Config, mbs_values: list[int]) -> StageCosts:
     """Per-stage costs of `config` (its mbs is ignored) on `geo`, for each micro-batch size in mbs_values."""
-    return next(recompute_variants(model, cluster, profiles, geo, [config], mbs_values))
+    return next(recompute_variants(model, cluster, profiles, [([geo], [config])], mbs_values))
 
 
-def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], geo: Geometry,
-                       configs: list[Config], mbs_values: list[int]) -> Iterator[StageCosts]:
-    """stage_costs of each of `configs` in turn, one plan under several recompute settings (nothing else
-    differs): what recomputation leaves alone is computed once, and variants not asked for are not built."""
-    config = configs[0]
+def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
+                       splits: list[tuple[list[Geometry], list[Config]]], mbs_values: list[int]) -> Iterator[StageCosts]:
+    """Per-stage costs of one (tp, dp, pp) plan under each of several recompute settings in turn (nothing else
+    differs), for every encoder/decoder split at once: `splits` holds each split's placements and its config under
+    each setting. Rows run over the splits' placements, split by split, and the micro-batch sizes: row g K + k for
+    placement g and size k. What recomputation leaves alone is computed once, and settings not asked for are not
+    built."""
+    config = splits[0][1][0]
     pp, whole = config.pp, config.pp == 1
     mbs = np.array(mbs_values)
     k = len(mbs)
     m = config.gbs // (config.dp * mbs)
-    segment, segment_layers = segments(model, config)
-    compute = stage_compute(model, cluster, profiles, geo.stage_node_types, config,
-                            tuple(int(b) for b in mbs_values), segment,
-                            selective=any(c.recompute == "selective" for c in configs))
+    geos = [geo for split_geos, _ in splits for geo in split_geos]
+    split_of_geo = np.repeat(np.arange(len(splits)), [len(split_geos) for split_geos, _ in splits])
+    rows = len(geos) * k
+    num_microbatches = np.tile(m, len(geos))
+    split_segments = [segments(model, configs[0])[0] for _, configs in splits]
+    segment_layers = segments(model, config)[1]
+    split_params = [stage_params(model, configs[0], segment) for (_, configs), segment in zip(splits, split_segments)]
+    segment = np.array(split_segments)[split_of_geo]  # (G, pp)
+    fixed_params, layer_params = (np.array([params[i] for params in split_params])[split_of_geo] for i in range(2))
+    placements = [geo.stage_node_types for geo in geos]
+    compute = stage_compute(model, cluster, profiles, placements, config, tuple(int(b) for b in mbs_values), segment,
+                            np.array([configs[0].encoder_stages for _, configs in splits])[split_of_geo],
+                            selective=any(c.recompute == "selective" for _, configs in splits for c in configs))
+    segment_rows = np.repeat(segment, k, axis=0)
     fixed_layers = np.zeros(pp, dtype=int)
     if whole:
         fixed_layers[0] = model.num_layers
-    boundary, exchange, wrap = p2p_times(model, geo, config, segment, mbs)
-    params = stage_params(model, config, segment)
-    ar_fixed, ar_layer, emb_ar = allreduce_times(model, geo, config, *params, k)
-    opt_fixed, opt_layer = optimizer_times(model, cluster, geo.stage_node_types, config, *params)
+    boundary, exchange, wrap = p2p_times(model, geos, config, segment, mbs)
+    ar_fixed, ar_layer, emb_ar = allreduce_times(model, geos, config, fixed_params, layer_params, k)
+    opt_fixed, opt_layer = (np.repeat(t, k, axis=0)
+                            for t in optimizer_times(model, cluster, placements, config, fixed_params, layer_params))
     # the distributed optimizer reduce-scatters the gradients (half the all-reduce's traffic) and all-gathers
     # the parameters, in the training precision rather than the gradients'
     grad_share = 0.5 if config.distributed_optimizer else 1.0
     gather_share = 0.5 * model.precision_bytes / gradient_comm_bytes(model) if config.distributed_optimizer else 0.0
-    buckets = np.full(k, float(bucket_params(config.dp)))
-    capacity = stage_capacity_gib(cluster, geo.stage_node_types)
+    buckets = np.full(rows, float(bucket_params(config.dp)))
+    capacity = np.repeat(stage_capacity_gib(cluster, placements), k, axis=0)
     usable = usable_gib(cluster, capacity)
     refused = None  # micro-batch counts Megatron cannot interleave: nothing fits
     if config.virtual_stages > 1:
-        refused = np.array([interleaving_error(pp, config.virtual_stages, int(count)) is not None for count in m])
+        refused = np.tile([interleaving_error(pp, config.virtual_stages, int(count)) is not None for count in m],
+                          len(geos))
     lo = np.ones(pp, dtype=int)
     if whole:
         lo[:] = 0
@@ -94,37 +136,43 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     post_fixed = gather * ar_fixed + opt_fixed
     post_layer = gather * ar_layer + opt_layer
     if config.overlap_grad_reduce:
-        post_fixed = post_fixed + grad_share * geo.dp_allreduce_s_per_byte * gradient_comm_bytes(model) * buckets[:, None]
+        per_byte = np.repeat(np.array([geo.dp_allreduce_s_per_byte for geo in geos]), k, axis=0)
+        post_fixed = post_fixed + grad_share * per_byte * gradient_comm_bytes(model) * buckets[:, None]
     else:
         post_fixed, post_layer = post_fixed + grad_share * ar_fixed, post_layer + grad_share * ar_layer
-    for variant in configs:
-        mem_fixed, mem_layer = stage_memory_gib(model, variant, segment, params, mbs, m)
+    for setting in range(len(splits[0][1])):
+        variant = splits[0][1][setting]
+        # memory does not depend on the placement, only what fits does
+        memory = [stage_memory_gib(model, configs[setting], split_segment, split_param, mbs, m)
+                  for (_, configs), split_segment, split_param in zip(splits, split_segments, split_params)]
+        mem_fixed, mem_layer = (np.array([part[i] for part in memory])[split_of_geo].reshape(rows, pp) for i in range(2))
         hi = layers_that_fit(mem_fixed, mem_layer, usable, whole)
         if refused is not None:
             hi = np.where(refused[:, None], -1, hi)
         # block recomputation: every stage holds the k layers it recomputes (keeps the costs affine)
         variant_lo = lo if whole else np.maximum(lo, variant.blocked_layers)
-        recompute_layer_s, recompute_fixed_s = recompute_times(model, variant, compute, segment)
+        recompute_layer_s, recompute_fixed_s = recompute_times(model, variant, compute, segment_rows)
         # recomputed forwards run right before each backward: part of the backward in the schedule
         fixed_s = compute.fixed_s + recompute_fixed_s
         layer_s = compute.layer_s + recompute_layer_s
         problem = PartitionBatch(
-            segment_of_stage=segment, segment_layers=segment_layers, lo=np.broadcast_to(variant_lo, (k, pp)), hi=hi,
-            layer_s=layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=post_fixed, ar_layer_s=post_layer,
-            num_microbatches=m, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
+            segment_of_stage=segment_rows, segment_layers=segment_layers, lo=np.broadcast_to(variant_lo, (rows, pp)),
+            hi=hi, layer_s=layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=post_fixed, ar_layer_s=post_layer,
+            num_microbatches=num_microbatches, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
         )
         schedule = ScheduleBatch(
             fixed_s=fixed_s, layer_s=layer_s, fixed_forward_s=compute.fixed_forward_s,
-            layer_forward_s=compute.layer_forward_s, boundary_s=boundary, num_microbatches=m,
+            layer_forward_s=compute.layer_forward_s, boundary_s=boundary, num_microbatches=num_microbatches,
             grad_fixed_s=grad_share * ar_fixed, grad_layer_s=grad_share * ar_layer,
             gather_fixed_s=gather_share * ar_fixed, gather_layer_s=gather_share * ar_layer,
-            optimizer_fixed_s=np.broadcast_to(opt_fixed, (k, pp)), optimizer_layer_s=np.broadcast_to(opt_layer, (k, pp)),
-            params_fixed=np.broadcast_to(params[0], (k, pp)), params_layer=np.broadcast_to(params[1], (k, pp)),
-            bucket_params=buckets, embedding_allreduce_s=emb_ar, overlap_grad_reduce=np.full(k, config.overlap_grad_reduce),
-            overlap_param_gather=np.full(k, config.overlap_param_gather),
-            virtual_stages=np.full(k, config.virtual_stages), wrap_s=wrap)
-        yield StageCosts(mbs, problem, compute.gpu, fixed_s, recompute_fixed_s, recompute_layer_s, boundary, exchange,
-                         mem_fixed, mem_layer, capacity, emb_ar, fixed_layers, schedule)
+            optimizer_fixed_s=opt_fixed, optimizer_layer_s=opt_layer,
+            params_fixed=np.repeat(fixed_params, k, axis=0), params_layer=np.repeat(layer_params, k, axis=0),
+            bucket_params=buckets, embedding_allreduce_s=emb_ar,
+            overlap_grad_reduce=np.full(rows, config.overlap_grad_reduce),
+            overlap_param_gather=np.full(rows, config.overlap_param_gather),
+            virtual_stages=np.full(rows, config.virtual_stages), wrap_s=wrap)
+        yield StageCosts(np.tile(mbs, len(geos)), problem, compute.gpu, fixed_s, recompute_fixed_s, recompute_layer_s,
+                         boundary, exchange, mem_fixed, mem_layer, capacity, emb_ar, fixed_layers, schedule)
 
 
 def breakdown(costs: StageCosts, counts: np.ndarray, exact: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
@@ -156,5 +204,5 @@ def breakdown(costs: StageCosts, counts: np.ndarray, exact: dict[str, np.ndarray
         "stage_p2p_s": costs.exchange_s,
         "stage_allreduce_s": allreduce,
         "stage_memory_gib": memory,
-        "stage_capacity_gib": np.broadcast_to(costs.capacity_gib, memory.shape),
+        "stage_capacity_gib": costs.capacity_gib,
     }

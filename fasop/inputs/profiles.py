@@ -14,6 +14,7 @@ import csv
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -70,10 +71,15 @@ class Curve:
         it constant beyond them), times the roofline at `mbs`."""
         shape = self.shape
         assert shape is not None  # at() calls this only with a shape
-        anchors = np.array([shape(int(b)) for b in self.mbs])
         forward, backward = shape(mbs)
-        return (float(np.interp(mbs, self.mbs, self.forward_s / anchors[:, 0]) * forward),
-                float(np.interp(mbs, self.mbs, self.backward_s / anchors[:, 1]) * backward))
+        return (float(np.interp(mbs, self.mbs, self.forward_s / self._anchors[:, 0]) * forward),
+                float(np.interp(mbs, self.mbs, self.backward_s / self._anchors[:, 1]) * backward))
+
+    @cached_property
+    def _anchors(self) -> np.ndarray:
+        """(profiled sizes, 2) the roofline at the profiled sizes."""
+        assert self.shape is not None
+        return np.array([self.shape(int(b)) for b in self.mbs])
 
 
 @dataclass(frozen=True)
@@ -125,19 +131,17 @@ class GpuProfile:
             raise InputError(self.file, f"no rows for tp={tp} kind={kind}")
         return curve.at(mbs)
 
-    def step_s(self, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
-        """Forward + backward seconds of one unit for each micro-batch size (memoised: searches ask often)."""
+    def times_s(self, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
+        """(K, 2) forward and backward seconds of one unit for each micro-batch size (memoised: searches ask often)."""
         key = (tp, kind, mbs_values)
         if key not in self._memo:
-            self._memo[key] = np.array([sum(self.time(tp, kind, b)) for b in mbs_values])
+            self._memo[key] = np.array([self.time(tp, kind, b) for b in mbs_values]).reshape(-1, 2)
         return self._memo[key]
 
-    def forward_s(self, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
-        """Forward seconds of one unit for each micro-batch size (memoised)."""
-        key = ("forward", tp, kind, mbs_values)
-        if key not in self._memo:
-            self._memo[key] = np.array([self.time(tp, kind, b)[0] for b in mbs_values])
-        return self._memo[key]
+    def step_s(self, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
+        """Forward + backward seconds of one unit for each micro-batch size."""
+        times = self.times_s(tp, kind, mbs_values)
+        return times[:, 0] + times[:, 1]
 
     def attention_core_forward_s(self, model: Model, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
         """Forward seconds of a layer's attention core for each micro-batch size (memoised): the forward times
@@ -150,7 +154,7 @@ class GpuProfile:
                 shares = np.array([shape.attention_core_share(b) for b in mbs_values])
             else:
                 shares = np.full(len(mbs_values), attention_core_share(model, kind))
-            self._memo[key] = self.forward_s(tp, kind, mbs_values) * shares
+            self._memo[key] = self.times_s(tp, kind, mbs_values)[:, 0] * shares
         return self._memo[key]
 
 

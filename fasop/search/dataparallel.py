@@ -171,7 +171,9 @@ class Group:
 def whole_model_s(model: Model, profile: GpuProfile, sizes: tuple[int, ...], forward: bool = False) -> np.ndarray:
     """Forward + backward (or forward) seconds of every unit of the model on one GPU (tp = 1), for each
     micro-batch size."""
-    time = profile.forward_s if forward else profile.step_s
+    def time(tp: int, kind: str, sizes: tuple[int, ...]) -> np.ndarray:
+        return profile.times_s(tp, kind, sizes)[:, 0] if forward else profile.step_s(tp, kind, sizes)
+
     total = time(1, "embedding", sizes) + time(1, "head", sizes)
     if model.is_encoder_decoder:
         total = total + time(1, "decoder_embedding", sizes)

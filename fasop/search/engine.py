@@ -6,12 +6,13 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
+from fasop.cost.communication import Geometry
 from fasop.cost.config import RECOMPUTE_MODES, Config
 from fasop.cost.exact import ScheduleBatch
 from fasop.cost.memory import usable_gib
@@ -61,7 +62,7 @@ def memory_overshoot(costs: StageCosts, row: int, cluster: Cluster) -> float:
     mem_fixed, mem_layer = costs.mem_fixed_gib[row], costs.mem_layer_gib[row]
 
     def fits(ratio: float) -> bool:
-        room = usable_gib(cluster, ratio * costs.capacity_gib) - mem_fixed
+        room = usable_gib(cluster, ratio * costs.capacity_gib[row]) - mem_fixed
         if (room < -1e-12).any():
             return False
         with np.errstate(divide="ignore"):
@@ -107,6 +108,14 @@ class SearchResult:
             self.closest_memory_factor, self.closest_plan = other.closest_memory_factor, other.closest_plan
 
 
+def _bounds(batch: PartitionBatch, dominated: np.ndarray) -> np.ndarray:
+    """lower_bounds of the problems a lighter recompute mode does not dominate (the others are never solved)."""
+    bound = np.full(len(batch), np.inf)
+    rows = np.flatnonzero(~dominated)
+    bound[rows] = lower_bounds(batch.take(rows))
+    return bound
+
+
 def _ranking_bound(bound: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """Lower bounds times ranking weights; inf where no partition fits, also for a plan that costs nothing."""
     ranking_bound = np.full(len(bound), np.inf)
@@ -115,19 +124,20 @@ def _ranking_bound(bound: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return ranking_bound
 
 
-def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, keep: int | None, keys: list[tuple],
-           weight: np.ndarray, found: dict[tuple, float], dominated: np.ndarray):
+def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, keep: int | None, plan: np.ndarray,
+           weight: np.ndarray, found: list[np.ndarray], dominated: np.ndarray):
     """(counts, exact step terms, solved mask, outdone mask) of a batch, most promising problems first: each problem's layers
     are partitioned for the closed form, and the partition is timed with the exact schedule. `dominated`
     problems (a lighter recompute mode of the same plan is never worse, or another recompute mode is solved
     apart) are not solved.
 
     With `keep`, a problem is skipped when its lower bound on the exact step time, times its ranking weight (1 to
-    rank by time, the price per second to rank by cost), exceeds the keep-th best ranking value among the plans in
-    `found` (plan key -> its best value so far; several problems, the encoder splits of one encoder-decoder plan,
-    can share a key and count once). The threshold tightens chunk by chunk as problems are solved. Whatever
-    `keep`, a problem whose bound exceeds what another problem of its plan reached (a split, a recompute mode, a
-    virtual size) is skipped: it cannot become the plan's (the outdone mask)."""
+    rank by time, the price per second to rank by cost), exceeds the keep-th best ranking value among the plans
+    `found` (the best value so far of each plan, inf if none, one array per pipeline depth, this batch's last;
+    several problems, the encoder splits of one encoder-decoder plan, share their `plan` and count once). The
+    threshold tightens chunk by chunk as problems are solved. Whatever `keep`, a problem whose bound exceeds what
+    another problem of its plan reached (a split, a recompute mode, a virtual size) is skipped: it cannot become the
+    plan's (the outdone mask)."""
     counts = np.zeros(batch.lo.shape, dtype=int)
     terms: dict[str, np.ndarray] = {"step_time_s": np.full(len(batch), np.inf)}
     solved = np.zeros(len(batch), dtype=bool)
@@ -136,14 +146,17 @@ def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, ke
     order = np.argsort(ranking_bound, kind="stable")
     order = order[~dominated[order]]
     step = PRUNE_CHUNK if keep or bound.any() else max(1, len(order))
+    reached = found[-1]
     for start in range(0, len(order), step):
-        best = sorted(found.values())
-        # the slack keeps plans whose bound ties the threshold up to rounding (bound, step time and the
-        # ranking figures are computed along different paths)
-        threshold = best[keep - 1] * (1 + PRUNE_SLACK) if keep and len(best) >= keep else np.inf
+        threshold = np.inf
+        if keep:
+            values = np.concatenate(found)
+            if np.isfinite(values).sum() >= keep:
+                # the slack keeps plans whose bound ties the threshold up to rounding (bound, step time and the
+                # ranking figures are computed along different paths)
+                threshold = np.partition(values, keep - 1)[keep - 1] * (1 + PRUNE_SLACK)
         chunk = order[start:start + step]
-        reached = np.array([found.get(keys[i], np.inf) for i in chunk])  # by another split or mode of the plan
-        beaten = ranking_bound[chunk] > reached * (1 + PRUNE_SLACK)
+        beaten = ranking_bound[chunk] > reached[plan[chunk]] * (1 + PRUNE_SLACK)  # by another split or mode
         outdone[chunk[beaten]] = True
         chunk = chunk[(ranking_bound[chunk] <= threshold) & ~beaten]
         if len(chunk):
@@ -154,9 +167,44 @@ def _solve(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, ke
                 if name not in terms:
                     terms[name] = np.full((len(batch),) + column.shape[1:], np.nan)
                 terms[name][timed] = column
-            for i in timed:
-                found[keys[i]] = min(found.get(keys[i], np.inf), float(terms["step_time_s"][i] * weight[i]))
+            np.minimum.at(reached, plan[timed], terms["step_time_s"][timed] * weight[timed])
     return counts, terms, solved, outdone
+
+
+class _Entry(NamedTuple):
+    """One recompute setting and virtual size of a (tp, dp, pp) plan: its stage costs on every encoder/decoder split,
+    placement and micro-batch size (fasop.cost.step.recompute_variants)."""
+
+    splits: list[Group]
+    configs: list[Config]  # each split's
+    costs: StageCosts
+    split: np.ndarray  # the split of each row of costs
+    split_start: np.ndarray  # the first row of each split
+    order: tuple[int, int, int]  # (plan, virtual size, setting): where the search meets it
+
+
+class _Candidate(NamedTuple):
+    """The best partition problem of a plan, solved or not."""
+
+    step_time_s: float  # inf when not solved or nothing fits
+    config: Config
+    geo: Geometry
+    exhaustive: bool  # whether the plan's placements were all searched
+    counts: np.ndarray  # layers per stage
+    terms: dict[str, np.ndarray]  # the exact step terms of the problem's batch
+    at: int  # the problem's row in its batch
+
+
+def _plans(todo: list[Group]) -> list[list[Group]]:
+    """The groups of `todo` plan by plan (tp, dp, pp): the encoder/decoder splits of a plan, which `groups` lists
+    one after another."""
+    plans: list[list[Group]] = []
+    for group in todo:
+        if plans and plans[-1][0].config.pp == group.config.pp and plans[-1][0].config.tp == group.config.tp:
+            plans[-1].append(group)
+        else:
+            plans.append([group])
+    return plans
 
 
 def _oversized_plans(todo: list[Group]) -> int:
@@ -183,59 +231,75 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
               progress: Callable[[int, int], None] | None, sort: str) -> SearchResult:
     model, cluster = inputs.model, inputs.cluster
     todo = groups(inputs, combos, placement_limit)
-    items = [(group, geo) for group in todo for geo in group.geos]
-    buckets: dict[int, list] = {}  # (group, config, geo, costs) of each recompute variant of each plan
+    buckets: dict[int, list[_Entry]] = {}  # by pipeline depth
     beaten_of: dict[int, list[np.ndarray]] = {}  # by pipeline depth: rows a lighter mode dominates
     items_of: dict[int, int] = {}
     dominated = 0
-    for group, geo in items:  # plans with the same number of stages are partitioned in one batch
-        for v in virtual_stage_options(model, group.config.pp):  # the best virtual size is the plan's
-            configs = [replace(c, virtual_stages=v) for c in (group.variants or (group.config,))]
+    for index, splits in enumerate(_plans(todo)):  # plans with the same number of stages are partitioned in one batch
+        pp, k = splits[0].config.pp, len(splits[0].mbs_values)
+        geos = [geo for group in splits for geo in group.geos]
+        split_rows = [len(group.geos) * k for group in splits]
+        split, split_start = np.repeat(np.arange(len(splits)), split_rows), np.cumsum([0] + split_rows)[:-1]
+        for v in virtual_stage_options(model, pp):  # the best virtual size is the plan's
+            settings = [[replace(c, virtual_stages=v) for c in (group.variants or (group.config,))] for group in splits]
             lighter: list[StageCosts] = []
-            for config, costs in zip(configs, recompute_variants(model, cluster, inputs.profiles, geo, configs,
-                                                                 group.mbs_values)):
-                buckets.setdefault(config.pp, []).append((group, config, geo, costs))
-                beaten = np.zeros(len(costs.mbs), dtype=bool)
+            # placements where every lighter mode's memory binds for some micro-batch size: elsewhere the lightest
+            # free of memory limits beats the heavier modes (as `dominates` finds), which are not partitioned
+            binding = np.ones(len(geos), dtype=bool)
+            variants = recompute_variants(model, cluster, inputs.profiles,
+                                          [(group.geos, configs) for group, configs in zip(splits, settings)],
+                                          splits[0].mbs_values)
+            for setting, costs in enumerate(variants):
+                configs = [configs[setting] for configs in settings]
+                buckets.setdefault(pp, []).append(_Entry(splits, configs, costs, split, split_start, (index, v, setting)))
+                beaten = ~np.repeat(binding, k)
                 for light in lighter:
                     beaten |= light.problem.dominates(costs.problem)
-                beaten_of.setdefault(config.pp, []).append(beaten)
+                beaten_of.setdefault(pp, []).append(beaten)
                 lighter.append(costs)
-                if not costs.problem.memory_binds().any():
-                    # free of memory limits: this mode beats the heavier ones, which are not even built
-                    dominated += len(costs.mbs) * (len(configs) - len(lighter))
+                binding &= costs.problem.memory_binds().reshape(len(geos), -1).any(-1)
+                if not binding.any():  # the heavier modes are not even built
+                    dominated += len(costs.mbs) * (len(settings[0]) - len(lighter))
                     break
-        items_of[group.config.pp] = items_of.get(group.config.pp, 0) + 1
-    problems = {pp: PartitionBatch.stack([c.problem for *_, c in bucket]) for pp, bucket in buckets.items()}
-    schedules = {pp: ScheduleBatch.stack([c.schedule for *_, c in bucket]) for pp, bucket in buckets.items()}
+        items_of[pp] = items_of.get(pp, 0) + len(geos)
+    stacked = {pp: StageCosts.stack([entry.costs for entry in bucket]) for pp, bucket in buckets.items()}
+    problems = {pp: costs.problem for pp, costs in stacked.items()}
     # bounds prune what cannot reach the kept plans, and heavier recompute modes that cannot beat a lighter one
     bounded = keep or len(inputs.recompute) > 1
-    bounds = {pp: lower_bounds(batch) if bounded else np.zeros(len(batch)) for pp, batch in problems.items()}
+    bounds = {pp: _bounds(batch, np.concatenate(beaten_of[pp])) if bounded else np.zeros(len(batch))
+              for pp, batch in problems.items()}
     # encoder-decoder plans differing only in their encoder/decoder split compete: the best split is the plan's
-    best: dict[tuple, tuple] = {}
-    found: dict[tuple, float] = {}  # best ranking value found so far of each plan (for the pruning threshold)
+    best: dict[tuple, _Candidate] = {}
+    found: list[np.ndarray] = []  # by pipeline depth: the best ranking value found so far of each plan
     solved = pruned = done = 0
     skipped: set[tuple] = set()  # plans with a split that was pruned rather than found not to fit
-    unfit: list[tuple] = []  # (config, costs, row) of every problem found not to fit, each split and mode
+    # the problems found not to fit, each split and mode: by pipeline depth, (bucket, entry and first row, rows)
+    unfit: list[tuple] = []
     for pp in sorted(buckets, key=lambda pp: bounds[pp].min()):  # most promising first
         bucket, batch = buckets[pp], problems[pp]
         keys, weight = [], []
-        for _, config, geo, costs in bucket:
-            price_per_s = price_per_hour_usd(cluster, geo.placement) / 3600.0
-            for mbs in costs.mbs:
-                keys.append((config.tp, config.dp, config.pp, geo.placement, int(mbs)))
-                weight.append(price_per_s if sort == "cost" else 1.0)
+        for entry in bucket:
+            config = entry.configs[0]
+            for group in entry.splits:
+                for geo in group.geos:
+                    price_per_s = price_per_hour_usd(cluster, geo.placement) / 3600.0
+                    for mbs in group.mbs_values:
+                        keys.append((config.tp, config.dp, config.pp, geo.placement, int(mbs)))
+                        weight.append(price_per_s if sort == "cost" else 1.0)
+        ids: dict[tuple, int] = {}
+        plan = np.array([ids.setdefault(key, len(ids)) for key in keys])
+        found.append(np.full(len(ids), np.inf))
         beaten = np.concatenate(beaten_of[pp])
-        mode_of_row = np.concatenate([np.full(len(costs.mbs), RECOMPUTE_MODES.index(config.recompute))
-                                      for _, config, _, costs in bucket])
+        mode_of_row = np.concatenate([np.full(len(entry.costs.mbs), RECOMPUTE_MODES.index(entry.configs[0].recompute))
+                                      for entry in bucket])
         weights = np.array(weight)
         counts = np.zeros(batch.lo.shape, dtype=int)
         terms: dict[str, np.ndarray] = {}
         solved_here = np.zeros(len(batch), dtype=bool)
         for mode in np.unique(mode_of_row):  # lightest first: a heavier mode has to beat what they reached
             this = mode_of_row == mode
-            reached = np.array([found.get(key, np.inf) for key in keys])
-            beaten |= this & (_ranking_bound(bounds[pp], weights) > reached * (1 + PRUNE_SLACK))
-            mode_counts, mode_terms, mode_solved, outdone = _solve(batch, schedules[pp], bounds[pp], keep, keys,
+            beaten |= this & (_ranking_bound(bounds[pp], weights) > found[-1][plan] * (1 + PRUNE_SLACK))
+            mode_counts, mode_terms, mode_solved, outdone = _solve(batch, stacked[pp].schedule, bounds[pp], keep, plan,
                                                                    weights, found, beaten | ~this)
             beaten |= outdone
             counts[mode_solved] = mode_counts[mode_solved]
@@ -247,42 +311,49 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
         solved += int(solved_here.sum())
         pruned += len(batch) - int(solved_here.sum()) - int(beaten.sum())
         dominated += int(beaten.sum())
-        at = 0
-        for group, config, geo, costs in bucket:
-            mode = RECOMPUTE_MODES.index(config.recompute)
-            for row in range(len(costs.mbs)):
-                key = keys[at + row]
-                # the best split, recompute mode and virtual size are the plan's; ties go to fewer encoder stages,
-                # then the lighter mode, then fewer chunks
-                entry = (value[at + row], config.encoder_stages, mode, config.virtual_stages, group, config, geo, costs,
-                         row, counts[at + row], {name: column[at + row] for name, column in terms.items()})
-                if not solved_here[at + row] and not beaten[at + row]:
-                    skipped.add(key)
-                if np.isinf(value[at + row]) and (solved_here[at + row] or beaten[at + row]):
-                    unfit.append((config, costs, row))
-                if key not in best or entry[:4] < best[key][:4]:
-                    best[key] = entry
-            at += len(costs.mbs)
+        sizes = [len(entry.costs.mbs) for entry in bucket]
+        entry_of = np.repeat(np.arange(len(bucket)), sizes)  # the bucket entry of each row
+        start = np.cumsum([0] + sizes)[:-1]  # the first row of each entry
+        split = np.concatenate([entry.split for entry in bucket])
+        # the best split, recompute mode and virtual size are the plan's; ties go to fewer encoder stages, then the
+        # lighter mode, then fewer chunks
+        encoder = np.concatenate([np.array([c.encoder_stages for c in entry.configs])[entry.split] for entry in bucket])
+        virtual = np.array([entry.configs[0].virtual_stages for entry in bucket])[entry_of]
+        order = np.lexsort((np.arange(len(batch)), virtual, mode_of_row, encoder, value, plan))
+        for i in order[np.r_[True, plan[order][1:] != plan[order][:-1]]].tolist():
+            entry, row = bucket[entry_of[i]], i - start[entry_of[i]]
+            group = entry.splits[split[i]]
+            geo = group.geos[(row - entry.split_start[split[i]]) // len(group.mbs_values)]
+            best[keys[i]] = _Candidate(value[i], entry.configs[split[i]], geo, group.exhaustive, counts[i], terms, i)
+        skipped.update(keys[i] for i in np.flatnonzero(~solved_here & ~beaten).tolist())
+        unfit.append((bucket, entry_of, start, np.flatnonzero(np.isinf(value) & (solved_here | beaten))))
         done += items_of[pp]
         if progress:
-            progress(done, len(items))
+            progress(done, sum(items_of.values()))
     rows = []
-    for value, _, _, _, group, config, geo, costs, row, counts, exact in best.values():
-        if np.isfinite(value):
-            chosen = np.zeros(len(costs.mbs), dtype=bool)
-            chosen[row] = True
-            shape = costs.problem.lo.shape
-            exact = {name: np.broadcast_to(column, shape[:1] + np.shape(column)) for name, column in exact.items()}
-            rows += plan_rows(inputs, config, geo, costs, np.broadcast_to(counts, shape), chosen, group.exhaustive,
-                              exact)
-    oom = sum(1 for key, entry in best.items() if np.isinf(entry[0]) and key not in skipped)
+    fitting_of: dict[int, list[_Candidate]] = {}  # the best of each plan that fits, by pipeline depth
+    for candidate in best.values():
+        if np.isfinite(candidate.step_time_s):
+            fitting_of.setdefault(candidate.config.pp, []).append(candidate)
+    for fitting in fitting_of.values():  # recorded together
+        plans = [(c.config, c.geo, c.exhaustive) for c in fitting]
+        at = np.array([c.at for c in fitting])
+        exact = {name: column[at] for name, column in fitting[0].terms.items()}
+        rows += plan_rows(inputs, plans, stacked[fitting[0].config.pp].take(at), np.array([c.counts for c in fitting]),
+                          exact)
+    oom = sum(1 for key, candidate in best.items() if np.isinf(candidate.step_time_s) and key not in skipped)
     oversized = _oversized_plans(todo)
     result = SearchResult(rows, len(best) + oversized, solved, oom + oversized, pruned, dominated)
     if not rows:
-        for config, costs, row in unfit:
-            factor = memory_overshoot(costs, row, cluster)
-            if result.closest_memory_factor is None or factor < result.closest_memory_factor:
-                result.closest_memory_factor, result.closest_plan = factor, replace(config, mbs=int(costs.mbs[row]))
+        for bucket, entry_of, start, rows_unfit in unfit:
+            problems_unfit = [(bucket[entry_of[i]], i - start[entry_of[i]]) for i in rows_unfit]
+            # plan by plan, each split's virtual sizes, recompute settings and rows in turn
+            problems_unfit.sort(key=lambda p: (p[0].order[0], p[0].split[p[1]], *p[0].order[1:], p[1]))
+            for entry, row in problems_unfit:
+                factor = memory_overshoot(entry.costs, row, cluster)
+                if result.closest_memory_factor is None or factor < result.closest_memory_factor:
+                    config = entry.configs[entry.split[row]]
+                    result.closest_memory_factor, result.closest_plan = factor, replace(config, mbs=int(entry.costs.mbs[row]))
     return result
 
 
@@ -320,6 +391,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
         result = evaluate(inputs, combos, placement_limit, keep, progress, sort)
     else:
         result = SearchResult([], 0, 0, 0)
+        from concurrent.futures import ProcessPoolExecutor, as_completed  # only here: its import costs a small search
+
         shares = [combos[i::workers] for i in range(workers)]  # interleaved, so each gets all pipeline depths
         with ProcessPoolExecutor(workers) as pool:
             futures = [pool.submit(evaluate, inputs, share, placement_limit, keep, None, sort) for share in shares]

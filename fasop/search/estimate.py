@@ -78,7 +78,7 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
                                          "recomputation recomputes on it")
         raise InputError("--layers", "every stage needs at least one layer (the first may hold only the embedding, "
                                      "the last only the head)")
-    row = plan_rows(inputs, config, geo, costs, counts[None, :], np.array([True]), True)[0]
+    row = plan_rows(inputs, [(config, geo, True)], costs, counts[None, :])[0]
     row["fits_memory"] = all(s["memory_gib"] <= usable_gib(cluster, s["memory_capacity_gib"]) for s in row["stages"])
     return Plan.trusted(row)
 

@@ -26,39 +26,73 @@ from fasop.cost.problem import PartitionBatch, segment_sums
 
 _EPS = 1e-9
 _GRID_ELEMENTS = 4_000_000  # grid cells (problems x X x Y x stages) evaluated at once
+# Multiply-adds per problem up to which the fill's products go to BLAS, which runs products this small on the calling
+# thread (OpenBLAS's threshold); larger ones run in numpy's own loop, since BLAS threads cost more than they save on
+# them, and far more when other processes hold the cores.
+_BLAS_PRODUCT = 2**18
 
 
 class _Filler:
-    """Cheapest placement of each segment's layers under per-stage caps, for many cap vectors at once."""
+    """Cheapest placement of each segment's layers under per-stage caps, for many cap vectors at once.
+
+    Within a segment the stages take layers cheapest first (ties: earlier stage first), each as many as its cap
+    allows until the segment has its layers: a stage takes what its segment still needs once the stages before it
+    have taken all their room. Counts are whole numbers, so every sum of room is exact in any order (caps must be
+    finite)."""
 
     def __init__(self, batch: PartitionBatch):
-        self.lo = batch.lo
+        self.lo, self.layer_s = batch.lo, batch.layer_s
         b, p = batch.lo.shape
-        seg = np.broadcast_to(batch.segment_of_stage, (b, p))
-        # within each segment, cheapest layer first (ties: earlier stage first)
-        self.order = np.lexsort((np.broadcast_to(np.arange(p), (b, p)), batch.layer_s, seg), axis=-1)
-        self.seg_sorted = np.take_along_axis(seg, self.order, axis=-1)
-        self.remaining = batch.segment_layers[None, :] - segment_sums(batch.lo, seg, len(batch.segment_layers))
+        self.segment = np.broadcast_to(batch.segment_of_stage, (b, p))
+        stage = np.broadcast_to(np.arange(p), (b, p))
+        # the stages in filling order (segment by segment), each one's place in it, and where its segment starts
+        self.order = np.lexsort((stage, batch.layer_s, self.segment), axis=-1)
+        self.place = np.argsort(self.order, axis=-1)
+        ordered_segment = np.take_along_axis(self.segment, self.order, axis=-1)
+        starts = np.ones((b, p), dtype=bool)
+        starts[:, 1:] = ordered_segment[:, 1:] != ordered_segment[:, :-1]
+        self.segment_start = np.maximum.accumulate(np.where(starts, stage, 0), axis=-1)
+        # (b, segments) the stage of each segment that fills last
+        segments = np.arange(len(batch.segment_layers))
+        ends = (ordered_segment[:, :, None] <= segments).sum(axis=1) - 1
+        self.segment_last = np.take_along_axis(self.order, ends, axis=-1)
+        self.remaining = batch.segment_layers[None, :] - segment_sums(batch.lo, self.segment, len(batch.segment_layers))
+        self.stage_needs = np.take_along_axis(self.remaining, self.segment, axis=-1)  # what the stage's segment needs
+
+    def _room_before(self, room: np.ndarray, cells: np.ndarray, index) -> np.ndarray:
+        """(B', ..., P) room of the stages that fill before each stage in its segment (`cells`: the room as (B', cap
+        vectors, P)). With at least as many cap vectors per problem as stages, a product with each problem's 0/1
+        matrix of who fills before whom (no larger than the product itself); else a running sum along the stages in
+        filling order."""
+        if cells.shape[1] >= cells.shape[2]:
+            cost, segment, stage = self.layer_s[index], self.segment[index], np.arange(cells.shape[2])
+            first = (cost[:, :, None] < cost[:, None, :]) | (cost[:, :, None] == cost[:, None, :]) & (stage[:, None] < stage)
+            first &= segment[:, :, None] == segment[:, None, :]
+            if cells.shape[1] * cells.shape[2] ** 2 <= _BLAS_PRODUCT:
+                return np.matmul(cells, first.astype(float)).reshape(room.shape)
+            return np.einsum("bvp,bpq->bvq", cells, first.astype(float)).reshape(room.shape)
+        expand = (slice(None),) + (None,) * (room.ndim - 2)
+        order, place, start = (np.broadcast_to(a[index][expand], room.shape)
+                               for a in (self.order, self.place, self.segment_start))
+        ordered = np.take_along_axis(room, order, axis=-1)
+        before = np.cumsum(ordered, axis=-1) - ordered
+        before -= np.take_along_axis(before, start, axis=-1)  # counted from the start of the stage's segment
+        return np.take_along_axis(before, place, axis=-1)
 
     def fill(self, caps: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """caps (B', ..., P) for the problems `rows` (default all) -> (counts, feasible (B', ...))."""
         index: slice | np.ndarray = slice(None) if rows is None else rows
-        lo, order, remaining, seg = self.lo[index], self.order[index], self.remaining[index], self.seg_sorted[index]
         expand = (slice(None),) + (None,) * (caps.ndim - 2)
-        lo_b, order_b, seg_b = lo[expand], np.broadcast_to(order[expand], caps.shape), seg[expand]
-        extra = np.take_along_axis(np.clip(caps - lo_b, 0, None), order_b, axis=-1)
-        ok = (caps >= lo_b).all(axis=-1)
-        taken = np.zeros(caps.shape)
-        for s in range(remaining.shape[1]):
-            need = remaining[:, s][expand]
-            mine = seg_b == s
-            avail = np.where(mine, extra, 0.0)
-            before = np.cumsum(avail, axis=-1) - avail  # a segment's stages are contiguous once sorted
-            taken += np.where(mine, np.clip(need[..., None] - before, 0, avail), 0.0)
-            ok &= avail.sum(axis=-1) >= need
-        counts = np.empty_like(taken)
-        np.put_along_axis(counts, order_b, taken, axis=-1)
-        return counts + lo_b, np.asarray(ok)
+        lo = self.lo[index][expand]
+        room = np.clip(caps - lo, 0, None)
+        cells = room.reshape(len(room), room.size // max(room.shape[0] * room.shape[-1], 1), room.shape[-1])
+        before = self._room_before(room, cells, index)
+        taken = np.clip(self.stage_needs[index][expand] - before, 0, room)
+        last = self.segment_last[index][expand]
+        # a segment's room: what its stages before the last leave, and the last's
+        segment_room = np.take_along_axis(before + room, np.broadcast_to(last, room.shape[:-1] + last.shape[-1:]), axis=-1)
+        ok = (caps >= lo).all(axis=-1) & (segment_room >= self.remaining[index][expand]).all(axis=-1)
+        return taken + lo, np.asarray(ok)
 
 
 def _caps(threshold: np.ndarray, fixed: np.ndarray, per_layer: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -69,13 +103,24 @@ def _caps(threshold: np.ndarray, fixed: np.ndarray, per_layer: np.ndarray, hi: n
     taken from `_values` admits every count whose value it is: a tolerance here would either admit a count
     whose value exceeds the threshold or refuse the count that defines it."""
     x, f, r, top = threshold[:, :, None], fixed[:, None, :], per_layer[:, None, :], hi[:, None, :]
+    positive = r > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         guess = np.floor((x - f) / r)
-    caps = np.clip(np.where(r > 0, guess, np.where(f <= x, top, -1)), -1, top)
-    for _ in range(2):  # the rounded quotient can be one off either way: settle it on the values themselves
-        caps = caps + ((r > 0) & (caps + 1 <= top) & (f + r * (caps + 1) <= x))
-        caps = caps - ((r > 0) & (caps >= 0) & (f + r * caps > x))
-    return caps
+    caps = np.clip(np.where(positive, guess, np.where(f <= x, top, -1)), -1, top)
+    # the rounded quotient can be one off either way: settle it on the values themselves, in two passes; a pass
+    # repeats itself on a count it left unmoved, so the second visits only the counts the first moved
+    settled = _settle(caps, x, f, r, top, positive)
+    moved = np.nonzero(settled != caps)
+    if len(moved[0]):
+        settled[moved] = _settle(settled[moved], *(np.broadcast_to(a, caps.shape)[moved] for a in (x, f, r, top, positive)))
+    return settled
+
+
+def _settle(caps, x, f, r, top, positive):
+    """One pass of `_caps`' correction: up one where the next count's value is still <= x, down one where the
+    count's own value exceeds x."""
+    caps = caps + (positive & (caps + 1 <= top) & (f + r * (caps + 1) <= x))
+    return caps - (positive & (caps >= 0) & (f + r * caps > x))
 
 
 def _values(fixed: np.ndarray, per_layer: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -83,13 +128,20 @@ def _values(fixed: np.ndarray, per_layer: np.ndarray, lo: np.ndarray, hi: np.nda
 
     Only exact repeats are merged: the optimum's own maxima must stay candidates, however close another
     value comes."""
-    span = max(int((hi - lo).max()) + 1, 1)
-    n = lo[:, :, None] + np.arange(span)
-    values = np.where(n <= hi[:, :, None], fixed[:, :, None] + per_layer[:, :, None] * n, np.inf)
+    values = _stage_values(fixed, per_layer, lo, hi, 0, max(int((hi - lo).max()) + 1, 1))
     values = np.sort(values.reshape(len(lo), -1), axis=-1)
     repeat = np.zeros(values.shape, dtype=bool)
     repeat[:, 1:] = values[:, 1:] == values[:, :-1]
     return _compact(values, ~repeat)
+
+
+def _stage_values(fixed: np.ndarray, per_layer: np.ndarray, lo: np.ndarray, hi: np.ndarray, first: int,
+                  span: int) -> np.ndarray:
+    """(B, P, span): fixed_i + per_layer_i n for n = lo_i + first, lo_i + first + 1, ..., +inf beyond hi_i."""
+    n = lo[:, :, None] + np.arange(first, first + span, dtype=float)
+    values = fixed[:, :, None] + per_layer[:, :, None] * n
+    values[n > hi[:, :, None]] = np.inf
+    return values
 
 
 def _compact(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -99,16 +151,25 @@ def _compact(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return kept[:, :width]
 
 
-def _first_feasible(values: np.ndarray, caps_of, filler: _Filler) -> np.ndarray:
-    """Index of the smallest value whose caps admit a partition (feasibility grows with the threshold)."""
-    low = np.zeros(len(values), dtype=int)
-    high = np.full(len(values), values.shape[1] - 1)
-    while (low < high).any():
-        mid = (low + high) // 2
-        ok = filler.fill(caps_of(values[np.arange(len(values)), mid][:, None]))[1][:, 0]
-        high = np.where(ok, mid, high)
-        low = np.where(ok, low, mid + 1)
-    return low
+def _smallest_feasible(fixed: np.ndarray, per_layer: np.ndarray, p: PartitionBatch, hi: np.ndarray) -> np.ndarray:
+    """(B,) the smallest value fixed_i + per_layer_i n (lo_i <= n <= hi_i) whose caps (`_caps`) admit a partition of
+    each problem, for problems that have one.
+
+    The caps admit a partition when every stage reaches its fewest layers (fixed_i + per_layer_i lo_i <= X) and
+    each segment has room for the layers it holds beyond those minima; the room a threshold X gives a stage is the
+    number of its further counts lo_i < n <= hi_i whose value is <= X, so a segment that needs k more layers needs
+    X to reach the k-th smallest value of its stages' further counts. Values are computed as `_values` computes
+    them, so the answer is the threshold a search over `_values` would find."""
+    seg = np.broadcast_to(p.segment_of_stage, p.lo.shape)
+    need = p.segment_layers[None, :] - segment_sums(p.lo, seg, len(p.segment_layers))
+    smallest = (fixed + per_layer * p.lo).max(-1)
+    further = _stage_values(fixed, per_layer, p.lo, hi, 1, max(int((hi - p.lo).max()), 0) + 1)  # never empty
+    rows = np.arange(len(p))
+    for s in range(len(p.segment_layers)):
+        mine = np.sort(np.where((seg == s)[:, :, None], further, np.inf).reshape(len(p), -1), axis=-1)
+        kth = mine[rows, np.clip(need[:, s] - 1, 0, mine.shape[1] - 1)]
+        smallest = np.where(need[:, s] > 0, np.maximum(smallest, kth), smallest)
+    return smallest
 
 
 def _clipped_hi(p: PartitionBatch) -> np.ndarray:
@@ -140,9 +201,7 @@ def lower_bounds(batch: PartitionBatch) -> np.ndarray:
     rows = np.flatnonzero(feasible)
     if len(rows):
         q, q_hi = p.take(rows), hi[rows]
-        values = _values(q.period_fixed_s, q.layer_s, q.lo, q_hi)
-        first = _first_feasible(values, lambda x: _caps(x, q.period_fixed_s, q.layer_s, q_hi), _Filler(q))
-        smallest[rows] = values[np.arange(len(rows)), first]
+        smallest[rows] = _smallest_feasible(q.period_fixed_s, q.layer_s, q, q_hi)
     stages = p.lo.shape[1]
     period = np.maximum(smallest, (p.period_fixed_s.sum(-1) + layer_sum) / stages)
     bound = np.maximum(p.base_s + layer_sum, p.num_microbatches * period)
@@ -183,9 +242,8 @@ class _Search:
         xs = _values(p.period_fixed_s, p.layer_s, p.lo, self.hi)
         xs[m1 == 0] = np.inf  # one micro-batch: the period does not count, nothing caps the layers
         ys = _values(p.ar_fixed_s, p.ar_layer_s, p.lo, self.hi)
-        index = np.arange(len(p))
-        x_min = xs[index, _first_feasible(xs, self.caps_x, self.filler)]
-        y_min = ys[index, _first_feasible(ys, self.caps_y, self.filler)]
+        x_min = np.where(m1 == 0, np.inf, _smallest_feasible(p.period_fixed_s, p.layer_s, p, self.hi))
+        y_min = _smallest_feasible(p.ar_fixed_s, p.ar_layer_s, p, self.hi)
         # a first solution: the widest fill (feasible), or one from either smallest threshold alone when it fits
         best, best_counts = p.objective(self.widest), self.widest.copy()
         for caps in (self.caps_x(x_min[:, None]), self.caps_y(y_min[:, None])):

@@ -13,22 +13,22 @@ from fasop.cost.step import StageCosts, breakdown
 from fasop.search.space import Inputs
 
 
-def plan_rows(inputs: Inputs, config: Config, geo: Geometry, costs: StageCosts, counts: np.ndarray,
-              keep: np.ndarray, exhaustive: bool, exact: dict[str, np.ndarray] | None = None) -> list[dict]:
-    """One row per kept micro-batch size of `costs`, with the layer counts `counts` (K, pp); `exact`: the exact
-    step terms of those rows when already computed."""
+def plan_rows(inputs: Inputs, plans: list[tuple[Config, Geometry, bool]], costs: StageCosts, counts: np.ndarray,
+              exact: dict[str, np.ndarray] | None = None) -> list[dict]:
+    """One record per row k of `costs`, the plan plans[k] = (config, placement, whether its placements were searched
+    exhaustively) with the layer counts counts[k]; `exact`: the exact step terms of the rows when already computed."""
     model, cluster = inputs.model, inputs.cluster
     terms = breakdown(costs, counts, exact)
     layers = (counts + costs.fixed_layers).astype(int)
-    price = price_per_hour_usd(cluster, geo.placement)
     load = terms["stage_memory_gib"] / terms["stage_capacity_gib"]
     rows = []
-    for k in np.flatnonzero(keep):
+    for k, (config, geo, exhaustive) in enumerate(plans):
+        price = price_per_hour_usd(cluster, geo.placement)
         worst = int(np.argmax(load[k]))
         step = float(terms["step_time_s"][k])
         mbs = int(costs.mbs[k])
         sends = [*costs.boundary_s[k].tolist(), 0.0]
-        columns = zip(range(config.pp), costs.gpu, geo.stage_nodes, layers[k].tolist(), terms["stage_compute_s"][k].tolist(),
+        columns = zip(range(config.pp), costs.gpu[k], geo.stage_nodes, layers[k].tolist(), terms["stage_compute_s"][k].tolist(),
                       terms["stage_forward_s"][k].tolist(), terms["stage_recompute_s"][k].tolist(), sends,
                       terms["stage_p2p_s"][k].tolist(), terms["stage_allreduce_s"][k].tolist(),
                       terms["stage_memory_gib"][k].tolist(), terms["stage_capacity_gib"][k].tolist())

@@ -9,7 +9,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from fasop.cost.communication import Geometry, geometry, with_embedding_group
+from fasop.cost.communication import Geometry, geometry, with_embedding_groups
 from fasop.cost.config import RECOMPUTE_MODES, Config, embedding_stages, with_recompute
 from fasop.cost.memory import head_fits
 from fasop.errors import InputError
@@ -110,10 +110,10 @@ def encoder_splits(model: Model, pp: int) -> list[int]:
 
 
 def _signature(geo: Geometry) -> tuple:
+    """What the costs of a placement depend on, but its tied embedding's all-reduce."""
     return (geo.stage_node_types, tuple(np.round(geo.boundary_s_per_byte, 18)),
-            tuple(np.round(geo.dp_allreduce_s_per_byte, 18)), round(geo.embedding_allreduce_s_per_byte, 18),
-            tuple(np.round(geo.boundary_latency_s, 15)), tuple(np.round(geo.dp_allreduce_latency_s, 15)),
-            round(geo.embedding_allreduce_latency_s, 15))
+            tuple(np.round(geo.dp_allreduce_s_per_byte, 18)), tuple(np.round(geo.boundary_latency_s, 15)),
+            tuple(np.round(geo.dp_allreduce_latency_s, 15)))
 
 
 @dataclass(frozen=True)
@@ -154,16 +154,19 @@ def groups(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int =
         mbs_values, oversized = micro_batch_sizes(inputs, tp, dp)
         nodes, exhaustive = placements(cluster, tp * dp, placement_limit)
         geos = [geometry(cluster, placement, tp, dp, pp) for placement in nodes]
-        for split in encoder_splits(model, pp):
-            config = Config(tp, dp, pp, 1, inputs.gbs, split, inputs.distributed_optimizer,
-                            overlap_grad_reduce=inputs.overlap,
-                            overlap_param_gather=inputs.overlap and inputs.distributed_optimizer,
-                            sequence_parallel=inputs.sequence_parallel and tp > 1)
-            emb = embedding_stages(model, config)
+        signatures = [_signature(geo) for geo in geos]
+        configs = [Config(tp, dp, pp, 1, inputs.gbs, split, inputs.distributed_optimizer,
+                          overlap_grad_reduce=inputs.overlap,
+                          overlap_param_gather=inputs.overlap and inputs.distributed_optimizer,
+                          sequence_parallel=inputs.sequence_parallel and tp > 1) for split in encoder_splits(model, pp)]
+        stage_sets = [embedding_stages(model, config) for config in configs]
+        embedded = [with_embedding_groups(cluster, geo, stage_sets) for geo in geos]  # [placement][split]
+        for j, config in enumerate(configs):
             unique: dict[tuple, Geometry] = {}
-            for geo in geos:
-                geo = with_embedding_group(cluster, geo, emb)
-                unique.setdefault(_signature(geo), geo)
+            for signature, per_split in zip(signatures, embedded):
+                geo = per_split[j]
+                unique.setdefault(signature + (round(geo.embedding_allreduce_s_per_byte, 18),
+                                               round(geo.embedding_allreduce_latency_s, 15)), geo)
             variants = tuple(with_recompute(config, mode) for mode in recompute_modes(inputs))
             result.append(Group(variants[0], list(unique.values()), mbs_values, exhaustive, oversized, variants))
     return result
