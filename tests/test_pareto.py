@@ -485,6 +485,13 @@ def test_plot_timeline_command(cluster_file, folder):
     old.write_text(json.dumps(records))
     one_line_error(run("plot", "--plan", old, "--rank", interleaved.rank, "--timeline", folder / "t.png"),
                    "stages[1].chunks", "2 model chunks")
+    # nor one whose chunk times are negative or absurd
+    for bad in (-1.0, 1e12):
+        records = json.loads(plans.read_text())
+        records[interleaved.rank - 1]["stages"][0]["chunks"][1]["backward_s"] = bad
+        old.write_text(json.dumps(records))
+        one_line_error(run("plot", "--plan", old, "--rank", interleaved.rank, "--timeline", folder / "t.png"),
+                       "stages[0].chunks[1].backward_s", "expected seconds from 0")
     assert not (folder / "t.png").exists() and not (folder / "t.pdf").exists()
 
 
