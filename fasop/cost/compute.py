@@ -94,7 +94,7 @@ def recompute_times(model: Model, config: Config, compute: StageCompute,
         recomputed = list(compute.kind_core_forward_s)
     else:
         full = config.recompute == "full" and not config.blocked_layers
-        recomputed = [f if full else 0.0 * f for f in compute.kind_forward_s]
+        recomputed = [f if full else np.zeros_like(f) for f in compute.kind_forward_s]
     per_layer = np.choose(segment, recomputed)
     blocked = config.blocked_layers
     fixed = blocked * np.choose(segment, compute.kind_forward_s)
