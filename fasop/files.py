@@ -1,4 +1,5 @@
-"""Input files are read with a size cap; output files are written whole or not at all, never over an input."""
+"""Input files are read with a size cap; output files are written whole or not at all, never over an input;
+text from paths and names reaches an output's lines only through `comment_line` or `printable`."""
 
 from __future__ import annotations
 
@@ -148,3 +149,21 @@ def write_atomically(path: Path, content: str | bytes, where: str | None = None)
     """Write the whole file or nothing: a temporary file beside it is renamed into place."""
     with pending_write(path, content, where):
         pass
+
+
+def comment_line(text: str) -> str:
+    """`text` as one `# ...` line of a script, CSV or TOML file. A newline in a path or name would end the
+    comment, and the rest would run as a shell command, end the #SBATCH directives or be read as a CSV row or
+    TOML line; so it and every other character that str.isprintable refuses (control characters, U+2028 and
+    the other line breaks of str.splitlines) are written as Python escapes (\\n, \\x1b, \\u2028)."""
+    return "# " + "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def printable(text: str, where: str, what: str) -> str:
+    """`text` when every character is printable, for a path written on a line that must stay one command
+    (commands.txt); else an InputError naming `where` and `what` the text is."""
+    if not text.isprintable():
+        bad = next(c for c in text if not c.isprintable())
+        raise InputError(where, f"{what} {text!r} holds {bad!r}; expected printable characters (a newline or "
+                                "control character would split the command that names it)")
+    return text

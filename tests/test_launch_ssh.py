@@ -211,10 +211,11 @@ class Run:
         path.write_text("".join(f"{host} {node_type}\n" for host, node_type in zip(hosts, PLACEMENT)))
         return path
 
-    def launch(self, out: Path, sshd: LoopbackSshd, **env: str) -> subprocess.Popen:
+    def launch(self, out: Path, sshd: LoopbackSshd, wrapper: tuple[str, ...] = (), **env: str) -> subprocess.Popen:
+        """launch.sh started with FASOP_RUN_ID set, as `wrapper` ARGV... if given (a shell, a timeout)."""
         env = {**self.env, "SSH_OPTS": " ".join(sshd.options),
                "FORWARD_ENV": "PATH FASOP_CHECK_DIR GLOO_SOCKET_IFNAME OMP_NUM_THREADS FASOP_CHECK_HOLD", **env}
-        return subprocess.Popen(["bash", str(out / "launch.sh")], env=env, stdout=subprocess.PIPE,
+        return subprocess.Popen([*wrapper, "bash", str(out / "launch.sh")], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def records(self) -> list[dict]:
@@ -298,7 +299,7 @@ def test_ssh_launch_stops_every_node_when_one_dies(sshd, run):
     victim = next(r for r in records if r["node_rank"] == 1)
     os.kill(victim["agent_pid"], signal.SIGKILL)  # node rank 1's torchrun
     code, output = finish(process, STOP_TIMEOUT_S)
-    assert code != 0
+    assert code == 1, output  # launch.sh carries FASOP_RUN_ID, and stopping the run spares it
     assert "node rank 1 (127.0.0.3) failed" in output, output
     assert wait_until_gone(run.run_id, STOP_TIMEOUT_S) == [], output + logs(out)
 
@@ -307,11 +308,23 @@ def test_hosts_in_the_wrong_order_fail_fast(sshd, run):
     swapped = [HOSTS[1], HOSTS[0], HOSTS[2]]  # an H100 host where the plan has the A10G node, and back
     out, _ = run.emit("--launcher", "ssh", "--hosts", str(run.hosts_file(swapped)))
     code, output = finish(run.launch(out, sshd), RUN_TIMEOUT_S)
-    assert code != 0
+    assert code == 1, output
     log = (out / "logs" / f"0-{HOSTS[1]}.log").read_text()
     assert "has GPU 'NVIDIA H100 80GB HBM3', but the plan places a small node (A10G) at this rank" in log
     assert "check the order of the hosts" in log
     assert run.records() == []  # no rank started
+    assert wait_until_gone(run.run_id, STOP_TIMEOUT_S) == [], output + logs(out)
+
+
+def test_stopping_a_failed_run_spares_the_process_that_started_launch_sh(sshd, run):
+    # A wrapper (a shell, a timeout, a scheduler step) with FASOP_RUN_ID in its environment, on a machine that
+    # is also a host of the run: stopping the run must reach the nodes' processes only.
+    swapped = [HOSTS[1], HOSTS[0], HOSTS[2]]  # node ranks 0 and 1 fail their node-type check at once
+    out, _ = run.emit("--launcher", "ssh", "--hosts", str(run.hosts_file(swapped)))
+    wrapper = ("bash", "-c", '"$@"; echo "wrapper: launch.sh exited with $?"', "wrapper")
+    code, output = finish(run.launch(out, sshd, wrapper), RUN_TIMEOUT_S)
+    assert code == 0, output  # the wrapper lived on (TERM would give -15)
+    assert "launch.sh: stopping every node" in output and "wrapper: launch.sh exited with 1" in output, output
     assert wait_until_gone(run.run_id, STOP_TIMEOUT_S) == [], output + logs(out)
 
 

@@ -107,6 +107,9 @@ def emit(plans: Path, *args: str):
     ("a small\n-oProxyCommand=x big\nc big\n", "line 2: host '-oProxyCommand=x': expected [USER@]NAME"),
     ("a small\n$(id) big\nc big\n", "line 2: host '$(id)': expected"),
     ("<host-0> small\nb big\nc big\n", "line 1: host '<host-0>'"),
+    # one machine twice, however written: its node ranks would share its GPUs
+    ("a small\nb big\nb big\n", "line 3: host b is on line 2 too; every node rank needs a machine of its own"),
+    ("alice@ws-1.lab small\n# spare\nb big\nbob@WS-1.lab big\n", "line 4: host bob@WS-1.lab is on line 1 too"),
 ])
 def test_hosts_files_that_do_not_fit_the_plan_are_one_line_errors(plans, text, fragment):
     hosts = plans.parent / "hosts.txt"
@@ -156,12 +159,29 @@ def test_ssh_launch_files(plans):
         assert check.returncode == 0, check.stdout
 
 
+def test_launch_sh_refuses_a_machine_listed_twice_in_an_edited_hosts_file(plans):
+    result = emit(plans, "--launcher", "ssh")
+    assert result.exit_code == 0, result.output
+    run = plans.parent / "run"
+    (run / "hosts").write_text("node-a small\nnode-b big\nroot@Node-A big\n")
+    result = subprocess.run(["bash", str(run / "launch.sh")], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (f"launch.sh: {run}/hosts: line 3: host root@Node-A is on line 1 too; every node "
+                                     "rank needs a machine of its own (on one machine for tests, use loopback aliases "
+                                     "such as 127.0.0.2 and 127.0.0.3)")
+    assert not (run / "logs").exists()
+
+
 def test_manual_commands_with_a_file_rendezvous(plans):
     result = emit(plans, "--launcher", "manual", "--rendezvous", "file", "--rendezvous-file", "/shared/fasop meet")
     assert result.exit_code == 0, result.output
     lines = (plans.parent / "run" / "commands.txt").read_text().splitlines()
     commands = [line for line in lines if not line.startswith("#")]
     run_dir = str((plans.parent / "run").absolute())
-    assert commands == [f"cd {run_dir} && NODE_RANK={rank} MASTER_PORT=6000 'FASOP_RENDEZVOUS=file:///shared/fasop meet'"
+    # the value is quoted, not the whole assignment (which the shell would run as a command's name)
+    assert commands == [f"cd {run_dir} && NODE_RANK={rank} MASTER_PORT=6000 FASOP_RENDEZVOUS='file:///shared/fasop meet'"
                         " bash run_inter.sh" for rank in range(3)]
     assert "(node rank 0 first)" in lines[1]
+    (plans.parent / "run" / "run_inter.sh").write_text('echo "$NODE_RANK|$FASOP_RENDEZVOUS"\n')  # a stand-in
+    result = subprocess.run(["sh", "-c", commands[2]], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stdout == "2|file:///shared/fasop meet\n", result.stderr

@@ -17,7 +17,6 @@ each run with scaled profiles and derating, so the fit and the estimate cannot d
 
 from __future__ import annotations
 
-import csv
 import datetime
 import json
 import math
@@ -31,9 +30,9 @@ import numpy as np
 from fasop import files
 from fasop.calibration.measured import MeasuredRun
 from fasop.calibration.validate import Setting, mape_pct, predict_step_s
-from fasop.errors import InputError
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
+from fasop.inputs.csvfile import csv_rows
 from fasop.inputs.profiles import GpuProfile
 from fasop.inputs.tomlfile import read_toml
 
@@ -268,7 +267,7 @@ def calibrated_cluster_text(cluster_path: Path, cluster: Cluster, outcome: Outco
     mark = "(calibrated by fasop calibrate)"
     if mark not in head.get("description", ""):
         head["description"] = f"{head.get('description', '')} {mark}".strip()
-    lines = [f"# {line}" for line in comments + notes]
+    lines = [files.comment_line(line) for line in comments + notes]  # paths: a newline there would start a TOML line
     _toml_tables("", raw, lines)
     return "\n".join(lines) + "\n"
 
@@ -277,21 +276,15 @@ def scaled_profile_text(profile: GpuProfile, scale: float, comments: list[str]) 
     """The profile file with every time multiplied by `scale`; its own comments kept under `comments`."""
     text = files.read_text(profile.file, files.CSV_LIMIT_BYTES)
     kept = [line for line in text.splitlines() if line.lstrip().startswith("#")]
-    rows = list(csv.reader(line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")))
+    rows = [cells for _, cells in csv_rows(((n, line) for n, line in enumerate(text.splitlines(), start=1)
+                                            if line.strip() and not line.lstrip().startswith("#")), profile.file)]
     header = rows[0]
     timed = [header.index("forward_s"), header.index("backward_s")]
-    out = [f"# {line}" for line in comments] + [f"# profile times x {scale:.6g} (compute_time_scale.{profile.gpu}); "
-                                                f"scaled from {profile.file}, whose comments follow:"] + kept
+    out = [files.comment_line(line) for line in comments] + [
+        files.comment_line(f"profile times x {scale:.6g} (compute_time_scale.{profile.gpu}); scaled from {profile.file}, "
+                           "whose comments follow:")] + kept
     out.append(",".join(header))
     for row in rows[1:]:
         out.append(",".join(format(float(v) * scale, ".10g") if i in timed else v for i, v in enumerate(row)))
     return "\n".join(out) + "\n"
 
-
-def check_outputs(outputs: list[tuple[Path, str]], inputs: list[Path], force: bool) -> None:
-    """Refuse an output (path, option) that is one of the inputs or unwritable (always) or that exists (without
-    --force)."""
-    files.check_outputs(outputs, inputs)
-    for out, option in outputs:
-        if out.exists() and not force:
-            raise InputError(f"{option} {out}", "already exists (pass --force to overwrite it)")

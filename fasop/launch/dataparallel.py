@@ -10,12 +10,13 @@ from collections import Counter
 from typing import Any
 
 from fasop.errors import InputError
+from fasop.files import comment_line
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.profiles import load_profiles
 from fasop.launch.checked import LaunchPlan
 from fasop.launch.options import LaunchOptions, check_options
 from fasop.launch.restate import disagreements
-from fasop.launch.shell import comment, group_flags, quote
+from fasop.launch.shell import group_flags, quote
 from fasop.launch.slurm import sbatch_script
 from fasop.launch.startup import startup_lines, torchrun_lines
 from fasop.plans import Plan
@@ -69,8 +70,8 @@ def _run_inter(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: Launch
     split = ", ".join(f"{t.node_type} {t.samples_per_gpu} samples per GPU" for t in plan.per_type or [])
     lines = [
         "#!/usr/bin/env bash",
-        comment(f"fasop plan {p.rank}: {model.name} on {cluster.name}, {plan.kind} over {p.dp} GPUs, "
-                 f"global batch {p.gbs}: {split}."),
+        comment_line(f"fasop plan {p.rank}: {model.name} on {cluster.name}, {plan.kind} over {p.dp} GPUs, "
+                     f"global batch {p.gbs}: {split}."),
         "# Per-node launcher, started once per node by sbatch.sh; by hand: NODE_RANK=r MASTER_ADDR=host bash run_inter.sh",
         "set -euo pipefail",
         "",

@@ -7,26 +7,31 @@ every node that its GPU is the plan's for that node rank.
 * `hosts`: one line per node of the plan in node-rank order, `HOST NODE_TYPE`; blank lines and `#` comments
   are skipped. HOST is `[USER@]NAME`: NAME of letters, digits, `.`, `_`, `:` and `-`, starting with a letter
   or digit (host names, IPv4 and IPv6 addresses), USER of letters, digits, `.`, `_` and `-`. Without
-  `--hosts` the file holds placeholders (`<host-0>`) that launch.sh refuses until they are filled in.
+  `--hosts` the file holds placeholders (`<host-0>`) that launch.sh refuses until they are filled in. A NAME
+  (in any case, with any USER) may appear once: run_inter.sh gives its node every GPU of the machine, so two
+  node ranks on one machine would share its GPUs (tests on one machine use loopback aliases, 127.0.0.2, .3).
 * `launch.sh`: ssh to every host, `cd` to the run directory (the same path on every host) and start
-  run_inter.sh with NODE_RANK, MASTER_ADDR (the first host), MASTER_PORT and FASOP_RUN_ID; each node's output
-  goes to `logs/RANK-HOST.log`. When a node fails (or launch.sh is interrupted) every process carrying this
-  run's FASOP_RUN_ID is signalled on every host, TERM and then KILL, which reaches torchrun's workers too
-  (they run in sessions of their own); launch.sh then exits non-zero.
+  run_inter.sh with NODE_RANK, MASTER_ADDR (the first host), MASTER_PORT, FASOP_RUN_ID and FASOP_LAUNCH_ID;
+  each node's output goes to `logs/RANK-HOST.log`. When a node fails (or launch.sh is interrupted) every
+  process carrying this launch's FASOP_LAUNCH_ID is signalled on every host, TERM and then KILL, which reaches
+  torchrun's workers too (they run in sessions of their own); launch.sh then exits 1 (130 when interrupted).
 * `commands.txt`: one command line per node, in node-rank order, to paste into a shell on that node.
+
+Paths and names reach these files through fasop.launch.shell.quote (words), fasop.launch.shell.assignment
+(environment assignments) and fasop.files.comment_line (`#` lines); the run directory of commands.txt must be
+printable, as a newline would split its one-line commands.
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fasop.errors import InputError
-from fasop.files import TOML_LIMIT_BYTES, read_text
-from fasop.launch.shell import quote
+from fasop.files import TOML_LIMIT_BYTES, comment_line, printable, read_text
+from fasop.launch.shell import assignment, quote
 from fasop.plans import Plan
 
 LAUNCHERS = ("slurm", "ssh", "manual")
@@ -36,11 +41,16 @@ HOST_RULE = "[USER@]NAME, NAME of letters, digits, . _ : - starting with a lette
 # The same rule for launch.sh, which checks the hosts file again after it has been edited.
 _HOST_ERE = r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,63}@)?[A-Za-z0-9][A-Za-z0-9_.:-]{0,254}$"
 STOP_GRACE_S = 15  # launch.sh: seconds between TERM and KILL when it stops the nodes
+# run_inter.sh starts GPUS_PER_NODE workers on the first GPUs of its machine: a second node rank there would
+# share them (and the node-type check cannot tell).
+REPEATED_HOST = ("every node rank needs a machine of its own (on one machine for tests, use loopback aliases "
+                 "such as 127.0.0.2 and 127.0.0.3)")
 
 
 def read_hosts(path: str, placement: Sequence[str]) -> list[str]:
     """The hosts of a hosts file, checked against the plan's placement (node types in node-rank order)."""
     hosts: list[str] = []
+    line_of: dict[str, int] = {}  # machine name (lower case, without USER@) -> the line that lists it
     for number, line in enumerate(read_text(path, TOML_LIMIT_BYTES).splitlines(), start=1):
         fields = line.split("#", 1)[0].split()
         if not fields:
@@ -52,6 +62,10 @@ def read_hosts(path: str, placement: Sequence[str]) -> list[str]:
         host, node_type = fields
         if not HOST.fullmatch(host):
             raise InputError(where, f"host {host!r}: expected {HOST_RULE}")
+        machine = host.rsplit("@", 1)[-1].lower()
+        if machine in line_of:
+            raise InputError(where, f"host {host} is on line {line_of[machine]} too; {REPEATED_HOST}")
+        line_of[machine] = number
         if rank >= len(placement):
             raise InputError(where, f"more hosts than the plan's {len(placement)} nodes")
         if node_type != placement[rank]:
@@ -66,10 +80,10 @@ def read_hosts(path: str, placement: Sequence[str]) -> list[str]:
 
 def hosts_text(plan: Plan, hosts: Sequence[str] | None) -> str:
     placement = plan.placement
-    lines = [f"# Hosts of fasop plan {plan.rank or '?'}, one per node in node-rank order: HOST NODE_TYPE.",
-             f"# HOST is {HOST_RULE}."]
+    lines = [comment_line(f"Hosts of fasop plan {plan.rank or '?'}, one per node in node-rank order: HOST NODE_TYPE."),
+             comment_line(f"HOST is {HOST_RULE}, each machine once.")]
     if hosts is None:
-        lines.append("# Replace every <host-N> with a host of that node type; launch.sh checks each line.")
+        lines.append(comment_line("Replace every <host-N> with a host of that node type; launch.sh checks each line."))
     width = max(len(h) for h in hosts) if hosts else len(f"<host-{len(placement) - 1}>")
     for rank, node_type in enumerate(placement):
         host = hosts[rank] if hosts else f"<host-{rank}>"
@@ -106,6 +120,10 @@ def _settings_lines(placement: Sequence[str], description: str, master_port: int
         f'MASTER_PORT="${{MASTER_PORT:-{master_port}}}"',
         f"RENDEZVOUS={quote(rendezvous)}",
         'RUN_ID="${FASOP_RUN_ID:-$(date +%Y%m%d-%H%M%S)-$$}"',
+        "# Stopping signals the processes whose environment holds FASOP_LAUNCH_ID=$LAUNCH_ID: made afresh here and",
+        "# set only in the nodes' commands, it marks what this launch started and nothing else. (FASOP_RUN_ID may",
+        "# be set by the caller, and then launch.sh and whatever started it carry it too.)",
+        'LAUNCH_ID="$RUN_ID.$$.$SRANDOM$SRANDOM"',
         f'STOP_GRACE_S="${{STOP_GRACE_S:-{STOP_GRACE_S}}}"',
         f"HOST_PATTERN={quote(_HOST_ERE)}",
         'read -ra USER_SSH_ARGS <<< "${SSH_OPTS:-}"',
@@ -127,6 +145,7 @@ def _hosts_check_lines() -> list[str]:
         "done",
         '[[ -f "$HOSTS_FILE" ]] || fail "no hosts file $HOSTS_FILE"',
         "HOSTS=()",
+        "declare -A LINE_OF  # machine name (lower case, without USER@) -> the line that lists it",
         "line_number=0",
         'while IFS= read -r line || [[ -n "$line" ]]; do',
         "    line_number=$((line_number + 1))",
@@ -136,6 +155,11 @@ def _hosts_check_lines() -> list[str]:
         '    (( ${#fields[@]} == 2 )) || fail "$where: expected HOST NODE_TYPE"',
         '    [[ "${fields[0]}" =~ $HOST_PATTERN ]] ||',
         f'        fail "$where: host \'${{fields[0]}}\': expected {HOST_RULE} (fill in the placeholders)"',
+        '    machine="${fields[0]#*@}"',
+        '    machine="${machine,,}"',
+        '    [[ -z "${LINE_OF[$machine]:-}" ]] ||',
+        f'        fail "$where: host ${{fields[0]}} is on line ${{LINE_OF[$machine]}} too; {REPEATED_HOST}"',
+        '    LINE_OF[$machine]=$line_number',
         '    (( ${#HOSTS[@]} < NNODES )) || fail "$where: more hosts than the plan\'s $NNODES nodes"',
         '    rank=${#HOSTS[@]}',
         '    [[ "${fields[1]}" == "${NODE_TYPES[rank]}" ]] || fail "$where: node type ${fields[1]}, but the plan' +
@@ -154,26 +178,26 @@ def _node_command_lines() -> list[str]:
         "    printf \"'%s'\" \"${1//\\'/\\'\\\\\\'\\'}\"",
         "}",
         "",
-        "# Every process of this run carries FASOP_RUN_ID (and its NODE_RANK), torchrun's workers in their own sessions",
-        "# included: sh -c \"$SIGNAL_RUN\" sh SIGNAL RUN_ID [NODE_RANK] signals them on one host.",
+        "# Every process a node command starts carries FASOP_LAUNCH_ID (and its NODE_RANK), torchrun's workers in their",
+        "# own sessions included: sh -c \"$SIGNAL_RUN\" sh SIGNAL LAUNCH_ID [NODE_RANK] signals them on one host.",
         "# shellcheck disable=SC2016  # a script for the hosts' shells, expanded there",
-        "SIGNAL_RUN='for p in /proc/[0-9]*; do if grep -qzxF \"FASOP_RUN_ID=$2\" \"$p/environ\" 2>/dev/null && '\\",
+        "SIGNAL_RUN='for p in /proc/[0-9]*; do if grep -qzxF \"FASOP_LAUNCH_ID=$2\" \"$p/environ\" 2>/dev/null && '\\",
         "'{ [ -z \"${3:-}\" ] || grep -qzxF \"NODE_RANK=$3\" \"$p/environ\" 2>/dev/null; }; '\\",
         "'then kill -s \"$1\" \"${p#/proc/}\" 2>/dev/null; '\\",
         "'fi; done; true'",
         "",
         "node_command() {  # node_command RANK: what node RANK's host runs",
-        '    local assignments=("FASOP_RUN_ID=$RUN_ID" "NODE_RANK=$1" "MASTER_PORT=$MASTER_PORT"',
+        '    local assignments=("FASOP_RUN_ID=$RUN_ID" "FASOP_LAUNCH_ID=$LAUNCH_ID" "NODE_RANK=$1" "MASTER_PORT=$MASTER_PORT"',
         '                       "FASOP_RENDEZVOUS=$RENDEZVOUS" "MASTER_ADDR=$MASTER_ADDR") name text',
         '    for name in "${FORWARD_NAMES[@]}"; do',
         '        if [[ -v "$name" ]]; then assignments+=("$name=${!name}"); fi',
         "    done",
         '    text="cd $(quote "$REMOTE_DIR") || exit 1; env"',
-        '    for name in "${assignments[@]}"; do text+=" $(quote "$name")"; done',
+        '    for name in "${assignments[@]}"; do text+=" ${name%%=*}=$(quote "${name#*=}")"; done',
         "    # Workers left by a killed torchrun would hold the connection open: the host kills this node's leftovers.",
         "    # shellcheck disable=SC2016  # expanded by the host's shell",
         '    printf \'%s bash run_inter.sh; status=$?; sh -c %s sh KILL %s %s; exit "$status"\' \\',
-        '        "$text" "$(quote "$SIGNAL_RUN")" "$(quote "$RUN_ID")" "$1"',
+        '        "$text" "$(quote "$SIGNAL_RUN")" "$(quote "$LAUNCH_ID")" "$1"',
         "}",
         "",
         "run_node() {  # run_node RANK: node RANK over ssh, its output into its log (exec: the job's pid is ssh's)",
@@ -186,10 +210,10 @@ def _node_command_lines() -> list[str]:
 def _stop_lines() -> list[str]:
     """Stopping every process of this run on every host."""
     return [
-        "signal_nodes() {  # signal_nodes SIGNAL: SIGNAL to every process of this run on every host",
+        "signal_nodes() {  # signal_nodes SIGNAL: SIGNAL to every process of this launch on every host",
         "    local host pids=()",
         '    for host in "${HOSTS[@]}"; do',
-        '        ssh "${SSH_ARGS[@]}" -- "$host" "sh -c $(quote "$SIGNAL_RUN") sh $1 $RUN_ID" < /dev/null > /dev/null 2>&1 &',
+        '        ssh "${SSH_ARGS[@]}" -- "$host" "sh -c $(quote "$SIGNAL_RUN") sh $1 $LAUNCH_ID" < /dev/null > /dev/null 2>&1 &',
         '        pids+=("$!")',
         "    done",
         '    wait "${pids[@]}" || true',
@@ -201,7 +225,7 @@ def _stop_lines() -> list[str]:
         '    for pid in "${!RANK_OF[@]}"; do if kill -0 "$pid" 2>/dev/null; then return 0; fi; done',
         "    return 1",
         "}",
-        "stop_nodes() {  # TERM to every process of this run, KILL to what is left after STOP_GRACE_S",
+        "stop_nodes() {  # TERM to every process of this launch, KILL to what is left after STOP_GRACE_S",
         "    trap '' INT TERM HUP",
         '    echo "launch.sh: stopping every node of run $RUN_ID" >&2',
         "    signal_nodes TERM",
@@ -244,20 +268,18 @@ def _start_and_wait_lines() -> list[str]:
 def _commands_txt(plan: Plan, description: str, run_dir: Path, hosts: Sequence[str] | None,
                   master_port: int, rendezvous: str) -> str:
     placement = plan.placement
+    directory = printable(str(run_dir), "--out", "with --launcher manual, the run directory")
     lines = [description,
-             "# One command per node, in node-rank order: run each in a shell on a node of its type"
-             + (" (node rank 0 first)." if rendezvous != "tcp" else "."),
-             f"# {run_dir} must be at that path on every node (a shared file system, or copied there)."]
+             comment_line("One command per node, in node-rank order: run each in a shell on a node of its type"
+                          + (" (node rank 0 first)." if rendezvous != "tcp" else ".")),
+             comment_line(f"{directory} must be at that path on every node (a shared file system, or copied there).")]
     master = hosts[0].split("@")[-1] if hosts else ""  # a TCP rendezvous needs --hosts (checked with the options)
     for rank, node_type in enumerate(placement):
         on = f" on {hosts[rank]}" if hosts else ""
-        env = [f"NODE_RANK={rank}", f"MASTER_PORT={master_port}"]
-        if rendezvous == "tcp":
-            env.append(f"MASTER_ADDR={master}")
-        else:
-            env.append(f"FASOP_RENDEZVOUS={rendezvous}")
-        lines += [f"# node rank {rank}: {node_type}{on}",
-                  f"cd {shlex.quote(str(run_dir))} && " + " ".join(shlex.quote(e) for e in env) + " bash run_inter.sh"]
+        env = [assignment("NODE_RANK", str(rank)), assignment("MASTER_PORT", str(master_port)),
+               assignment("MASTER_ADDR", master) if rendezvous == "tcp" else assignment("FASOP_RENDEZVOUS", rendezvous)]
+        lines += [comment_line(f"node rank {rank}: {node_type}{on}"),
+                  f"cd {quote(directory)} && {' '.join(env)} bash run_inter.sh"]
     return "\n".join(lines) + "\n"
 
 
@@ -269,9 +291,9 @@ def _rendezvous(site: Mapping[str, Any]) -> str:
     path = site["rendezvous_file"]
     if path is None:
         raise InputError("--rendezvous file", "needs --rendezvous-file PATH on a file system every node sees")
-    if not path.startswith("/") or any(not c.isprintable() for c in path):
-        raise InputError("--rendezvous-file", f"expected an absolute path of printable characters, got {path!r}")
-    return "file://" + path
+    if not path.startswith("/"):
+        raise InputError("--rendezvous-file", f"expected an absolute path, got {path!r}")
+    return "file://" + printable(path, "--rendezvous-file", "the path")
 
 
 def launcher_inputs(site: Mapping[str, Any]) -> list[Path]:
@@ -307,10 +329,10 @@ def launcher_files(files: Mapping[str, str], plan: Plan, out_dir: Path, master_p
 def launcher_hint(site: Mapping[str, Any], out_dir: str) -> tuple[str, str]:
     """(stdout text, stderr line) that `fasop emit` prints after writing the files."""
     if site["launcher"] == "ssh":
-        fill = "" if site["hosts_file"] else f"Fill in {out_dir}/hosts, then run: "
-        return "", f"{fill}bash {out_dir}/launch.sh"
+        fill = "" if site["hosts_file"] else f"Fill in {quote(f'{out_dir}/hosts')}, then run: "
+        return "", f"{fill}bash {quote(f'{out_dir}/launch.sh')}"
     if site["launcher"] == "manual":
         text = read_text(Path(out_dir) / "commands.txt", TOML_LIMIT_BYTES)
         commands = [line for line in text.splitlines() if not line.startswith("#")]
-        return "\n".join(commands), f"Run each command on its node (also in {out_dir}/commands.txt)"
-    return "", f"Submit with: cd {out_dir} && sbatch sbatch.sh"
+        return "\n".join(commands), f"Run each command on its node (also in {quote(f'{out_dir}/commands.txt')})"
+    return "", f"Submit with: cd {quote(out_dir)} && sbatch sbatch.sh"

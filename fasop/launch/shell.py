@@ -1,4 +1,5 @@
-"""Shell text: words quoted so that nothing expands at run time, bash arrays of flags, safe comments."""
+"""Shell text: words quoted so that nothing expands at run time, variable assignments, bash arrays of flags.
+(Comment lines of scripts come from fasop.files.comment_line, which the profile and calibration files share.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ def quote(text: str) -> str:
     if "$" in text or "`" in text:  # double quotes with escapes read more plainly than '...$...' to linters
         return '"' + re.sub(r'([\\"$`])', r"\\\1", text) + '"'
     return shlex.quote(text)
+
+
+def assignment(name: str, value: str) -> str:
+    """`NAME=value` for a command's environment, the value quoted: a quoted whole (`'NAME=a b'`) is no
+    assignment to the shell but the name of a command to run."""
+    return f"{name}={quote(value)}"
 
 
 def bash_array(name: str, flags: Iterable[Sequence[str]]) -> str:
@@ -32,8 +39,3 @@ def group_flags(tokens: Sequence[str]) -> list[tuple[str, ...]]:
             groups[-1].append(token)
     return [tuple(g) for g in groups]
 
-
-def comment(text: str) -> str:
-    """`text` made safe for a `# ...` line: a newline would end the comment and start a command (and end the
-    #SBATCH directives), so it and every other unprintable character are written as escapes."""
-    return "# " + "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -13,9 +13,10 @@ import re
 from typing import Any
 
 from fasop.errors import InputError
+from fasop.files import comment_line
 from fasop.launch.checked import LaunchPlan
 from fasop.launch.options import SLURM_LIST, SLURM_NAME, LaunchOptions
-from fasop.launch.shell import comment, quote
+from fasop.launch.shell import quote
 from fasop.plans import Plan, placement_runs
 
 
@@ -42,8 +43,8 @@ def _partition(node_type: Any, opts: LaunchOptions) -> str | None:
 
 
 def describe_plan(plan: Plan, model: Any, cluster: Any, p: LaunchPlan) -> str:
-    return comment(f"fasop plan {p.rank}: {model.name} on {cluster.name}, tp={p.tp} dp={p.dp} pp={p.pp} "
-                    f"mbs={p.mbs} gbs={p.gbs}, layers per stage {'-'.join(str(n) for n in p.layers_per_stage)}.")
+    return comment_line(f"fasop plan {p.rank}: {model.name} on {cluster.name}, tp={p.tp} dp={p.dp} pp={p.pp} "
+                        f"mbs={p.mbs} gbs={p.gbs}, layers per stage {'-'.join(str(n) for n in p.layers_per_stage)}.")
 
 
 def sbatch_script(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions) -> str:
@@ -52,7 +53,7 @@ def sbatch_script(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: Lau
     lines = [
         "#!/usr/bin/env bash",
         describe_plan(plan, model, cluster, p),
-        comment(f"Node ranks 0-{len(p.placement) - 1} in placement order: {' '.join(p.placement)}."),
+        comment_line(f"Node ranks 0-{len(p.placement) - 1} in placement order: {' '.join(p.placement)}."),
     ]
     if het:
         lines.append("# One heterogeneous-job component per run of nodes of one type, in that order.")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fasop.errors import InputError
+from fasop.files import comment_line
 
 KINDS = ("p2p_intra_node", "p2p_inter_node", "allreduce_intra_node", "allreduce_inter_node")
 DEFAULT_SIZES = "8K,64K,512K,4M,32M,256M"
@@ -151,7 +152,7 @@ def format_bandwidth(bytes_per_s: float) -> str:
 
 def format_fragment(fits: dict[str, Fit], header: list[str]) -> str:
     """The TOML text: the node type's bandwidth fields, and the derating and latencies as comments."""
-    out = [f"# {line}" for line in header]
+    out = [comment_line(line) for line in header]  # hosts and paths: a newline there would start a TOML line
     out += ["#", "# Latency (alpha) of each operation; fasop's cluster format has no latency field, so these are",
             "# for reference only:"]
     out += [f"#   {kind}_latency_s = {fits[kind].latency_s:.4g}" for kind in KINDS if kind in fits]

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fasop.files import write_atomically
+from fasop.files import comment_line, write_atomically
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import COLUMNS, MEMORY_COLUMN, identity_line, required_kinds
 from fasop.profile.torchlayers import Group, build_unit, output_gradient
@@ -309,7 +309,7 @@ def format_measured(rows: list[Measured], comment_lines: list[str]) -> str:
     """The profile CSV: '# ' comments, the header (with peak_memory_bytes when memory was recorded), rows."""
     with_memory = all(r.peak_memory_bytes is not None for r in rows)
     columns = COLUMNS + ((MEMORY_COLUMN,) if with_memory else ())
-    out = [f"# {line}" for line in comment_lines] + [",".join(columns)]
+    out = [comment_line(line) for line in comment_lines] + [",".join(columns)]  # a path's newline stays escaped
     for row in rows:
         cells = [str(row.tp), str(row.mbs), row.kind, _number(row.forward_s), _number(row.backward_s)]
         out.append(",".join(cells + ([str(row.peak_memory_bytes)] if with_memory else [])))

@@ -29,11 +29,12 @@ measured profiles.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import NamedTuple
 
 from fasop.errors import InputError
-from fasop.files import write_atomically
+from fasop.files import comment_line, write_atomically
 from fasop.inputs.catalogue import GpuSpec, load_gpu_spec
 from fasop.inputs.cluster import parse_bandwidth
 from fasop.inputs.model import Model
@@ -130,11 +131,12 @@ def header_lines(model: Model, spec: GpuSpec, tps, mbss, efficiency: float | Non
                                        f"{len(spec.allreduce_busbw)}-point allreduce_busbw)" if spec.allreduce_busbw else "")
     eff_note = ("the table's matmul_efficiency" if efficiency is None
                 else f"--efficiency; the table's matmul_efficiency is {_number(spec.matmul_efficiency)}")
-    command = f"fasop profile synth --model {model.file or model.name} --gpu {spec.name}"
+    # The model file is the one path here: quoted as a shell word (format_profile escapes what cannot be printed).
+    command = f"fasop profile synth --model {shlex.quote(model.file or model.name)} --gpu {spec.name}"
     command += f" --tp {','.join(map(str, tps))} --mbs {','.join(map(str, mbss))}"
     if efficiency is not None:
         command += f" --efficiency {_number(eff)}"
-    if link_bandwidth is not None:
+    if link_bandwidth is not None:  # a number and a unit (parse_bandwidth has read it)
         command += f' --link-bandwidth "{link_bandwidth}"'
     lines = [
         f"Synthetic profile of {model.name} on {spec.name}: estimated from FLOPs and bytes (fasop.profile.synth), "
@@ -152,14 +154,13 @@ def header_lines(model: Model, spec: GpuSpec, tps, mbss, efficiency: float | Non
     ]
     if date:
         lines.append(f"Written {date}.")
-    return [*lines, identity_line(model.name, spec.name)]
+    return [*lines, identity_line(model.name, spec.name).removeprefix("# ")]  # format_profile adds the comment mark
 
 
 def format_profile(rows, header_comment_lines) -> str:
-    """The profile CSV text: '# ' comment lines, the column header, one row per line (%.12g)."""
-    out = []
-    for line in header_comment_lines:
-        out.append(line if line.startswith("#") else f"# {line}")
+    """The profile CSV text: '# ' comment lines (comment_line: a newline in a path would start a CSV row), the
+    column header, one row per line (%.12g)."""
+    out = [comment_line(line) for line in header_comment_lines]
     out.append(",".join(COLUMNS))
     for tp, mbs, kind, forward, backward in rows:
         out.append(f"{tp},{mbs},{kind},{_number(forward)},{_number(backward)}")
