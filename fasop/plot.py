@@ -68,7 +68,8 @@ def _short(record: dict) -> str:
 
 
 def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: float | None = None,
-               deadline: float | None = None, chosen: dict | None = None, title: str | None = None) -> dict[str, int]:
+               deadline: float | None = None, chosen: dict | None = None, title: str | None = None,
+               option: str = "--out") -> dict[str, int]:
     """Cost of the run (USD) against throughput (samples/s) or time to train (hours), one point per
     feasible composition.
 
@@ -76,6 +77,7 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
     with the lowest price per node, then square, diamond, ...), a triangle for mixed compositions. The
     Pareto front is a step line (the least cost at which each throughput or each deadline can be had),
     the budget and the deadline are dashed lines, and `chosen` (one of `records`) is circled and labelled.
+    `option` names the chart file in errors.
 
     Returns the number of points drawn in each series, read back from the figure: one key per
     scatter series ('A100 only', 'mixed', ...), 'front' (points on the step line), 'chosen' (0 or 1) and
@@ -86,7 +88,7 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
 
     if x not in ("throughput", "time"):
         raise InputError(f"--x {x}", "expected throughput or time")
-    path = _check_out(out_path)
+    path = _check_out(out_path, option)
     check_limits(budget, deadline)
     records = [dict(r) for r in records]
     mark_front(records)  # the front of the points drawn (a front file may have been filtered by hand)
@@ -115,7 +117,7 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
         _draw_chosen(ax, chosen, x, xkey)
     hidden = len(records) - len(feasible)
     _label_axes(ax, feasible[0], x, title, hidden)
-    _save(fig, path)
+    _save(fig, path, option)
 
     counts: dict[str, int] = {}
     for collection in ax.collections:
@@ -297,11 +299,13 @@ def plot_validation(labels: list[str], predicted_s, measured_s, out_path, *, tit
     ax.set_ylabel("estimated step time (s)")
     ax.set_title(title or "fasop estimates against measured runs")
     ax.legend(loc="upper left", fontsize=8)
-    _save(fig, path)
+    _save(fig, path, option)
 
 
-def plot_comparison(families: list, path, title: str) -> None:
-    """Throughput of each strategy as horizontal bars; strategies without a plan show their reason."""
+def plot_comparison(families: list, out_path, title: str, option: str = "--out") -> None:
+    """Throughput of each strategy as horizontal bars; strategies without a plan show their reason. `option`
+    names the chart file in errors."""
+    path = _check_out(out_path, option)
     fig = _figure(8.0, 0.5 * len(families) + 1.2)
     ax = fig.add_subplot()
     names = [f.name for f in families][::-1]
@@ -314,4 +318,4 @@ def plot_comparison(families: list, path, title: str) -> None:
     ax.set_xlim(0, top * 1.45)
     ax.set_xlabel("throughput (samples/s)")
     ax.set_title(title)
-    _save(fig, path)
+    _save(fig, path, option)

@@ -201,7 +201,7 @@ def test_bundled_search_removes_out_of_memory_plans(tmp_path, runner):
 # -- search on the tiny inputs -------------------------------------------------------------------------------
 def tiny_plans(runner, setup, *extra: str) -> list[dict]:
     output = setup.root / "plans.json"
-    result = invoke(runner, ["search", *setup.args(*extra), "--output", output])
+    result = invoke(runner, ["search", *setup.args(*extra), "--output", output, "--force"])
     ok(result)
     return json.loads(output.read_text())
 

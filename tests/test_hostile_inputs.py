@@ -30,6 +30,8 @@ SEARCH_PROFILE = ["search", "--model", "bert", "--cluster", "{valid}", "--profil
                   "--output", "{out}/plans.json", "--emit", "{out}/run"]
 PLOT_PLAN = ["plot", "--plan", "{case}", "--out", "{out}/stages.png"]
 EMIT = ["emit", "--plans", "{case}", "--out", "{out}/run"]
+VALIDATE = ["validate", "--measured", "{case}", "--chart", "{out}/validate.png"]
+CALIBRATE = ["calibrate", "--measured", "{case}", "--out", "{out}/calibrated.toml", "--profiles-out", "{out}/profiles"]
 
 # file -> (command, what the one line must say besides the file name)
 CASES = {
@@ -63,6 +65,11 @@ CASES = {
     "plan-nested.json": (EMIT, ["nested too deeply"]),
     "plan-unknown-recompute.json": (EMIT, ["entry 0: recompute", "'partial'"]),
     "plan-huge-virtual-stages.json": (EMIT, ["entry 0: virtual_stages", "from 1 to"]),
+    "measured-zero-step.csv": (VALIDATE, ["line 4: measured_step_s", "from 1e-06 to 1e+06", "'0'"]),
+    "measured-denormal-step.csv": (CALIBRATE, ["line 4: measured_step_s", "'5e-324'"]),
+    "measured-huge-step.csv": (VALIDATE, ["line 3: measured_step_s", "'1e300'"]),
+    "measured-zero3-row.csv": (CALIBRATE, ["line 3: kind", "a zero3 plan's batch split is in its plan.json"]),
+    "measured-unknown-recompute.csv": (VALIDATE, ["line 3: recompute", "'partial'"]),
 }
 
 
@@ -109,6 +116,21 @@ def test_the_valid_inputs_of_the_corpus_pass(tmp_path):
     (profiles / "A100.csv").write_text(text)
     result, _ = run_cli(["search", "--model", "bert", "--cluster", str(VALID_CLUSTER), "--profiles", str(profiles)])
     assert result.exit_code == 0, result.output
+
+
+def test_the_measured_runs_of_the_corpus_pass_once_mended(tmp_path):
+    """Each measured-runs case fails for its one broken cell: with that cell mended, validate runs."""
+    mends = {"measured-zero-step.csv": (",0\n", ",0.9\n"), "measured-denormal-step.csv": (",5e-324", ",0.9"),
+             "measured-huge-step.csv": (",1e300", ",0.9"), "measured-zero3-row.csv": (",zero3,", ",3d,"),
+             "measured-unknown-recompute.csv": (",partial,", ",selective,")}
+    assert sorted(mends) == sorted(name for name in CASES if name.startswith("measured-"))
+    for name, (broken, mended) in mends.items():
+        case = tmp_path / name
+        case.write_text((HOSTILE / name).read_text().replace(broken, mended))
+        shutil.copy(VALID_CLUSTER, tmp_path / "cluster.toml")
+        case.write_text(case.read_text().replace("valid/cluster.toml", "cluster.toml"))
+        result, _ = run_cli(["validate", "--measured", str(case)])
+        assert result.exit_code == 0, (name, result.output)
 
 
 def test_allow_profile_mismatch_uses_the_profile(tmp_path):
@@ -209,18 +231,30 @@ def test_emit_out_never_replaces_its_plan_file(inputs):
 
 @pytest.mark.parametrize("where", ["under a file", "in /proc"])
 def test_unwritable_outputs_are_one_line(inputs, where):
-    """Every command that writes a file; /proc takes no new files, even from root."""
+    """Every command that writes a file, and no output of a command left behind when another of its outputs
+    cannot be written; /proc takes no new files, even from root."""
     folder = inputs / "cluster.toml" if where == "under a file" else Path("/proc")
     if not Path("/proc/self").is_dir() and where == "in /proc":
         pytest.skip("no /proc")
+    (inputs / "runs.csv").write_text("model,cluster_file,gbs,mbs,tp,dp,pp,placement,layers_per_stage,measured_step_s\n"
+                                     "bert,cluster.toml,32,1,1,8,1,A100 A100,24,0.75\n"
+                                     "bert,cluster.toml,32,1,1,4,2,A100 A100,12 12,0.9\n")
+    bert = ["--model", "bert", "--cluster", str(inputs / "cluster.toml"), "--profiles", str(inputs / "profiles")]
+    measured = ["--measured", str(inputs / "runs.csv"), "--profiles", str(inputs / "profiles")]
     commands = [
         search_args(inputs, folder / "plans.json"),
         [*search_args(inputs, inputs / "fine.json"), "--emit", str(folder / "run")],
-        ["pareto", "--model", "bert", "--cluster", str(inputs / "cluster.toml"), "--profiles",
-         str(inputs / "profiles"), "--output", str(folder / "front.csv")],
+        ["pareto", *bert, "--output", str(folder / "front.csv")],
+        ["pareto", *bert, "--output", str(inputs / "front.csv"), "--chart", str(folder / "front.png")],
         ["plot", "--plan", str(inputs / "plans.json"), "--out", str(folder / "stages.svg")],
+        ["plot", "--plan", str(inputs / "plans.json"), "--timeline", str(folder / "schedule.svg")],
         ["profile", "synth", "--model", "bert", "--gpu", "A100", "--out", str(folder / "A100.csv")],
         ["emit", "--plans", str(inputs / "plans.json"), "--out", str(folder / "run")],
+        ["compare", *bert, "--output", str(inputs / "compare.csv"), "--plans-out", str(folder / "strategies.json")],
+        ["compare", *bert, "--plans-out", str(inputs / "strategies.json"), "--chart", str(folder / "compare.png")],
+        ["validate", *measured, "--chart", str(folder / "validate.png")],
+        ["calibrate", *measured, "--out", str(folder / "calibrated.toml")],
+        ["calibrate", *measured, "--out", str(inputs / "calibrated.toml"), "--profiles-out", str(folder / "profiles")],
     ]
     before = snapshot(inputs)
     for args in commands:

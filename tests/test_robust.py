@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fasop.cli import main
+from fasop.errors import InputError
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.search import search_plans
-from fasop.search.robust import factor_keys, perturbed, plan_metric, robustness
+from fasop.search.robust import MAX_SEED, MAX_TRIALS, factor_keys, perturbed, plan_metric, robustness
 from fasop.search.space import prepare
 
 # Both node types carry the same GPU, so compute shares its factors; their network interfaces are equally
@@ -123,3 +124,12 @@ def test_bad_noise_gets_one_line(runner, tiny, noise):
     assert result.exit_code == 2
     assert result.stderr.count("\n") == 1 and "--noise" in result.stderr
     assert np.all([line.startswith("Error:") for line in result.stderr.splitlines()])
+
+
+@pytest.mark.parametrize("trials, seed, option", [(MAX_TRIALS + 1, 0, "--trials"), (0, 0, "--trials"),
+                                                  (10, -1, "--seed"), (10, MAX_SEED + 1, "--seed")])
+def test_the_api_bounds_trials_and_seed(tiny_inputs, trials, seed, option):
+    """The work is trials x candidates estimates: bounded before any is drawn, as the command line bounds it."""
+    model, cluster, inputs, plan = tiny_inputs
+    with pytest.raises(InputError, match=f"^{option} "):
+        robustness(model, cluster, inputs.profiles, [plan], 0.1, trials, seed)

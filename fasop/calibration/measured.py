@@ -4,25 +4,34 @@ Two sources: a CSV with the plan columns of a plan file plus `measured_step_s`, 
 runs, each a `plan.json` (as `fasop emit` writes it) beside the training log(s) of the job. From a log, the
 step time is the median of Megatron-LM's `elapsed time per iteration (ms)` reports once the warm-up
 iterations are over (the first iterations build CUDA graphs, allocate memory and tune kernels).
+
+A run keeps what its plan is: a 3D plan with its virtual stages, recomputation, sequence parallelism and
+overlap, or a data-parallel plan (kind ddp, zero1, zero2 or zero3) with its per-type batch split, which only
+a plan.json holds. One plan measured several times is scored once, at the mean of its measurements
+(merge_repeats).
 """
 
 from __future__ import annotations
 
-import csv
 import math
 import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
 from fasop.errors import InputError
 from fasop.files import CSV_LIMIT_BYTES, LOG_LIMIT_BYTES, PLANS_LIMIT_BYTES, read_json, read_text
-from fasop.plans import PlanShape, read_plan
+from fasop.inputs.csvfile import csv_rows
+from fasop.plans import DATA_PARALLEL_KINDS, Plan, PlanShape, read_plan
+from fasop.runtime import check_plan
 
 WARMUP_ITERS = 3  # iterations of each log whose timings are left out by default
 LOG_SUFFIXES = (".out", ".log", ".txt")  # files beside plan.json read as training logs (fasop emit: fasop-<job>.out)
 REQUIRED_COLUMNS = ("tp", "dp", "pp", "mbs", "gbs", "placement", "layers_per_stage", "measured_step_s")
+# Range of a measured step time: a normal float far from both ends, so that errors relative to it stay finite.
+MIN_STEP_S, MAX_STEP_S = 1e-6, 1e6
 
 # Megatron-LM's training_log prints, on the last rank, every --log-interval iterations:
 #  [2024-05-01 12:00:03] iteration       10/      50 | consumed samples:          640 | elapsed time per
@@ -42,6 +51,18 @@ class MeasuredRun(PlanShape):
     model: str  # model name or file, as load_model takes it
     cluster: str
     measured_step_s: float
+    virtual_stages: int = 1
+    overlap: bool = True  # Megatron's --overlap-grad-reduce (and --overlap-param-gather)
+    kind: str = "3d"
+    # data-parallel kinds: the batch split of the plan.json, as fasop.search.dataparallel.plan_row takes it
+    batch_split: str | None = None
+    samples_per_gpu: tuple[tuple[str, int], ...] = ()
+    gpus_per_node: int | None = None
+
+    @property
+    def plan_key(self) -> tuple:
+        """What the run measured: every field but its name, place and measurement."""
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name not in ("label", "where", "measured_step_s"))
 
 
 def _resolve(value: str, base: Path) -> str:
@@ -90,19 +111,35 @@ def _flag(value: Any, where: str, key: str) -> bool:
     raise InputError(f"{where}: {key}", f"expected true or false, got {value!r}")
 
 
-def positive_number(value: Any, where: str, key: str) -> float:
+def _optional(plan: dict, key: str) -> Any:
+    """A field a plan may leave out (a CSV leaves its cell empty); None when it does."""
+    value = plan.get(key)
+    return None if value is None or (isinstance(value, str) and not value.strip()) else value
+
+
+def _choice(value: Any, where: str, key: str, choices: tuple[str, ...]) -> str:
+    text = str(value).strip()
+    if text not in choices:
+        raise InputError(f"{where}: {key}", f"expected one of {', '.join(choices)}, got {value!r}")
+    return text
+
+
+def step_seconds(value: Any, where: str, key: str, unit_s: float = 1.0) -> float:
+    """A measured time in seconds from `value`, in units of `unit_s` seconds: finite and in range."""
     try:
-        number = float(value) if not isinstance(value, bool) else math.nan
+        number = float(value) * unit_s if not isinstance(value, bool) else math.nan
     except (TypeError, ValueError):
         number = math.nan
-    if not 0 < number < math.inf:
-        raise InputError(f"{where}: {key}", f"expected a positive, finite number, got {value!r}")
+    if not MIN_STEP_S <= number <= MAX_STEP_S:  # also refuses NaN, zero and denormals
+        raise InputError(f"{where}: {key}", f"expected a positive, finite time from {MIN_STEP_S / unit_s:g} to "
+                                            f"{MAX_STEP_S / unit_s:g}, got {value!r}")
     return number
 
 
 def run_from_plan(plan: dict, measured_step_s: float, label: str, where: str, base: Path,
-                  model: str | None, cluster: str | None) -> MeasuredRun:
-    """A run from the plan fields of `plan` (a CSV row or a plan.json); `model` / `cluster` override it."""
+                  model: str | None, cluster: str | None, split: Plan | None = None) -> MeasuredRun:
+    """A run from the plan fields of `plan` (a CSV row or a plan.json); `model` / `cluster` override it.
+    `split`: the checked plan.json of a data-parallel plan, which holds its batch split."""
     refs = {}
     for kind, override in (("model", model), ("cluster", cluster)):
         value = plan.get(f"{kind}_file") or plan.get(kind)
@@ -112,37 +149,60 @@ def run_from_plan(plan: dict, measured_step_s: float, label: str, where: str, ba
     missing = [key for key in REQUIRED_COLUMNS if key != "measured_step_s" and key not in plan]
     if missing:
         raise InputError(where, f"lacks {', '.join(missing)}")
+    tp = _positive_int(plan["tp"], where, "tp")
+    kind = _choice(_optional(plan, "kind") or "3d", where, "kind", ("3d", *DATA_PARALLEL_KINDS))
+    dataparallel: dict[str, Any] = {}
+    if kind in DATA_PARALLEL_KINDS:
+        if split is None:
+            raise InputError(f"{where}: kind", f"a {kind} plan's batch split is in its plan.json, not in a CSV: "
+                                               "measure it from its run folder")
+        check_plan(split, where)
+        dataparallel = {"batch_split": split.batch_split, "gpus_per_node": split.gpus_per_node,
+                        "samples_per_gpu": tuple((t.node_type, t.samples_per_gpu) for t in split.per_type or [])}
+    method, layers = _optional(plan, "recompute_method"), _optional(plan, "recompute_num_layers")
+    sequence_parallel = _optional(plan, "sequence_parallel")
+    overlaps = [_flag(v, where, key) for key in ("overlap_grad_reduce", "overlap_param_gather")
+                if (v := _optional(plan, key)) is not None]
     return MeasuredRun(
         label=label, where=where, model=refs["model"], cluster=refs["cluster"],
-        tp=_positive_int(plan["tp"], where, "tp"), dp=_positive_int(plan["dp"], where, "dp"),
+        tp=tp, dp=_positive_int(plan["dp"], where, "dp"),
         pp=_positive_int(plan["pp"], where, "pp"), mbs=_positive_int(plan["mbs"], where, "mbs"),
         gbs=_positive_int(plan["gbs"], where, "gbs"),
         placement=_name_list(plan["placement"], where, "placement"),
         layers_per_stage=_int_list(plan["layers_per_stage"], where, "layers_per_stage", 0),
         distributed_optimizer=_flag(plan.get("distributed_optimizer", True), where, "distributed_optimizer"),
         measured_step_s=measured_step_s,
+        virtual_stages=_positive_int(_optional(plan, "virtual_stages") or 1, where, "virtual_stages"),
+        recompute=_choice(_optional(plan, "recompute") or "none", where, "recompute", RECOMPUTE_MODES),
+        recompute_method=None if method is None else _choice(method, where, "recompute_method", RECOMPUTE_METHODS),
+        recompute_num_layers=None if layers is None else _positive_int(layers, where, "recompute_num_layers"),
+        # as fasop estimate: on when tp > 1 unless the plan says
+        sequence_parallel=tp > 1 if sequence_parallel is None else _flag(sequence_parallel, where, "sequence_parallel"),
+        overlap=any(overlaps) or not overlaps,
+        kind=kind, **dataparallel,
     )
 
 
 def read_runs_csv(path: Path, model: str | None = None, cluster: str | None = None) -> list[MeasuredRun]:
     """Runs of a CSV: one row per run, plan columns (as `fasop search --output plans.csv` writes them) and
     `measured_step_s`; an optional `run` column names the rows. Lines starting with `#` are comments."""
-    numbered = [(n, line) for n, line in enumerate(read_text(path, CSV_LIMIT_BYTES).splitlines(), start=1)
-                if line.strip() and not line.lstrip().startswith("#")]
+    file = str(path)
+    numbered = csv_rows(((n, line) for n, line in enumerate(read_text(path, CSV_LIMIT_BYTES).splitlines(), start=1)
+                         if line.strip() and not line.lstrip().startswith("#")), file)
     if not numbered:
-        raise InputError(str(path), "no header and no rows (expected a CSV with measured_step_s and plan columns)")
-    reader = csv.DictReader([line for _, line in numbered])
-    header = reader.fieldnames or []
+        raise InputError(file, "no header and no rows (expected a CSV with measured_step_s and plan columns)")
+    header = numbered[0][1]
     missing = [c for c in REQUIRED_COLUMNS if c not in header]
     if missing:
-        raise InputError(str(path), f"missing column(s) {', '.join(missing)} (header: {','.join(header)})")
+        raise InputError(file, f"missing column(s) {', '.join(missing)} (header: {','.join(header)})")
     runs = []
-    for (number, _), row in zip(numbered[1:], reader):
-        where = f"{path}: line {number}"
-        if None in row or None in row.values():
-            raise InputError(where, f"expected {len(header)} fields like the header, got a different number")
+    for number, cells in numbered[1:]:
+        where = f"{file}: line {number}"
+        if len(cells) != len(header):
+            raise InputError(where, f"expected {len(header)} fields like the header, got {len(cells)}")
+        row = dict(zip(header, cells))
         label = row.get("run") or f"line {number}"
-        step_s = positive_number(row["measured_step_s"], where, "measured_step_s")
+        step_s = step_seconds(row["measured_step_s"], where, "measured_step_s")
         runs.append(run_from_plan(row, step_s, label, where, path.parent, model, cluster))
     if not runs:
         raise InputError(str(path), "no rows under the header")
@@ -165,11 +225,11 @@ def median_iteration_s(path: Path, warmup_iters: int = WARMUP_ITERS) -> float | 
         iteration, elapsed = _ITERATION.search(line), _ELAPSED.search(line)
         if iteration is None or elapsed is None:  # elapsed matches any line holding ELAPSED_MARK
             raise InputError(where, f"expected 'iteration N/ M |' before '{ELAPSED_MARK}'")
-        step_ms = positive_number(elapsed.group(1), where, "elapsed time per iteration (ms)")
+        step_s = step_seconds(elapsed.group(1), where, "elapsed time per iteration (ms)", unit_s=1e-3)
         if reports and int(iteration.group(1)) <= reports[-1][0]:
             raise InputError(where, f"iteration {iteration.group(1)} follows iteration {reports[-1][0]}: "
                                     "expected one training run per log file")
-        reports.append((int(iteration.group(1)), step_ms / 1e3))
+        reports.append((int(iteration.group(1)), step_s))
     if not reports:
         return None
     first = reports[0][0]
@@ -183,10 +243,9 @@ def median_iteration_s(path: Path, warmup_iters: int = WARMUP_ITERS) -> float | 
     return statistics.median(kept)
 
 
-def _load_plan_json(path: Path) -> dict:
-    """The plan fields of a plan.json, checked against the plan schema (fasop.plans.Plan)."""
-    plan = read_plan(read_json(path, PLANS_LIMIT_BYTES, "the plan object that fasop emit writes"), str(path))
-    return plan.record()
+def _load_plan_json(path: Path) -> Plan:
+    """The plan of a plan.json, checked against the plan schema (fasop.plans.Plan)."""
+    return read_plan(read_json(path, PLANS_LIMIT_BYTES, "the plan object that fasop emit writes"), str(path))
 
 
 def read_runs_logs(folder: Path, warmup_iters: int = WARMUP_ITERS, model: str | None = None,
@@ -200,6 +259,7 @@ def read_runs_logs(folder: Path, warmup_iters: int = WARMUP_ITERS, model: str | 
                                       "writes, with the training logs beside plan.json)")
     for plan_path in plans:
         plan = _load_plan_json(plan_path)
+        record = plan.record()
         logs = sorted(p for p in plan_path.parent.iterdir() if p.is_file() and p.suffix in LOG_SUFFIXES)
         found = 0
         for log in logs:
@@ -208,7 +268,8 @@ def read_runs_logs(folder: Path, warmup_iters: int = WARMUP_ITERS, model: str | 
                 continue
             found += 1
             label = str(log.relative_to(folder))
-            runs.append(run_from_plan(plan, step_s, label, str(plan_path), plan_path.parent, model, cluster))
+            runs.append(run_from_plan(record, step_s, label, str(plan_path), plan_path.parent, model, cluster,
+                                      plan))
         if not found:
             raise InputError(str(plan_path.parent), f"no training log ({', '.join(LOG_SUFFIXES)}) with "
                                                     f"'{ELAPSED_MARK}' reports beside plan.json")
@@ -223,6 +284,26 @@ def read_measured(path: Path, warmup_iters: int = WARMUP_ITERS, model: str | Non
     if not path.exists():
         raise InputError(f"--measured {path}", "no such file or folder")
     return read_runs_csv(path, model, cluster)
+
+
+def merge_repeats(runs: list[MeasuredRun]) -> tuple[list[MeasuredRun], str | None]:
+    """One run per plan, at the mean of the step times measured for it, and a note naming the repeats (None
+    without any). Counted apart, the repeats of one plan would weigh it more in a fit, stay in the fit that
+    leaves it out, and tie with one another in the rank correlation."""
+    groups: dict[tuple, list[MeasuredRun]] = {}
+    for run in runs:
+        groups.setdefault(run.plan_key, []).append(run)
+    repeated = [group for group in groups.values() if len(group) > 1]
+    if not repeated:
+        return runs, None
+    merged = [group[0] if len(group) == 1 else
+              replace(group[0], label=f"{group[0].label} (mean of {len(group)})",
+                      measured_step_s=statistics.fmean(r.measured_step_s for r in group))
+              for group in groups.values()]
+    named = "; ".join(", ".join(r.label for r in group) for group in repeated[:3])
+    more = f" and {len(repeated) - 3} more" if len(repeated) > 3 else ""
+    return merged, (f"note: {len(repeated)} plan(s) measured more than once ({named}{more}): each is scored once, "
+                    "at the mean of its measured step times")
 
 
 def input_files(path: Path) -> list[Path]:

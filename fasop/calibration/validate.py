@@ -4,6 +4,7 @@ from its model, cluster and profiles, and the estimates are scored against the m
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,17 +58,34 @@ def load_settings(runs: list[MeasuredRun], profiles_dir: str | None) -> list[Set
 
 
 def predict_step_s(run: MeasuredRun, model: Model, cluster: Cluster, profiles: dict[str, GpuProfile]) -> float:
-    """The estimated step time of the run's plan."""
+    """The estimated step time of the run's plan, estimated as what it is: a 3D plan or a data-parallel one."""
     from fasop.search import estimate  # the search modules load only when a plan is estimated
+    from fasop.search.dataparallel import NoPlan, plan_row
 
     try:
-        plan = estimate(model, cluster, tp=run.tp, dp=run.dp, pp=run.pp, mbs=run.mbs, placement=list(run.placement),
-                       layers=list(run.layers_per_stage), gbs=run.gbs, distributed_optimizer=run.distributed_optimizer,
-                       profiles=profiles)
-    except InputError as err:
+        if run.kind != "3d":
+            _check_whole_cluster(run, cluster)
+            plan = plan_row(model, cluster, profiles, run.kind, run.gbs, run.batch_split == "even",
+                            dict(run.samples_per_gpu), overlap=run.overlap)
+        else:
+            plan = estimate(model, cluster, tp=run.tp, dp=run.dp, pp=run.pp, mbs=run.mbs,
+                            placement=list(run.placement), layers=list(run.layers_per_stage), gbs=run.gbs,
+                            distributed_optimizer=run.distributed_optimizer, profiles=profiles, overlap=run.overlap,
+                            virtual_stages=run.virtual_stages, recompute=run.recompute,
+                            recompute_method=run.recompute_method, recompute_num_layers=run.recompute_num_layers,
+                            sequence_parallel=run.sequence_parallel)
+    except (InputError, NoPlan) as err:
         raise InputError(run.where, f"cannot be estimated with model {model.name} and cluster {cluster.name} ({err})") from None
     assert plan.step_time_s is not None  # an estimate states every figure
     return plan.step_time_s
+
+
+def _check_whole_cluster(run: MeasuredRun, cluster: Cluster) -> None:
+    """A data-parallel plan trains on every GPU of its cluster (fasop.search.dataparallel)."""
+    have = Counter({name: t.count for name, t in cluster.node_types.items()})
+    if Counter(run.placement) != have or run.gpus_per_node != cluster.gpus_per_node:
+        raise InputError("placement", f"a {run.kind} plan uses every node of its cluster; cluster {cluster.name} has "
+                                      f"{dict(have)} nodes of {cluster.gpus_per_node} GPUs")
 
 
 def mape_pct(predicted_s: np.ndarray, measured_s: np.ndarray) -> float:
@@ -95,7 +113,8 @@ def compare(runs: list[MeasuredRun], predicted_s: list[float]) -> Comparison:
 
     predicted, measured = np.array(predicted_s, dtype=float), np.array([r.measured_step_s for r in runs])
     rho = None
-    if len(runs) >= 3:
+    # scipy warns of, and returns NaN for, a constant input: no correlation to state then
+    if len(runs) >= 3 and np.ptp(predicted) > 0 and np.ptp(measured) > 0:
         value = float(spearmanr(predicted, measured).statistic)
         rho = value if math.isfinite(value) else None
     return Comparison([r.label for r in runs], predicted, measured, mape_pct(predicted, measured), rho,

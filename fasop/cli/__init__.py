@@ -13,6 +13,12 @@ COMMAND_MODULES = {"search": "search", "estimate": "search", "emit": "emit", "co
                    "validate": "calibration", "calibrate": "calibration", "pareto": "pareto", "plot": "pareto"}
 
 
+class _OneLineError(click.ClickException):
+    """A bad option value, said in one line like every input error, with the same exit code (2)."""
+
+    exit_code = 2
+
+
 class _Group(click.Group):
     """The top-level group: commands imported on first use; `commands` imports and holds them all."""
 
@@ -36,6 +42,13 @@ class _Group(click.Group):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMAND_MODULES)
+
+    def invoke(self, ctx: click.Context):
+        # click prints a bad or missing option value under the usage line and a hint: four lines, not one
+        try:
+            return super().invoke(ctx)
+        except click.BadParameter as err:
+            raise _OneLineError(err.format_message()) from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

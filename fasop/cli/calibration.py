@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import datetime
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
 
-from fasop.calibration.measured import WARMUP_ITERS, input_files, read_measured
-from fasop.cli.common import reports_input_errors
+from fasop.calibration.measured import WARMUP_ITERS, input_files, merge_repeats, read_measured
+from fasop.cli.common import check_outputs, force_option, reports_input_errors
 from fasop.errors import InputError
-from fasop.files import write_atomically
+from fasop.files import pending_write
 
 
 def _measured_options(command):
@@ -18,8 +19,9 @@ def _measured_options(command):
         click.option("--measured", "measured", required=True, type=click.Path(path_type=Path), metavar="CSV|DIR",
                      help="A CSV of plan columns (as in plans.csv) plus measured_step_s, or a folder of run folders "
                           "that each hold fasop emit's plan.json and the job's Megatron-LM log (*.out, *.log, *.txt)."),
-        click.option("--warmup-iters", type=click.IntRange(min=0), default=WARMUP_ITERS, show_default=True,
-                     help="Iterations at the start of each log left out of its median step time."),
+        click.option("--warmup-iters", type=click.IntRange(min=0), default=None,
+                     help=f"Iterations at the start of each log of a run folder left out of its median step time "
+                          f"(default {WARMUP_ITERS})."),
         click.option("--model", "model_name", default=None, metavar="NAME|FILE",
                      help="Model of every run (default: each run's model_file or model)."),
         click.option("--cluster", "cluster_name", default=None, metavar="NAME|FILE",
@@ -33,19 +35,33 @@ def _measured_options(command):
 
 
 def _runs_and_settings(measured, warmup_iters, model_name, cluster_name, profiles_dir):
+    """The runs, each plan once (repeats merged, said once on stderr), and the setting of each."""
     from fasop.calibration.validate import load_settings
 
-    runs = read_measured(measured, warmup_iters, model_name, cluster_name)
-    return runs, load_settings(runs, profiles_dir)
+    if warmup_iters is not None and not measured.is_dir():
+        raise InputError("--warmup-iters", f"applies to the logs of run folders; --measured {measured} is a CSV of "
+                                           "step times")
+    runs, note = merge_repeats(read_measured(measured, WARMUP_ITERS if warmup_iters is None else warmup_iters,
+                                             model_name, cluster_name))
+    settings = load_settings(runs, profiles_dir)
+    if note:
+        click.echo(note, err=True)
+    return runs, settings
 
+
+def _inputs(measured, settings) -> list[Path]:
+    """Every file the runs were read or estimated from: no output may replace one."""
+    return input_files(measured) + [path for setting in {id(s): s for s in settings}.values()
+                                    for path in setting.input_paths]
 
 
 @click.command()
 @_measured_options
 @click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None, metavar="FILE",
               help="Also draw estimated against measured step time (.png or .svg).")
+@force_option
 @reports_input_errors
-def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, chart):
+def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, chart, force):
     """Compare fasop's estimates with measured step times: each run's plan is estimated afresh from its
     model, cluster and profiles; prints estimate and measurement per run, the mean absolute percentage
     error (MAPE), the Spearman rank correlation and whether the plan fasop ranks first was the fastest."""
@@ -54,16 +70,17 @@ def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, cha
     if chart is not None and chart.suffix.lower() not in (".png", ".svg"):
         raise InputError(f"--chart {chart}", "expected a file name ending in .png or .svg")
     runs, settings = _runs_and_settings(measured, warmup_iters, model_name, cluster_name, profiles_dir)
+    if chart is not None:
+        check_outputs([(chart, "--chart")], _inputs(measured, settings), force)
     predicted = [predict_step_s(r, s.model, s.cluster, s.profiles) for r, s in zip(runs, settings)]
     comparison = compare(runs, predicted)
     click.echo(format_comparison(comparison))
     if chart is not None:
-        if chart.resolve() in {p.resolve() for p in input_files(measured)}:
-            raise InputError(f"--chart {chart}", "is one of the measured files; choose another file")
         from fasop.plot import plot_validation
 
         plot_validation(comparison.labels, comparison.predicted_s, comparison.measured_s, chart)
         click.echo(f"chart written to {chart}")
+
 
 @click.command()
 @_measured_options
@@ -72,7 +89,7 @@ def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, cha
 @click.option("--profiles-out", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
               help="Also write each GPU type's profile with its fitted compute_time_scale applied, as "
                    "DIR/<gpu>.csv (use with --profiles DIR).")
-@click.option("--force", is_flag=True, help="Overwrite output files that exist (never an input).")
+@force_option
 @reports_input_errors
 def calibrate(measured, warmup_iters, model_name, cluster_name, profiles_dir, out, profiles_out, force):
     """Fit compute_time_scale per GPU type and bandwidth_scale per link kind (inside a node, between nodes)
@@ -91,7 +108,7 @@ def calibrate(measured, warmup_iters, model_name, cluster_name, profiles_dir, ou
     outputs = [(out, "--out")]
     if profiles_out is not None:
         outputs += [(profiles_out / f"{gpu}.csv", "--profiles-out") for gpu in sorted(setting.profiles)]
-    cal.check_outputs(outputs, input_files(measured) + setting.input_paths, force)
+    check_outputs(outputs, _inputs(measured, settings), force)
     outcome = cal.calibrate(cal.Calibration(runs, setting))
     for line in cal.factor_lines(outcome):
         click.echo(line)
@@ -103,13 +120,18 @@ def calibrate(measured, warmup_iters, model_name, cluster_name, profiles_dir, ou
                f"after (fitted on all runs), {loo} leave-one-out (each run estimated by a fit on the others)")
     today = datetime.date.today().isoformat()
     comments = cal.provenance(outcome, str(measured), today, len(runs), setting)
-    write_atomically(out, cal.calibrated_cluster_text(setting.cluster_path, setting.cluster, outcome, comments,
-                                                      str(measured), today))
+    texts = [(out, cal.calibrated_cluster_text(setting.cluster_path, setting.cluster, outcome, comments, str(measured),
+                                                today), "--out")]
+    if profiles_out is not None:
+        texts += [(profiles_out / f"{gpu}.csv",
+                   cal.scaled_profile_text(profile, outcome.values[cal.Factor("compute", gpu)], comments),
+                   "--profiles-out") for gpu, profile in sorted(setting.profiles.items())]
+    # every file is written beside its place first and moved in only once all of them are written
+    with ExitStack() as stack:
+        for path, text, option in texts:
+            stack.enter_context(pending_write(path, text, f"{option} {path}"))
     click.echo(f"calibrated cluster written to {out}")
     if profiles_out is not None:
-        for gpu, profile in sorted(setting.profiles.items()):
-            scale = outcome.values[cal.Factor("compute", gpu)]
-            write_atomically(profiles_out / f"{gpu}.csv", cal.scaled_profile_text(profile, scale, comments))
         click.echo(f"calibrated profiles written to {profiles_out}")
     elif any(outcome.values[f] != 1.0 for f in outcome.free if f.kind == "compute"):
         click.echo("note: the compute factors are not applied to any profile (the cluster file has them in its "

@@ -4,6 +4,7 @@ progress bar of long runs."""
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import click
 
+from fasop import files
 from fasop.errors import InputError
 from fasop.inputs import bundled
+from fasop.inputs.names import NAME, NAME_RULE
 from fasop.inputs.profiles import profile_paths
 
 PROGRESS_DELAY_S = 1.0  # runs shorter than this never show a bar
@@ -51,10 +54,41 @@ overlap_option = click.option("--overlap/--no-overlap", default=True, show_defau
                                    "all-gather with the next forward (--overlap-param-gather).")
 
 
+force_option = click.option("--force", is_flag=True, help="Replace output files that exist (never an input of the run).")
+
+
+class FiniteRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and infinities (nan passes FloatRange: it compares false with both
+    bounds)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+def check_outputs(outputs: list[tuple[Path, str]], inputs: list[Path], force: bool) -> None:
+    """Refuse outputs (path, option) that would replace an input of the run (with or without --force), that
+    cannot be written, or that exist already (without --force)."""
+    files.check_outputs(outputs, inputs)
+    if not force:
+        for path, option in outputs:
+            if path.exists():
+                raise InputError(f"{option} {path}", "already exists (pass --force to overwrite it)")
+
+
+def _gpu_name(ctx, param, value: str) -> str:
+    """The GPU type names the profile file and is written into its header and the clusters that use it."""
+    if not NAME.fullmatch(value):
+        raise click.BadParameter(f"expected {NAME_RULE}, got {value!r}")
+    return value
+
+
 def profile_options(gpu_help: str, tp_default: str, tp_help: str, mbs_help: str):
     """--gpu, --tp and --mbs: the GPU type and the sizes a profile command writes a profile of."""
     options = [
-        click.option("--gpu", required=True, metavar="NAME", help=gpu_help),
+        click.option("--gpu", required=True, metavar="NAME", callback=_gpu_name, help=gpu_help),
         click.option("--tp", "tp_text", default=tp_default, show_default=True, metavar="N,N,...", help=tp_help),
         click.option("--mbs", "mbs_text", default="1,2,4,8", show_default=True, metavar="N,N,...", help=mbs_help),
     ]

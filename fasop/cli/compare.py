@@ -9,7 +9,7 @@ import click
 
 from fasop.cli import common
 from fasop.errors import InputError
-from fasop.files import check_outputs, pending_write
+from fasop.files import pending_write
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
@@ -30,24 +30,25 @@ from fasop.search.compare import compare as run_compare
 @common.overlap_option
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the comparison, one row per strategy, to a .csv file.")
-@click.option("--plans", "plans_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--plans-out", "plans_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the best plan of each strategy that has one to plans.json, fastest first "
                    "(fasop emit --plans plans.json --rank N launches one).")
 @click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw the throughput of each strategy to chart.png or chart.svg.")
+@common.force_option
 @common.reports_input_errors
 def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap,
-            output, plans_out, chart):
+            output, plans_out, chart, force):
     """Compare training strategies for MODEL on CLUSTER: PyTorch DDP with an even and an uneven batch split,
     ZeRO stages 1 to 3 (FSDP) with uneven batches, the best pipeline plan without tensor parallelism and the
     best 3D plan: step time, throughput, price and memory per GPU type, or why a strategy has no plan."""
-    checks = ((output, "--output", (".csv",)), (plans_out, "--plans", (".json",)), (chart, "--chart", (".png", ".svg")))
+    checks = ((output, "--output", (".csv",)), (plans_out, "--plans-out", (".json",)), (chart, "--chart", (".png", ".svg")))
     for path, option, suffixes in checks:
         if path is not None and path.suffix.lower() not in suffixes:
             raise InputError(f"{option} {path}", f"expected a file name ending in {' or '.join(suffixes)}")
     model, cluster = load_model(model_name), load_cluster(cluster_name)
     outputs = [(path, option) for path, option, _ in checks if path is not None]
-    check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir))
+    common.check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir), force)
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir,
                              allow_profile_mismatch, merged_specs(own=cluster.gpus))
     families = run_compare(model, cluster, profiles, gbs, distributed_optimizer, overlap)
@@ -61,10 +62,10 @@ def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch,
             stack.enter_context(pending_write(output, as_csv(families), f"--output {output}"))
         if plans_out is not None:
             if not plans:
-                raise InputError(f"--plans {plans_out}", "no strategy has a plan to write")
-            stack.enter_context(pending_write(plans_out, plans_text(plans, plans_out), f"--plans {plans_out}"))
+                raise InputError(f"--plans-out {plans_out}", "no strategy has a plan to write")
+            stack.enter_context(pending_write(plans_out, plans_text(plans, plans_out), f"--plans-out {plans_out}"))
         if chart is not None:
-            plot_comparison(families, chart, f"{model.name} on {cluster.name}, global batch {batch}")
+            plot_comparison(families, chart, f"{model.name} on {cluster.name}, global batch {batch}", "--chart")
     for path, what in ((output, "comparison"), (plans_out, f"{len(plans)} plans"), (chart, "chart")):
         if path is not None:
             click.echo(f"{what} written to {path}")

@@ -12,7 +12,7 @@ from fasop.cli import common
 from fasop.cli.tables import front_table
 from fasop.cost.price import check_run_length, run_steps
 from fasop.errors import InputError
-from fasop.files import check_outputs, pending_write
+from fasop.files import pending_write
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.plans import Plan, load_plans, select_plan
@@ -48,14 +48,15 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
               help="Write one row per composition to front.csv.")
 @click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Draw cost against throughput to chart.png or chart.svg.")
-@click.option("--x", "x_axis", type=click.Choice(["throughput", "time"]), default="throughput", show_default=True,
-              help="Horizontal axis of --chart.")
+@click.option("--x", "x_axis", type=click.Choice(["throughput", "time"]), default=None,
+              help="Horizontal axis of --chart: throughput (default) or time to train.")
+@common.force_option
 @common.profiles_option
 @common.mismatch_option
 @common.optimizer_option
 @common.reports_input_errors
 def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, deadline, max_nodes, output, chart, x_axis,
-           profiles_dir, allow_profile_mismatch, distributed_optimizer):
+           force, profiles_dir, allow_profile_mismatch, distributed_optimizer):
     """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
     the Pareto front; with --budget or --deadline, which mix to rent."""
     from fasop.market.pareto import check_limits, compositions
@@ -69,9 +70,11 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
         raise InputError(f"--output {output}", "expected a file name ending in .csv")
     if chart is not None and chart.suffix.lower() not in (".png", ".svg"):
         raise InputError(f"--chart {chart}", "expected a file name ending in .png or .svg")
+    if x_axis is not None and chart is None:
+        raise InputError("--x", "chooses the axis of --chart; give --chart chart.png as well")
     model, cluster = load_model(model_name), load_cluster(cluster_name)
     outputs = [(path, option) for path, option in ((output, "--output"), (chart, "--chart")) if path is not None]
-    check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir))
+    common.check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir), force)
     todo = compositions(cluster, _max_nodes(max_nodes))
     batch = gbs or model.global_batch_size
     caps = ", ".join(f"0-{max(c[n] for c in todo)} {n}" for n in cluster.node_types)
@@ -125,7 +128,8 @@ def _write_front(records, output, chart, x_axis, budget, deadline, chosen) -> No
         if chart is not None and any(r["feasible"] for r in records):
             from fasop.plot import plot_front
 
-            plot_front(records, chart, x=x_axis, budget=budget, deadline=deadline, chosen=chosen)
+            plot_front(records, chart, x=x_axis or "throughput", budget=budget, deadline=deadline, chosen=chosen,
+                       option="--chart")
 
 
 def _load_plan(plan_file: Path, rank: int) -> Plan:
@@ -171,11 +175,12 @@ def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
               help="Draw the deadline and highlight the cheapest run within it.")
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Instead of a front: chart the stages of one plan of a fasop search --output plans.json file.")
-@click.option("--rank", type=int, default=None, help="Which plan of --plan (default 1, the best).")
+@click.option("--rank", type=click.IntRange(min=1), default=None, help="Which plan of --plan (default 1, the best).")
 @click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --plan, instead of --out: the plan's pipeline schedule as a Gantt chart (png or svg).")
+@common.force_option
 @common.reports_input_errors
-def plot(front_file, out, x_axis, budget, deadline, plan_file, rank, timeline):
+def plot(front_file, out, x_axis, budget, deadline, plan_file, rank, timeline, force):
     """Chart a front file of fasop pareto (cost against throughput), or with --plan the compute,
     communication and idle time of each pipeline stage of one plan (--out), or its schedule (--timeline)."""
     if (front_file is None) == (plan_file is None):
@@ -184,8 +189,8 @@ def plot(front_file, out, x_axis, budget, deadline, plan_file, rank, timeline):
         raise InputError("fasop plot", "give --out chart.png, or with --plan either --out or --timeline schedule.png")
     if out is not None and out.suffix.lower() not in (".png", ".svg"):
         raise InputError(f"--out {out}", "expected a file name ending in .png or .svg")
-    if out is not None:
-        check_outputs([(out, "--out")], [plan_file or front_file])
+    common.check_outputs([(out, "--out") if out is not None else (timeline, "--timeline")], [plan_file or front_file],
+                         force)
     if plan_file is not None:
         if budget is not None or deadline is not None or x_axis is not None:
             raise InputError("--plan", "--budget, --deadline and --x apply to a front chart, not to a plan's stages")

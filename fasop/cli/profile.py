@@ -8,9 +8,8 @@ from pathlib import Path
 import click
 
 from fasop.cli import profile_layers, profile_links
-from fasop.cli.common import catalogue_options, model_option, profile_options, reports_input_errors
+from fasop.cli.common import catalogue_options, check_outputs, model_option, profile_options, reports_input_errors
 from fasop.errors import InputError
-from fasop.files import check_outputs
 from fasop.inputs import bundled
 from fasop.inputs.catalogue import gpu_table_path
 from fasop.inputs.cluster import load_cluster
@@ -34,8 +33,8 @@ def profile():
               help="Achievable fraction of the dense peak FLOP/s, in (0, 1] (default: the GPU's matmul_efficiency "
                    "in catalogue/gpus.toml). Lower it to match a measured profile of another GPU type.")
 @click.option("--link-bandwidth", default=None, metavar="BANDWIDTH",
-              help='Intra-node link per GPU, one direction, for the tensor-parallel collectives, e.g. "450 GB/s" '
-                   "(default: the GPU's intra_node_link in catalogue/gpus.toml).")
+              help='Intra-node link per GPU, one direction, for the tensor-parallel collectives (so with a --tp above '
+                   '1), e.g. "450 GB/s" (default: the GPU\'s intra_node_link in catalogue/gpus.toml).')
 @click.option("--out", type=click.Path(path_type=Path), required=True, metavar="FILE",
               help="CSV to write. As profiles/<model>/<gpu>.csv, or <gpu>.csv in a folder passed to "
                    "`fasop search --profiles DIR`, the search uses it.")
@@ -59,12 +58,13 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
     tps = synthesis.parse_sizes("--tp", tp_text)
     mbss = synthesis.parse_sizes("--mbs", mbs_text)
     tps, mbss = synthesis.check_degrees(model, tps, mbss)
-    if out.exists() and not force:
-        raise InputError(f"--out {out}", "already exists (pass --force to overwrite it)")
+    if link_bandwidth is not None and max(tps) == 1:
+        raise InputError("--link-bandwidth", "sets the link of the tensor-parallel collectives, and --tp 1 has "
+                                             "none; give tensor degrees above 1 as well")
     read = [bundled.resolve("models", model_name, ".toml"), gpu_table_path()]
     read += [Path(catalogue)] if catalogue else []
     read += [bundled.resolve("clusters", gpus_cluster, ".toml")] if gpus_cluster else []
-    check_outputs([(out, "--out")], read)
+    check_outputs([(out, "--out")], read, force)
     rows = synthesis.synthesize(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
     lines = synthesis.header_lines(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
     synthesis.write_profile(out, rows, lines, force=force)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import click
 
-from fasop.cli.common import model_option, profile_options, reports_input_errors
+from fasop.cli.common import check_outputs, model_option, profile_options, reports_input_errors
 from fasop.errors import InputError
+from fasop.inputs import bundled
 from fasop.inputs.model import load_model
 from fasop.profile.synth import check_degrees, parse_sizes
 
@@ -66,10 +67,7 @@ def layers(model_name, gpu, tp_text, mbs_text, device, repeat, warmup, out, forc
     """
     model = load_model(model_name)
     tps, mbss = check_degrees(model, parse_sizes("--tp", tp_text), parse_sizes("--mbs", mbs_text))
-    if out.exists() and not force:
-        raise InputError(f"--out {out}", "already exists (pass --force to overwrite it)")
-    if out.is_dir():
-        raise InputError(f"--out {out}", "is a directory; expected a .csv file name")
+    check_outputs([(out, "--out")], [bundled.resolve("models", model_name, ".toml")], force)
     measure = _import_measure()
     _check_device(device, tps)
     settings = measure.Settings(device=device, repeat=repeat, warmup=warmup)

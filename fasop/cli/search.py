@@ -14,22 +14,25 @@ from fasop.cli.tables import format_estimate, format_table, noise_report
 from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
 from fasop.cost.price import check_run_length
 from fasop.errors import InputError
-from fasop.files import check_finite, check_outputs, pending_write
+from fasop.files import check_finite, pending_write
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.inputs.profiles import load_profiles
 from fasop.plans import plans_text
-from fasop.search.robust import CANDIDATES, check_noise
+from fasop.search.robust import CANDIDATES, DEFAULT_TRIALS, MAX_SEED, MAX_TRIALS
 
 
 def noise_options(command):
     """The search command's --noise, --trials and --seed options."""
-    command = click.option("--seed", type=int, default=0, show_default=True,
-                           help="Seed of the --noise trials: the same seed gives the same report.")(command)
-    command = click.option("--trials", type=int, default=200, show_default=True,
-                           help="Perturbed re-estimates for --noise.")(command)
-    return click.option("--noise", type=float, default=None, metavar="F",
+    command = click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
+                           help="Seed of the --noise trials, 0 to 2^32 - 1 (default 0): the same seed gives the same "
+                                "report.")(command)
+    command = click.option("--trials", type=click.IntRange(1, MAX_TRIALS), default=None,
+                           help=f"Perturbed re-estimates for --noise, 1 to {MAX_TRIALS:,} (default "
+                                f"{DEFAULT_TRIALS}).")(command)
+    return click.option("--noise", type=common.FiniteRange(0, 1, min_open=True, max_open=True), default=None,
+                        metavar="F",
                         help=f"Also perturb every profile time and link bandwidth by up to this fraction (0.2: "
                              f"+-20%) in --trials trials, re-estimate the best {CANDIDATES} plans in each and "
                              "report how often each is best and how much slower than the best it can be "
@@ -49,6 +52,7 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
               help="Rank by step time or by dollars per step.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write every feasible plan to plans.json or plans.csv.")
+@common.force_option
 @click.option("--train-steps", type=click.IntRange(min=1), default=None,
               help="Steps of the whole run, for its time and price.")
 @click.option("--train-tokens", type=click.FloatRange(min=1), default=None,
@@ -74,16 +78,17 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
                    "less activation memory).")
 @noise_options
 @common.reports_input_errors
-def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_tokens, prune, workers, emit_dir,
-           profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, recompute_modes, no_sequence_parallel,
-           noise, trials, seed):
+def search(model_name, cluster_name, gbs, top, sort, output, force, train_steps, train_tokens, prune, workers,
+           emit_dir, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, recompute_modes,
+           no_sequence_parallel, noise, trials, seed):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
     from fasop.search import search_plans
     from fasop.search.space import prepare
 
     recompute = tuple(mode.strip() for mode in recompute_modes.split(","))
-    if noise is not None:
-        check_noise(noise, trials)
+    for value, option in ((trials, "--trials"), (seed, "--seed")):
+        if value is not None and noise is None:
+            raise InputError(option, "applies to the --noise trials only; give --noise F as well")
     check_run_length(train_steps, train_tokens)
     if output is not None and output.suffix not in (".json", ".csv"):
         raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
@@ -93,8 +98,8 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     if emit_dir is not None:
         from fasop.launch.write import check_out_dir  # the launch code is loaded only for --emit
 
-        check_out_dir(emit_dir, force=False)
-    check_outputs(outputs, inputs)
+        check_out_dir(emit_dir, force)
+    common.check_outputs(outputs, inputs, force)
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch,
                              merged_specs(own=cluster.gpus))
     started = time.perf_counter()
@@ -112,6 +117,11 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
             hint = (f"; the closest plan (tp={closest.tp} dp={closest.dp} pp={closest.pp} mbs={closest.mbs}) "
                     f"needs {result.closest_memory_factor:.2f}x the GPU memory")
         raise InputError(f"--cluster {cluster_name}", f"no plan fits in memory ({result.out_of_memory} plans tried){hint}")
+    report = None
+    if noise is not None:  # before anything is written: nothing is left behind when it fails
+        prepared = prepare(model, cluster, plans[0].gbs, profiles_dir, distributed_optimizer, profiles, overlap,
+                           recompute, not no_sequence_parallel)
+        report = noise_report(prepared, plans, noise, trials or DEFAULT_TRIALS, seed or 0, sort, top)
     _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs)
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0].gbs}; "
                f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
@@ -127,10 +137,8 @@ def search(model_name, cluster_name, gbs, top, sort, output, train_steps, train_
     if any(plan.placement_search != "exhaustive" for plan in plans[:top]):
         click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
                    "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
-    if noise is not None:
-        prepared = prepare(model, cluster, plans[0].gbs, profiles_dir, distributed_optimizer, profiles, overlap,
-                           recompute, not no_sequence_parallel)
-        click.echo(noise_report(prepared, plans, noise, trials, seed, sort, top))
+    if report is not None:
+        click.echo(report)
     if output is not None:
         click.echo(f"{len(plans)} plans written to {output}")
     if emit_dir is not None:
@@ -148,10 +156,12 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> 
         options = launch_options(cluster.launch, f"{cluster.file or cluster.name}: launch")
         check_finite(plans[0].record(), "--emit plan 1")
         emitted = render_plan(plans[0], model, cluster, options, where="plan 1")
-        check_outputs(outputs + [(emit_dir / name, "--emit") for name in emitted], inputs)
+        # force: whether files may be replaced was settled before the search
+        common.check_outputs(outputs + [(emit_dir / name, "--emit") for name in emitted], inputs, force=True)
     with pending_write(output, plans_text(plans, output), f"--output {output}") if output else nullcontext():
         if emit_dir is not None:
-            # force: the directory was empty before the search; the plan list's temporary file may be there now
+            # force: whether its files may be replaced was settled before the search, and the plan list's
+            # temporary file may be there now
             write_files(emit_dir, emitted, force=True)
 
 

@@ -10,7 +10,6 @@ profiled sizes and the nearest profiled time is scaled per sample beyond them.
 
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -23,6 +22,7 @@ from fasop.errors import InputError
 from fasop.files import CSV_LIMIT_BYTES, read_text
 from fasop.inputs import bundled
 from fasop.inputs.catalogue import GpuSpec, load_gpu_specs
+from fasop.inputs.csvfile import csv_rows
 from fasop.inputs.model import Model
 from fasop.inputs.roofline import Rates, attention_core_share, unit_attention_core_share, unit_seconds
 
@@ -182,14 +182,13 @@ def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = Fals
     `allow_mismatch`. With `spec`, times at sizes not profiled follow the roofline shape on that GPU."""
     file = str(path)
     text = read_text(path, CSV_LIMIT_BYTES, missing=f"no profile for GPU type {gpu} of model {model.name}")
-    numbered = _data_lines(text, file, {"model": model.name, "gpu": gpu}, allow_mismatch)
-    reader = csv.reader(line for _, line in numbered)
-    header = next(reader, [])
+    numbered = csv_rows(_data_lines(text, file, {"model": model.name, "gpu": gpu}, allow_mismatch), file)
+    header = numbered[0][1] if numbered else []
     if tuple(header) not in (COLUMNS, COLUMNS + (MEMORY_COLUMN,)):
         raise InputError(file, f"expected the header {','.join(COLUMNS)}[,{MEMORY_COLUMN}], got {','.join(header)}")
     kinds = required_kinds(model)
     rows: dict[tuple[int, str], list[tuple[int, float, float]]] = {}
-    for (number, _), cells in zip(numbered[1:], reader):
+    for number, cells in numbered[1:]:
         tp, kind, mbs, forward, backward = _row(cells, header, f"{file}: line {number}", kinds, model.architecture)
         rows.setdefault((tp, kind), []).append((mbs, forward, backward))
     return GpuProfile(gpu, file, _curves(rows, file, kinds, model, spec))

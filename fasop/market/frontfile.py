@@ -11,6 +11,7 @@ import numpy as np
 
 from fasop.errors import InputError
 from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_text, write_atomically
+from fasop.inputs.csvfile import csv_rows
 from fasop.plans import CSV_LIST_SEPARATOR
 
 NODES_PREFIX = "nodes_"
@@ -99,8 +100,8 @@ def read_front_csv(path) -> list[dict]:
     """The records of a front file written by `write_front_csv` (`fasop pareto --output`)."""
     file = str(path)
     text = read_text(path, PLANS_LIMIT_BYTES, missing="no such file")
-    reader = csv.DictReader(io.StringIO(text))
-    header = reader.fieldnames or []
+    rows = csv_rows(enumerate(io.StringIO(text, newline=""), start=1), file)
+    header = rows[0][1] if rows else []
     missing = [c for c in REQUIRED_COLUMNS if c not in header]
     if not any(h.startswith(NODES_PREFIX) for h in header):
         missing.insert(0, f"{NODES_PREFIX}<type>")
@@ -108,11 +109,11 @@ def read_front_csv(path) -> list[dict]:
         raise InputError(file, f"not a fasop front file (from fasop pareto --output): missing column "
                                f"{', '.join(missing)}")
     records = []
-    for number, row in enumerate(reader, start=2):
+    for number, cells in rows[1:]:
         where = f"{file}: line {number}"
-        if None in row or any(v is None for v in row.values()):
+        if len(cells) != len(header):
             raise InputError(where, f"expected {len(header)} cells")
-        record = {column: _parse(value, column, where) for column, value in row.items()}
+        record = {column: _parse(value, column, where) for column, value in zip(header, cells)}
         if record["feasible"] is None or record["on_front"] is None:
             raise InputError(where, "columns feasible and on_front need true or false")
         if record["feasible"]:

@@ -38,6 +38,11 @@ from fasop.plans import Plan
 from fasop.search.estimate import plan_costs
 
 CANDIDATES = 20
+DEFAULT_TRIALS = 200
+# Each trial re-estimates CANDIDATES plans (milliseconds each): 10,000 trials take minutes and state every
+# fraction to 0.01%, which is all the report shows; more would only take longer.
+MAX_TRIALS = 10_000
+MAX_SEED = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -48,11 +53,13 @@ class Robustness:
     worst_slowdown: float
 
 
-def check_noise(noise: float, trials: int) -> None:
+def check_noise(noise: float, trials: int, seed: int = 0) -> None:
     if not (math.isfinite(noise) and 0 < noise < 1):
         raise InputError(f"--noise {noise}", "expected a fraction in (0, 1), such as 0.2 for +-20%")
-    if trials < 1:
-        raise InputError(f"--trials {trials}", "expected a positive number of trials")
+    if not 1 <= trials <= MAX_TRIALS:
+        raise InputError(f"--trials {trials}", f"expected 1 to {MAX_TRIALS:,} trials")
+    if not 0 <= seed <= MAX_SEED:
+        raise InputError(f"--seed {seed}", f"expected a seed from 0 to {MAX_SEED}")
 
 
 def factor_keys(cluster: Cluster, model: Model) -> list[tuple[str, str, str]]:
@@ -88,7 +95,7 @@ def plan_metric(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
 def robustness(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plans: list[Plan], noise: float,
                trials: int, seed: int, sort: str = "time") -> list[Robustness]:
     """Robustness of each of `plans` (best first, at most CANDIDATES of them), in robust order."""
-    check_noise(noise, trials)
+    check_noise(noise, trials, seed)
     keys = factor_keys(cluster, model)
     rng = np.random.default_rng(seed)
     draws = rng.uniform(1 - noise, 1 + noise, size=(trials, len(keys)))
