@@ -12,6 +12,7 @@ gradients, whatever the split and the accumulation.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 from fasop.errors import InputError
@@ -45,14 +46,19 @@ def check_plan(plan: Plan, where: str) -> None:
         if plan.placement.count(name) * plan.gpus_per_node != count:
             raise InputError(f"{where}: per_type", f"{name} has {count} GPUs, the placement "
                                                    f"{plan.placement.count(name) * plan.gpus_per_node}")
-    if sum(rank_batches(plan)) != plan.gbs:
-        raise InputError(f"{where}: per_type", f"the samples of all ranks add up to {sum(rank_batches(plan))}, "
+    total = sum(item.gpus * item.samples_per_gpu for item in plan.per_type)  # every rank's: the GPUs match the placement
+    if total != plan.gbs:
+        raise InputError(f"{where}: per_type", f"the samples of all ranks add up to {total}, "
                                                f"not the global batch {plan.gbs}")
 
 
-def _rank_types(plan: Plan) -> list[TypeShare]:
-    by_name = {item.node_type: item for item in plan.per_type or []}
-    return [by_name[name] for name in plan.placement for _ in range(plan.gpus_per_node or 0)]
+def _by_type(plan: Plan) -> dict[str, TypeShare]:
+    return {item.node_type: item for item in plan.per_type or []}
+
+
+def _rank_type(plan: Plan, rank: int) -> TypeShare:
+    """The node type share of rank `rank`: its node's, rank // gpus_per_node."""
+    return _by_type(plan)[plan.placement[rank // (plan.gpus_per_node or 1)]]
 
 
 def world_size(plan: Plan) -> int:
@@ -61,12 +67,21 @@ def world_size(plan: Plan) -> int:
 
 def rank_batches(plan: Plan) -> list[int]:
     """Samples per step of every rank, in rank order."""
-    return [item.samples_per_gpu for item in _rank_types(plan)]
+    by_type = _by_type(plan)
+    return [by_type[name].samples_per_gpu for name in plan.placement for _ in range(plan.gpus_per_node or 0)]
+
+
+def rank_offset(plan: Plan, rank: int) -> int:
+    """Samples per step of ranks 0 .. rank-1: those of the nodes before rank's and of the GPUs before it on its
+    node (node by node, so no list as long as the ranks)."""
+    by_type, gpus = _by_type(plan), plan.gpus_per_node or 1
+    before = sum(by_type[name].samples_per_gpu for name in itertools.islice(plan.placement, rank // gpus))
+    return before * gpus + rank % gpus * _rank_type(plan, rank).samples_per_gpu
 
 
 def micro_batches(plan: Plan, rank: int) -> list[int]:
     """Sizes of rank `rank`'s micro-batches in one step: full micro-batches, the last one holding the rest."""
-    item = _rank_types(plan)[rank]
+    item = _rank_type(plan, rank)
     samples, size = item.samples_per_gpu, item.micro_batch_size
     return [size] * (samples // size) + ([samples % size] if samples % size else [])
 
@@ -92,9 +107,10 @@ def _sampler_class():
         def __init__(self, plan: Plan, rank: int, dataset_size: int, seed: int = 0):
             if not 0 <= rank < world_size(plan):
                 raise InputError("rank", f"expected 0 to {world_size(plan) - 1}, got {rank}")
-            batches = rank_batches(plan)
-            self.offset, self.samples = sum(batches[:rank]), batches[rank]
-            self.sizes = micro_batches(plan, rank)
+            item = _rank_type(plan, rank)
+            self.offset, self.size = rank_offset(plan, rank), item.micro_batch_size
+            # full micro-batches and the rest, not a list of sizes: a rank may take millions of samples a step
+            self.full, self.rest = divmod(item.samples_per_gpu, self.size)
             self.batch, self.dataset_size, self.seed, self.epoch = plan.gbs, dataset_size, seed, 0
 
         def set_epoch(self, epoch: int) -> None:
@@ -105,16 +121,17 @@ def _sampler_class():
             return self.dataset_size // self.batch
 
         def __len__(self) -> int:
-            return self.steps * len(self.sizes)
+            return self.steps * (self.full + (self.rest > 0))
 
         def __iter__(self):
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.dataset_size, generator=generator).tolist()
+            order = torch.randperm(self.dataset_size, generator=generator)
             for step in range(self.steps):
                 start = step * self.batch + self.offset
-                for size in self.sizes:
-                    yield order[start:start + size]
+                for k in range(self.full + (self.rest > 0)):
+                    size = self.size if k < self.full else self.rest
+                    yield order[start:start + size].tolist()
                     start += size
 
     return UnevenBatchSampler

@@ -4,6 +4,11 @@ Forwards, backwards, recomputed forwards, blocking sends and idle time each have
 for readers of a grey print); bars wide enough carry their micro-batch (and model chunk, when interleaved).
 The times come from fasop.cost.schedule.op_times, fed a plan file's per-stage (interleaved: per-chunk) times;
 matplotlib is imported only when a chart is drawn.
+
+A chart draws at most MAX_OPERATIONS forwards and backwards (2 x stages x model chunks x micro-batches): its
+10 inches at 100 dpi are 1000 pixels, so a row of 2048 of them (1024 micro-batches, or 256 of 4 model chunks)
+already leaves each half a pixel, and the limit is 16 such rows, the plain schedules of up to 16 stages over
+the 1024 micro-batches fasop plot allows. A larger plan is refused in one line, before its schedule is computed.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ STYLE = {
     "idle": ("idle", "#f2f2f2", ".."),
 }
 ROW_HEIGHT = 0.8
+MAX_OPERATIONS = 2**15  # forwards and backwards a chart draws (module docstring)
 LABEL_MIN_FRACTION = 0.012  # bars narrower than this share of the step carry no micro-batch number
 
 
@@ -38,12 +44,21 @@ def _seconds(value: float | None, where: str, top: float) -> float:
     return float(value)
 
 
+def check_drawable(stages: int, virtual_stages: int, num_microbatches: int, where: str) -> None:
+    """Refuse, in one line, a schedule of more than MAX_OPERATIONS forwards and backwards."""
+    operations = 2 * stages * virtual_stages * num_microbatches
+    if operations > MAX_OPERATIONS:
+        raise InputError(where, f"{stages} stages x {virtual_stages} model chunks x {num_microbatches} micro-batches "
+                                f"make {operations} forwards and backwards; a timeline draws at most {MAX_OPERATIONS}")
+
+
 def plan_op_times(plan: Plan, where: str) -> OpTimes:
     """The exact schedule of a plan from the times its plan file holds: each stage's forward, recomputed forward
     and backward per micro-batch (interleaved: each model chunk's) and its sends (interleaved: also the last
     stage's send to the first). Its makespan is the plan's pipeline_time_s."""
     stages = plan.stages or []
     v = plan.virtual_stages or 1
+    check_drawable(len(stages), v, int(plan.num_microbatches or 1), where)
     sends = [_seconds(s.send_s, f"{where}: stages[{i}].send_s", MAX_SECONDS) for i, s in enumerate(stages[:-1])]
     wrap = None if v == 1 else _seconds(plan.wrap_send_s, f"{where}: wrap_send_s", MAX_SECONDS)
     chunks: list[list[tuple[float, ...]]] = []  # per stage, per chunk: (forward, recomputed forward, backward)
@@ -94,6 +109,7 @@ def plot_timeline(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0,
     path = _check_out(out_path, option)
     check_outputs([(path, option)], inputs)
     prog = times.program
+    check_drawable(prog.stages, prog.virtual_stages, prog.num_microbatches, option)
     found = _segments(times, plan)
     makespan = float(times.makespan_s[plan])
 
@@ -102,11 +118,12 @@ def plot_timeline(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0,
     for kind, (label, color, hatch) in STYLE.items():
         if found[kind]:  # a key in the legend
             ax.bar(0, 0, color=color, hatch=hatch, edgecolor="#555555", linewidth=0.4, label=label)
-        for stage in range(prog.stages):
-            bars = [(a, b - a) for s, a, b, _ in found[kind] if s == stage]
-            if bars:
-                ax.broken_barh(bars, (stage - ROW_HEIGHT / 2, ROW_HEIGHT), facecolors=color, hatch=hatch,
-                               edgecolor="white" if hatch is None else "#555555", linewidth=0.4)
+        rows: dict[int, list[tuple[float, float]]] = {}
+        for stage, a, b, _ in found[kind]:
+            rows.setdefault(stage, []).append((a, b - a))
+        for stage, bars in sorted(rows.items()):
+            ax.broken_barh(bars, (stage - ROW_HEIGHT / 2, ROW_HEIGHT), facecolors=color, hatch=hatch,
+                           edgecolor="white" if hatch is None else "#555555", linewidth=0.4)
     for kind in ("forward", "backward"):
         for stage, a, b, i in found[kind]:
             if b - a >= LABEL_MIN_FRACTION * makespan:

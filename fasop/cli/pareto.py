@@ -177,7 +177,8 @@ def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
               help="Instead of a front: chart the stages of one plan of a fasop search --output plans.json file.")
 @click.option("--rank", type=click.IntRange(min=1), default=None, help="Which plan of --plan (default 1, the best).")
 @click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="With --plan, instead of --out: the plan's pipeline schedule as a Gantt chart (png or svg).")
+              help="With --plan, instead of --out: the plan's pipeline schedule as a Gantt chart (png or svg); "
+                   "at most 32768 forwards and backwards (2 x stages x model chunks x micro-batches).")
 @common.force_option
 @common.reports_input_errors
 def plot(front_file, out, x_axis, budget, deadline, plan_file, rank, timeline, force):

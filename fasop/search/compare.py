@@ -15,6 +15,7 @@ from fasop.inputs.profiles import GpuProfile
 from fasop.plans import Plan, Stage, TypeShare
 from fasop.search.dataparallel import NoPlan, plan_row
 from fasop.search.engine import search_plans
+from fasop.search.space import check_global_batch
 
 # (family, kind, even split) of the data-parallel families, in table order
 DATA_PARALLEL = (("DDP even", "ddp", True), ("DDP uneven", "ddp", False), ("ZeRO-1 uneven", "zero1", False),
@@ -57,9 +58,7 @@ def memory_by_gpu(plan: Plan) -> dict[str, float]:
 
 def compare(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], gbs: int | None = None,
             distributed_optimizer: bool = True, overlap: bool = True) -> list[Family]:
-    batch = model.global_batch_size if gbs is None else gbs
-    if batch < 1:
-        raise InputError("--gbs", f"expected a positive global batch size, got {batch}")
+    batch = check_global_batch(model.global_batch_size if gbs is None else gbs)
     families = []
     for name, kind, even in DATA_PARALLEL:
         try:

@@ -72,11 +72,19 @@ class Inputs:
     sequence_parallel: bool = True  # on whenever tp > 1
 
 
+# The most GPUs one plan spans: every placement's rank geometry (fasop.cost.communication) holds a node per rank,
+# which takes about 0.5 GB of memory at this size; above the largest training clusters of 2026 (about 200,000).
+MAX_PLAN_GPUS = 2**18
+
+
 def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None,
             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None,
             overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES, sequence_parallel: bool = True) -> Inputs:
     """Checked inputs of one search; `profiles` (already loaded, e.g. for many compositions) skips the files."""
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
+    if cluster.num_gpus > MAX_PLAN_GPUS:
+        raise InputError("cluster", f"{cluster.num_gpus:,} GPUs: a plan spans at most {MAX_PLAN_GPUS:,} "
+                                    "(fasop's limit; a placement's rank geometry takes memory in proportion)")
     unknown = [mode for mode in recompute if mode not in RECOMPUTE_MODES]
     if unknown or not recompute:
         raise InputError("--recompute", f"expected a comma-separated list of {', '.join(RECOMPUTE_MODES)}, "
