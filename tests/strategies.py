@@ -213,3 +213,63 @@ def write(spec: Spec, root: Path) -> Written:
         header = header_lines(model, GPU_SPECS[gpu], tps, PROFILED_MBS, efficiency=efficiency)
         (profiles / f"{gpu}.csv").write_text(format_profile(rows, header))
     return Written(root, model_path, cluster_path, profiles, model, load_cluster(str(cluster_path)))
+
+
+@dataclass(frozen=True)
+class ExplicitPlan:
+    """A plan given by hand, as `fasop estimate` takes it, on all of a cluster's nodes."""
+
+    tp: int
+    dp: int
+    pp: int
+    mbs: int
+    placement: list[str]
+    layers: list[int]
+    virtual_stages: int
+
+
+def compositions(draw, total: int, parts: int, first_and_last_may_be_empty: bool) -> list[int]:
+    """`total` layers over `parts` stages, each at least one (but perhaps the two ends)."""
+    fewest = [1] * parts
+    if first_and_last_may_be_empty:
+        fewest[0] = fewest[-1] = 0
+    spare = total - sum(fewest)
+    cuts = sorted(draw(st.lists(st.integers(0, spare), min_size=parts - 1, max_size=parts - 1)))
+    return [f + b - a for f, a, b in zip(fewest, [0, *cuts], [*cuts, spare])]
+
+
+@st.composite
+def explicit_plans(draw) -> tuple[Spec, ExplicitPlan]:
+    """A random model with synthetic profiles, a cluster of 1 to 3 node types of at most 4 nodes, and a plan on
+    all its nodes that fasop estimates: tensor degree, pipeline depth, layers per stage, micro-batch size, model
+    chunks (interleaving only where Megatron-LM runs it: a multiple of the depth in micro-batches)."""
+    model = draw(model_fields())
+    head, nodes = draw(cluster_tables(model["precision"], most_nodes=4))
+    gpn = nodes[0]["gpus_per_node"]
+    world = gpn * sum(n["count"] for n in nodes)
+    split = (model["num_attention_heads"], model["num_query_groups"], model["ffn_hidden_size"])
+    tp = draw(st.sampled_from([t for t in PROFILED_DEGREES if gpn % t == 0 and not any(x % t for x in split)]))
+    layers = num_layers(model)
+    encoder_decoder = model["architecture"] == "encoder-decoder"
+    most_stages = layers if encoder_decoder else layers + 2
+    # pipelines three times in four where the GPUs allow one
+    depths = [d for d in range(2, min(world // tp, most_stages) + 1) if world // tp % d == 0]
+    pp = draw(st.sampled_from(depths)) if depths and draw(st.integers(0, 3)) else 1
+    if pp == 1:
+        per_stage = [layers]
+    elif encoder_decoder:  # the encoder on the first stages, the decoder on the rest, each stage one at least
+        encoder, decoder = model["encoder_num_layers"], model["decoder_num_layers"]
+        encoder_stages = draw(st.integers(max(1, pp - decoder), min(encoder, pp - 1)))
+        per_stage = (compositions(draw, encoder, encoder_stages, False)
+                     + compositions(draw, decoder, pp - encoder_stages, False))
+    else:  # the first and the last stage may hold only the embedding and the head
+        per_stage = compositions(draw, layers, pp, pp > layers or draw(st.booleans()))
+    v = 1 if encoder_decoder or pp == 1 else draw(st.sampled_from([1, 2, 3]))
+    m = draw(st.integers(1, 4)) * (pp if v > 1 else 1)
+    mbs = draw(st.sampled_from(PROFILED_MBS))
+    dp = world // (tp * pp)
+    model = {**model, "global_batch_size": dp * mbs * m}
+    placement = [n["name"] for n in nodes for _ in range(n["count"])]
+    efficiency = {gpu: draw(st.sampled_from([0.1, 0.5, 1.0])) for gpu in sorted({n["gpu"] for n in nodes})}
+    return Spec(model, head, nodes, efficiency), ExplicitPlan(tp, dp, pp, mbs, draw(st.permutations(placement)),
+                                                              per_stage, v)

@@ -17,6 +17,7 @@ import fasop
 from fasop.cost.communication import with_embedding_group, with_embedding_groups
 from fasop.cost.config import embedding_stages
 from fasop.cost.exact import ScheduleBatch
+from fasop.cost.memory import StageMemory
 from fasop.cost.problem import PartitionBatch
 from fasop.cost.schedule import interleaving_error, program, stage_program
 from fasop.cost.step import StageCosts, recompute_variants, stage_costs
@@ -27,9 +28,10 @@ from fasop.search.space import groups, prepare
 def per_row(costs: StageCosts) -> dict[str, object]:
     """Every per-row field of `costs`, those of its partition problem and schedule included."""
     parts = {f"{name}.{f.name}": getattr(getattr(costs, name), f.name)
-             for name, kind in (("problem", PartitionBatch), ("schedule", ScheduleBatch)) for f in fields(kind)}
+             for name, kind in (("problem", PartitionBatch), ("schedule", ScheduleBatch), ("memory", StageMemory))
+             for f in fields(kind)}
     parts.update({f.name: getattr(costs, f.name) for f in fields(StageCosts)})
-    for per_batch in ("problem", "schedule", "problem.segment_layers", "fixed_layers"):
+    for per_batch in ("problem", "schedule", "memory", "problem.segment_layers", "fixed_layers"):
         parts.pop(per_batch)
     return parts
 

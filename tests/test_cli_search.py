@@ -207,7 +207,7 @@ def tiny_plans(runner, setup, *extra: str) -> list[dict]:
 
 
 def test_tiny_search_out_of_memory_plans_are_removed(runner, tiny):
-    setup = tiny(nodes={"fast": {"gpu_memory_gib": 0.003}, "slow": {"gpu_memory_gib": 0.003}})
+    setup = tiny(nodes={"fast": {"gpu_memory_gib": 0.0029}, "slow": {"gpu_memory_gib": 0.0029}})
     output = setup.root / "plans.json"
     result = invoke(runner, ["search", *setup.args("--output", output)])
     ok(result)
@@ -216,8 +216,8 @@ def test_tiny_search_out_of_memory_plans_are_removed(runner, tiny):
     plans = json.loads(output.read_text())
     assert plans
     for plan in plans:
-        assert plan["peak_memory_gib"] * 1.1 <= 0.003 * (1 + 1e-12)
-        assert all(s["memory_gib"] * 1.1 <= 0.003 * (1 + 1e-12) for s in plan["stages"])
+        assert plan["peak_memory_gib"] * 1.1 <= 0.0029 * (1 + 1e-12)
+        assert all(s["memory_gib"] * 1.1 <= 0.0029 * (1 + 1e-12) for s in plan["stages"])
 
 
 def test_train_steps_adds_run_hours_and_cost(runner, tiny):

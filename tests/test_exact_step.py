@@ -29,7 +29,8 @@ def batch(forward, backward, send, m, grad, gather, optimizer, params, overlap, 
         grad_layer_s=zeros, gather_fixed_s=row(gather), gather_layer_s=zeros, optimizer_fixed_s=row(optimizer),
         optimizer_layer_s=zeros, params_fixed=row(params), params_layer=zeros, bucket_params=np.array([100.0]),
         embedding_allreduce_s=np.array([embedding]), overlap_grad_reduce=np.array([overlap]),
-        overlap_param_gather=np.array([overlap]), virtual_stages=np.array([1]), wrap_s=np.array([0.0]))
+        overlap_param_gather=np.array([overlap]), virtual_stages=np.array([1]), wrap_s=np.array([0.0]),
+        recompute_fixed_s=zeros, recompute_layer_s=zeros, recomputed_per_chunk=np.array([0.0]))
 
 
 def step(b: ScheduleBatch) -> float:

@@ -1,9 +1,10 @@
 """Properties every plan of every search must have, on random valid models and clusters (tests/strategies.py).
 
-Each property runs twice: `ci` (part of the default `pytest -q`, derandomized, about 300 examples in all)
-and `slow` (10,000 examples in all, a fresh random seed each run), selected with
+Each property runs twice: `ci` (part of the default `pytest -q`, derandomized, about 660 examples in all)
+and `slow` (10,000 examples in all with tests/test_properties_dataparallel.py, a fresh random seed each run),
+selected with
 
-    python -m pytest -m slow -p no:cacheprovider tests/test_properties.py
+    python -m pytest -m slow -p no:cacheprovider tests/test_properties.py tests/test_properties_dataparallel.py
 
 A failure prints the shrunk falsifying `spec` (the model, cluster and profile efficiencies) and a
 @reproduce_failure blob that replays it.
@@ -17,13 +18,16 @@ import math
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from strategies import Spec, Written, specs, write
+from strategies import ExplicitPlan, Spec, Written, explicit_plans, specs, write
 
 from fasop.cli import main
+from fasop.cost.config import chunk_layers
+from fasop.cost.simulate import simulate_1f1b, simulate_interleaved_1f1b
 from fasop.plans import CSV_LIST_SEPARATOR, load_plans, write_plans
 from fasop.search import estimate, search_plans
 from fasop.search.engine import SORT_KEYS
@@ -135,6 +139,14 @@ def check_plan(plan: dict, w: Written, gbs: int) -> None:
     assert plan["sequence_parallel"] == (tp > 1), plan
     assert (plan.get("recompute_method"), plan.get("recompute_num_layers")) == (
         ("uniform", 1) if plan["recompute"] == "full" else (None, None)), plan
+    # each stage recomputes in its chunks, full recomputation every layer's forward (but where the embedding or
+    # the head shares a chunk: docs/cost-model.md section 10)
+    ends = {(0, 0), (pp - 1, plan["virtual_stages"] - 1), (plan["encoder_stages"], 0)}
+    for i, (stage, chunks) in enumerate(zip(stages, stage_chunks(plan))):
+        assert close(stage["recompute_s"], sum(times["recompute_s"] for _, times in chunks)), (i, stage)
+        for j, (_, times) in enumerate(chunks):
+            if plan["recompute"] == "none" or (plan["recompute"] == "full" and (i, j) not in ends):
+                assert close(times["recompute_s"], 0.0 if plan["recompute"] == "none" else times["forward_s"]), (i, j)
     # the batch
     assert plan["gbs"] == gbs and plan["num_microbatches"] * dp * mbs == gbs, plan
     # memory: margin x memory + the fixed overhead fits the smallest GPU of every stage (docs/cost-model.md section 8)
@@ -200,7 +212,7 @@ def check_estimate(plan: dict, w: Written) -> None:
 
 
 # -- the properties ---------------------------------------------------------------------------------------------
-@examples(ci=120, slow=4000)
+@examples(ci=120, slow=2500)
 def test_every_plan_is_sound_and_estimate_reproduces_it(max_examples, derandomize):
     def prop(spec, sort):
         with tempfile.TemporaryDirectory() as root:
@@ -221,7 +233,7 @@ def test_every_plan_is_sound_and_estimate_reproduces_it(max_examples, derandomiz
     check(max_examples, derandomize, prop, specs(), st.sampled_from(sorted(SORT_KEYS)), found=((LAYERS_LOST, "time"),))
 
 
-@examples(ci=120, slow=4000)
+@examples(ci=120, slow=2500)
 def test_pruned_search_finds_the_same_best_plans(max_examples, derandomize):
     def prop(spec, keep, sort):
         with tempfile.TemporaryDirectory() as root:
@@ -238,7 +250,7 @@ def test_pruned_search_finds_the_same_best_plans(max_examples, derandomize):
           found=((PRUNED_TOO_FEW, 3, "time"), (PRUNED_WRONG_PLAN, 2, "time")))
 
 
-@examples(ci=60, slow=2000)
+@examples(ci=60, slow=1200)
 def test_command_line_search_writes_the_plans_of_the_api(max_examples, derandomize):
     def prop(spec, sort, prune_top, suffix):
         with tempfile.TemporaryDirectory() as root:
@@ -280,3 +292,101 @@ def test_command_line_search_writes_the_plans_of_the_api(max_examples, derandomi
 
     check(max_examples, derandomize, prop, specs(), st.sampled_from(sorted(SORT_KEYS)), st.sampled_from([None, 1, 3]),
           st.sampled_from([".json", ".csv"]), found=((DASHED_NODE_TYPE, "time", None, ".csv"),))
+
+
+# -- recomputation ----------------------------------------------------------------------------------------------
+def recompute_settings(plan: ExplicitPlan, block_layers: int) -> dict[str, dict]:
+    """Every recompute mode and method on the plan: none, selective, full uniform, and full block with N = 1, 2,
+    `block_layers` and the fewest layers a stage holds, where every stage holds N (as `fasop estimate` asks)."""
+    settings = {"none": {}, "selective": {"recompute": "selective"},
+                "uniform": {"recompute": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
+    fewest = sum(plan.layers) if plan.pp == 1 else min(plan.layers)
+    for n in sorted({1, 2, block_layers, fewest} & set(range(1, fewest + 1))):
+        settings[f"block {n}"] = {"recompute": "full", "recompute_method": "block", "recompute_num_layers": n}
+    return settings
+
+
+def stage_chunks(plan: dict) -> list[list[tuple[int, dict]]]:
+    """(layers, times) of each model chunk of each stage (a stage of a plain plan is one chunk)."""
+    v = plan["virtual_stages"]
+    layers = chunk_layers(np.array(plan["layers_per_stage"]), v).tolist()
+    return [list(zip(counts, s["chunks"] if v > 1 else [s])) for counts, s in zip(layers, plan["stages"])]
+
+
+def simulated_pipeline_s(plan: dict) -> float:
+    """The plan's pipeline time by an event simulation of its stage (interleaved: chunk) times."""
+    stages, m = plan["stages"], plan["num_microbatches"]
+    send = [s["send_s"] for s in stages[:-1]]
+    if plan["virtual_stages"] == 1:
+        return simulate_1f1b([s["forward_s"] for s in stages], [s["compute_s"] - s["forward_s"] for s in stages],
+                             send, m)
+    return simulate_interleaved_1f1b([[c["forward_s"] for c in s["chunks"]] for s in stages],
+                                     [[c["recompute_s"] + c["backward_s"] for c in s["chunks"]] for s in stages],
+                                     send, plan["wrap_send_s"], m)
+
+
+def check_recompute_times(plans: dict[str, dict], one_segment_per_stage: bool) -> None:
+    """Recomputation adds only its forwards, each recomputed layer's once and in its own chunk: all of a chunk's
+    layers under uniform recomputation, min(N, chunk layers) under block N, each layer's attention core under
+    selective; a stage's recompute_s is the sum of its chunks'; the schedule times these chunks."""
+    none, uniform = plans["none"], plans["uniform"]
+    for name, plan in plans.items():
+        assert math.isclose(plan["pipeline_time_s"], simulated_pipeline_s(plan), rel_tol=1e-9), name
+        for i, (stage, plain) in enumerate(zip(plan["stages"], none["stages"])):
+            assert math.isclose(stage["compute_s"] - plain["compute_s"], stage["recompute_s"], rel_tol=1e-9,
+                                abs_tol=1e-15), (name, i)
+            if plan["virtual_stages"] > 1:
+                assert math.isclose(stage["recompute_s"], sum(c["recompute_s"] for c in stage["chunks"]),
+                                    rel_tol=1e-12, abs_tol=1e-15), (name, i)
+    pp, v = uniform["pp"], uniform["virtual_stages"]
+    # the chunks holding the embedding, the head or an encoder-decoder model's decoder embedding
+    ends = {(0, 0), (pp - 1, v - 1), (uniform["encoder_stages"], 0)}
+    for i, chunks in enumerate(stage_chunks(uniform)):
+        for j, (_, times) in enumerate(chunks):
+            if (i, j) not in ends:  # every layer's forward again
+                assert math.isclose(times["recompute_s"], times["forward_s"], rel_tol=1e-12, abs_tol=1e-15), (i, j)
+        for name, plan in plans.items():
+            redone = [times["recompute_s"] for _, times in stage_chunks(plan)[i]]
+            assert all(r == 0 for r, (layers, _) in zip(redone, chunks) if not layers), (name, i)
+            if not one_segment_per_stage:  # one stage holds the encoder and the decoder: two blocks
+                continue
+            whole = [times["recompute_s"] for _, times in chunks]
+            if name.startswith("block"):
+                n = plan["recompute_num_layers"]
+                for (layers, _), r, w in zip(chunks, redone, whole):
+                    assert math.isclose(r * layers, min(n, layers) * w, rel_tol=1e-12, abs_tol=1e-15), (name, i)
+            if name == "selective":  # the same share of every layer's forward on one stage
+                shares = [r / w for r, w in zip(redone, whole) if w > 0]
+                assert all(math.isclose(share, shares[0], rel_tol=1e-9) for share in shares), (i, shares)
+
+
+def check_recompute_memory(plans: dict[str, dict]) -> None:
+    """Recomputation never adds memory: on every stage none >= selective >= full uniform, none >= full block N
+    >= full uniform, and block recomputation of more layers holds no more."""
+    def memory(name: str) -> np.ndarray:
+        return np.array([s["memory_gib"] for s in plans[name]["stages"]])
+
+    def no_more(a: str, b: str) -> None:
+        assert (memory(a) <= memory(b) * (1 + 1e-12)).all(), (a, memory(a), b, memory(b))
+
+    no_more("selective", "none")
+    no_more("uniform", "selective")
+    blocks = sorted((name for name in plans if name.startswith("block")), key=lambda name: int(name.split()[1]))
+    for lighter, heavier in zip(["none", *blocks], [*blocks, "uniform"]):
+        no_more(heavier, lighter)
+
+
+@examples(ci=300, slow=3000)
+def test_recomputation_frees_memory_and_times_each_recomputed_layer_once(max_examples, derandomize):
+    def prop(drawn, block_layers):
+        spec, plan = drawn
+        with tempfile.TemporaryDirectory() as root:
+            w = written(spec, root)
+            plans = {name: estimate(w.model, w.cluster, tp=plan.tp, dp=plan.dp, pp=plan.pp, mbs=plan.mbs,
+                                    placement=plan.placement, layers=plan.layers, profiles_dir=str(w.profiles),
+                                    virtual_stages=plan.virtual_stages, **setting).record()
+                     for name, setting in recompute_settings(plan, block_layers).items()}
+        check_recompute_memory(plans)
+        check_recompute_times(plans, plan.pp > 1 or not w.model.is_encoder_decoder)
+
+    check(max_examples, derandomize, prop, explicit_plans(), st.integers(1, 6))

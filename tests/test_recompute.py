@@ -3,6 +3,7 @@ the time of recomputed forwards, the per-GPU memory overhead, and the search ove
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -11,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fasop
-from fasop.cost.config import Config
+from fasop.cost.config import Config, recomputed_affine, recomputed_layers
 from fasop.cost.memory import GIB, layer_activation_bytes, stage_memory_gib, stage_params
+from fasop.cost.pipeline import in_flight
 from fasop.errors import InputError
 from fasop.inputs.catalogue import load_gpu_spec
 from fasop.inputs.cluster import Cluster, Derating, NodeType, load_cluster
@@ -25,6 +27,7 @@ from fasop.search import search_plans
 GPT3 = Model(name="gpt3-175b", architecture="decoder", encoder_num_layers=0, decoder_num_layers=96, hidden_size=12288,
              num_attention_heads=96, kv_channels=128, num_query_groups=96, ffn_hidden_size=4 * 12288,
              encoder_seq_length=0, decoder_seq_length=2048, vocab_size=51200, precision="bf16")
+GPT2_XL = fasop.load_model("gpt2-xl")
 
 
 def table2(mode: str, sp: bool, s: int, b: int, h: int, a: int, t: int) -> float:
@@ -84,32 +87,120 @@ def test_recompute_modes_keep_less_and_less(model):
 
 
 def _stage_memory(config: Config, mbs: int = 2, m: int = 8):
-    model = GPT3
     segment = np.zeros(config.pp, dtype=int)
-    params = stage_params(model, config, segment)
-    return model, params, stage_memory_gib(model, config, segment, params, np.array([mbs]), np.array([m]))
+    params = stage_params(GPT3, config, segment)
+    return params, stage_memory_gib(GPT3, config, segment, params, np.array([mbs]), np.array([m]))
 
 
-def test_full_recompute_stage_memory_by_hand():
-    """Uniform: every layer keeps its input for each micro-batch in flight; one layer's whole activations are
-    rebuilt for one micro-batch. Block k: the stage's first k layers keep their input, the others everything."""
+def test_stage_memory_of_each_recompute_mode_by_hand():
+    """A stage of n layers, r of them recomputed, for `held` samples in flight: none keeps n whole layers;
+    selective n layers without their scores; full the r recomputed layers' inputs and the others whole. A
+    recomputed layer is rebuilt whole in its backward, for one micro-batch (2 samples)."""
     base = Config(8, 1, 4, 2, 64, 0, False, sequence_parallel=True)
-    model, (_, layer_params), (fixed0, per_layer0) = _stage_memory(base)
-    whole = layer_activation_bytes(model, "layer", 1, 8, True)
+    sbh = 2048 * 12288
+    whole, selective, layer_input = sbh * (34 + 80) / 8, sbh * 34 / 8, 2 * sbh / 8  # bytes per sample and layer
     held = np.minimum(4 - np.arange(4), 8) * 2  # samples in flight on each stage
-    assert per_layer0[0] == pytest.approx((layer_params * 18 + whole * held) / GIB)
-
-    uniform = replace(base, recompute="full", recompute_method="uniform", recompute_num_layers=1)
-    _, _, (fixed, per_layer) = _stage_memory(uniform)
-    layer_input = 2 * 2048 * 12288 / 8
-    assert per_layer[0] == pytest.approx((layer_params * 18 + layer_input * held) / GIB)
-    assert fixed[0] - fixed0[0] == pytest.approx(whole * 2 / GIB)
-
-    block = replace(uniform, recompute_method="block", recompute_num_layers=3)
-    _, _, (fixed_b, per_layer_b) = _stage_memory(block)
     n = 20
-    expected = fixed0[0] + n * per_layer0[0] + (3 * (layer_input - whole) * held + whole * 2) / GIB
-    assert fixed_b[0] + n * per_layer_b[0] == pytest.approx(expected)
+    (_, layer_params), none = _stage_memory(base)
+    state = none.fixed_gib[0] + n * layer_params * 18 / GIB  # bf16 without the distributed optimizer: 18 bytes
+
+    def memory(config: Config, recomputed: int) -> np.ndarray:
+        return _stage_memory(config)[1].at(n, recomputed)[0]
+
+    assert memory(base, 0) == pytest.approx(state + n * whole * held / GIB, rel=1e-12)
+    assert memory(replace(base, recompute="selective"), n) == pytest.approx(
+        state + (n * selective * held + (whole - selective) * 2) / GIB, rel=1e-12)
+    uniform = replace(base, recompute="full", recompute_method="uniform", recompute_num_layers=1)
+    assert memory(uniform, n) == pytest.approx(state + (n * layer_input * held + (whole - layer_input) * 2) / GIB,
+                                               rel=1e-12)
+    block = replace(uniform, recompute_method="block", recompute_num_layers=3)
+    assert memory(block, 3) == pytest.approx(
+        state + ((n - 3) * whole * held + 3 * layer_input * held + (whole - layer_input) * 2) / GIB, rel=1e-12)
+    # a stage without layers rebuilds none
+    for config in (replace(base, recompute="selective"), uniform, block):
+        assert (_stage_memory(config)[1].at(0, 0) == none.fixed_gib).all()
+
+
+def test_recomputed_layers_of_each_model_chunk():
+    """Megatron-LM's block method recomputes the first N layers of every model chunk; uniform (one layer per
+    checkpoint) and selective every layer; a stage's sum over its v chunks is min(n, N v)."""
+    counts = np.array([[7, 5, 1, 0]])
+    assert recomputed_layers(counts, 2, 2.0).tolist() == [[[2, 2], [2, 2], [1, 0], [0, 0]]]
+    assert recomputed_layers(counts, 2, np.array([math.inf])).tolist() == [[[4, 3], [3, 2], [1, 0], [0, 0]]]
+    assert recomputed_layers(counts, 1, 0.0).tolist() == [[[0], [0], [0], [0]]]
+    for v in range(1, 5):
+        for most in range(1, 5):
+            n = np.arange(40)
+            per_layer, fixed = recomputed_affine(float(most), v)
+            total = recomputed_layers(n, v, float(most)).sum(-1)
+            assert total.tolist() == np.minimum(n, most * v).tolist()
+            assert (total == per_layer * n + fixed)[n >= fixed].all() and fixed == most * v
+    assert recomputed_affine(math.inf, 3) == (1.0, 0.0)
+
+
+def _gpt2_xl_on_8_a10s(layers: list[int], virtual_stages: int = 1, gbs: int = 64, **recompute):
+    return fasop.estimate(fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-8xA10"), tp=4, dp=1, pp=8, mbs=1,
+                          placement=["A10"] * 8, layers=layers, gbs=gbs, virtual_stages=virtual_stages, **recompute)
+
+
+def test_block_recomputation_reruns_the_first_layers_of_every_chunk():
+    """6 layers a stage in two chunks of 3, N = 2: every chunk recomputes 2 layers, its own, and each stage 4.
+    (Before: 2 layers a stage, all on the first stage's first chunk and the last stage's last.)"""
+    plan = _gpt2_xl_on_8_a10s([6] * 8, 2, recompute="full", recompute_method="block", recompute_num_layers=2)
+    layer_forward_s = plan.stages[1].chunks[0].forward_s / 3  # a chunk without the embedding or the head
+    for stage in plan.stages:
+        assert [c.recompute_s for c in stage.chunks] == pytest.approx([2 * layer_forward_s] * 2, rel=1e-12)
+        assert stage.recompute_s == pytest.approx(4 * layer_forward_s, rel=1e-12)
+    uniform = _gpt2_xl_on_8_a10s([6] * 8, 2, recompute="full")
+    # the memory of the 2 layers of each stage kept whole
+    layer = [layer_activation_bytes(GPT2_XL, "layer", 1, 4, True, mode) for mode in ("none", "full")]
+    held = in_flight(8, np.array([64]), 2)[0]
+    assert [b.memory_gib - u.memory_gib for b, u in zip(plan.stages, uniform.stages)] == pytest.approx(
+        2 * (layer[0] - layer[1]) * held / GIB, rel=1e-9)
+
+
+def test_block_recomputation_of_every_layer_of_each_chunk_is_uniform_recomputation():
+    """N at least each chunk's layers (chunks of 3; of 4, 3 and 2) recomputes every layer: the same plan as
+    uniform recomputation. (Before: N layers a stage.)"""
+    for layers, n in (([6] * 8, 3), ([7, 5, 6, 6, 6, 6, 6, 6], 4)):
+        block = _gpt2_xl_on_8_a10s(layers, 2, recompute="full", recompute_method="block", recompute_num_layers=n)
+        uniform = _gpt2_xl_on_8_a10s(layers, 2, recompute="full")
+        for name in ("step_time_s", "pipeline_time_s", "recompute_s", "peak_memory_gib"):
+            assert getattr(block, name) == pytest.approx(getattr(uniform, name), rel=1e-12), name
+        assert [s.memory_gib for s in block.stages] == pytest.approx([s.memory_gib for s in uniform.stages], rel=1e-12)
+        assert [c.recompute_s for s in block.stages for c in s.chunks] == pytest.approx(
+            [c.recompute_s for s in uniform.stages for c in s.chunks], rel=1e-12)
+
+
+@pytest.mark.parametrize("layers", [[7, 7, 7, 7, 7, 7, 5, 1], [0, 8, 8, 8, 8, 8, 7, 1]])
+def test_recomputation_adds_no_memory_to_a_stage_of_one_layer_or_none(layers):
+    """The last stage holds one micro-batch of its one layer: rebuilt whole, it holds just what it holds without
+    recomputation, under full and selective recomputation alike; a stage without layers rebuilds none. (Before:
+    full recomputation counted the layer's input twice and charged the stage without layers a whole layer.)"""
+    plans = {mode: _gpt2_xl_on_8_a10s(layers, recompute=mode) for mode in ("none", "selective", "full")}
+    memory = {mode: np.array([s.memory_gib for s in plan.stages]) for mode, plan in plans.items()}
+    ends = [0, 7] if layers[0] == 0 else [7]
+    for mode in ("selective", "full"):
+        assert memory[mode][ends] == pytest.approx(memory["none"][ends], rel=1e-12)
+    assert (memory["full"] <= memory["selective"] * (1 + 1e-12)).all()
+    assert (memory["selective"] <= memory["none"] * (1 + 1e-12)).all()
+
+
+@pytest.mark.parametrize("layers, seq", [(1, 32), (2, 32), (2, 256), (3, 256)])
+def test_full_recomputation_holds_no_more_than_selective_on_one_stage(tmp_path, layers, seq):
+    """One stage of L layers (unfused attention, dropout), micro-batches of b = 2, one in flight: none keeps
+    L b s h (34 + 5 a s / h) bytes; selective recomputation L - 1 layers' scores less (5 a s^2 b each: the
+    rebuilt layer's are held); full (L - 1)(whole - input) less (input 2 s b h). (Before: full held more
+    than selective at L = 1 and at s = 256, and more than none at L = 1.)"""
+    model, cluster, profiles = _tiny(tmp_path, seq=seq, layers=layers)
+    memory = {mode: fasop.estimate(model, cluster, tp=1, dp=2, pp=1, mbs=2, placement=["G", "G"], layers=[layers],
+                                   profiles_dir=profiles, recompute=mode).stages[0].memory_gib * GIB
+              for mode in ("none", "selective", "full")}
+    s, b, h, a = seq, 2, 64, 4
+    whole, layer_input, scores = s * b * h * (34 + 5 * a * s / h), 2 * s * b * h, 5 * a * s * s * b
+    assert memory["none"] - memory["selective"] == pytest.approx((layers - 1) * scores, rel=1e-9)
+    assert memory["none"] - memory["full"] == pytest.approx((layers - 1) * (whole - layer_input), rel=1e-9)
+    assert memory["full"] <= memory["selective"] <= memory["none"]
 
 
 # -- time -----------------------------------------------------------------------------------------------------
@@ -175,7 +266,7 @@ def test_selective_recomputation_on_a_catalogue_gpu_reruns_the_cores_share_of_th
 
 def test_block_recomputation_needs_k_layers_per_stage(tmp_path):
     model, cluster, profiles = _tiny(tmp_path)
-    with pytest.raises(InputError, match="at least the 2 layers"):
+    with pytest.raises(InputError, match="at least the 2 layers of --recompute-num-layers"):
         fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers=[3, 1],
                        profiles_dir=profiles, recompute="full", recompute_method="block", recompute_num_layers=2)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fasop.cost.config import Config, per_stage
+from fasop.cost.config import Config, per_stage, recomputed_layers
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
@@ -84,21 +84,21 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
 
 def recompute_times(model: Model, config: Config, compute: StageCompute,
                     segment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(per layer, fixed): seconds of forwards each stage recomputes per micro-batch, for each of its layers and
-    whatever its layers (the block method's k layers; everything when one stage holds the model), per row of
-    `compute` and its stages' segments `segment`. Per layer: the attention core's forward under selective
-    recomputation (with flash attention too: Megatron checkpoints the fused kernel and reruns its forward), the
-    whole forward under full uniform recomputation, nothing otherwise (the block method recomputes a fixed number
-    of layers per stage instead)."""
+    """(per recomputed layer, fixed): seconds of the forward each stage reruns per micro-batch for each layer it
+    recomputes (which layers: fasop.cost.config.recomputed_layers), per row of `compute` and its stages' segments
+    `segment`: the attention core's forward under selective recomputation (with flash attention too: Megatron
+    checkpoints the fused kernel and reruns its forward), the whole forward under full recomputation, nothing
+    otherwise. A stage holding the whole model has no partitioned layers: its recomputation is all fixed."""
     if config.recompute == "selective":
-        recomputed = list(compute.kind_core_forward_s)
+        rerun = list(compute.kind_core_forward_s)
+    elif config.recompute == "full":
+        rerun = list(compute.kind_forward_s)
     else:
-        full = config.recompute == "full" and not config.blocked_layers
-        recomputed = [f if full else np.zeros_like(f) for f in compute.kind_forward_s]
-    per_layer = np.choose(segment, recomputed)
-    blocked = config.blocked_layers
-    fixed = blocked * np.choose(segment, compute.kind_forward_s)
-    if config.pp == 1:  # one stage: every layer as above, and the block's k layers of each segment
-        fixed[:, 0] = sum((n * r + blocked * f)[:, 0] for n, r, f in
-                          zip(model.segment_layers, recomputed, compute.kind_forward_s))
+        rerun = [np.zeros_like(f) for f in compute.kind_forward_s]
+    per_layer = np.choose(segment, rerun)
+    fixed = np.zeros_like(per_layer)
+    if config.pp == 1:  # each segment (encoder, decoder) is a block of its own
+        recomputed = recomputed_layers(np.array(model.segment_layers), 1, config.recomputed_per_chunk)[:, 0]
+        fixed[:, 0] = sum(r * t[:, 0] for r, t in zip(recomputed, rerun))
+        per_layer = np.zeros_like(per_layer)
     return per_layer, fixed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -38,8 +39,16 @@ class Config:
 
     @property
     def blocked_layers(self) -> int:
-        """Layers per stage that full recomputation with the block method recomputes (0 otherwise)."""
+        """The block method's N: layers it recomputes in each model chunk (0 for other settings)."""
         return (self.recompute_num_layers or 0) if self.recompute_method == "block" else 0
+
+    @property
+    def recomputed_per_chunk(self) -> float:
+        """Most layers of a model chunk whose forward reruns before their backward (the attention core's alone
+        under selective recomputation): every one (inf), the block method's N, or none."""
+        if self.recompute == "none":
+            return 0.0
+        return float(self.blocked_layers) if self.blocked_layers else math.inf
 
 
 def with_recompute(config: Config, mode: str) -> Config:
@@ -76,6 +85,44 @@ def virtual_stages_error(model: Model, pp: int, virtual_stages: int, num_microba
     if refusal is None and model.is_encoder_decoder:
         refusal = "fasop interleaves decoder and encoder models only"
     return refusal
+
+
+def chunk_layers(counts: np.ndarray, virtual_stages: int) -> np.ndarray:
+    """(..., P) layers per stage -> (..., P, v) layers per model chunk: as even as can be, the first chunks
+    taking one more when the count does not divide."""
+    n = np.asarray(counts)[..., None]
+    chunk = np.arange(virtual_stages)
+    return n // virtual_stages + (chunk < n % virtual_stages)
+
+
+def recomputed_layers(counts: np.ndarray, virtual_stages: int, per_chunk: float | np.ndarray) -> np.ndarray:
+    """(..., P) layers per stage -> (..., P, v) layers each model chunk recomputes: at most `per_chunk` (one value,
+    or one per row (...)) of the chunk's (Config.recomputed_per_chunk). Megatron-LM builds each model chunk as a
+    TransformerBlock of its own, whose `_checkpointed_forward` checkpoints, with the block method, its layers
+    numbered below --recompute-num-layers; the encoder and the decoder of a stage holding both are two blocks."""
+    most = np.asarray(per_chunk, dtype=float)
+    return np.minimum(chunk_layers(counts, virtual_stages), most.reshape(most.shape + (1, 1)))
+
+
+def recomputed_affine(per_chunk: float, virtual_stages: int) -> tuple[float, float]:
+    """(per layer, fixed): the layers a stage of n layers recomputes, summed over its chunks, as the affine
+    per_layer n + fixed that the partition takes. The sum of min(N, chunk layers) over v even chunks is
+    min(n, N v): n when every layer is recomputed, else N v, exact once n >= N v (= fixed)."""
+    if math.isinf(per_chunk):
+        return 1.0, 0.0
+    return 0.0, per_chunk * virtual_stages
+
+
+def fewest_layers(model: Model, config: Config) -> np.ndarray:
+    """(pp,) fewest layers each stage may hold: one, but none on the first and the last stage of a decoder or
+    encoder model (the embedding or the head alone) and on a stage holding the whole model (its layers are
+    not partitioned); with the block method, its N on every stage (as `fasop emit` asks)."""
+    if config.pp == 1:
+        return np.zeros(1, dtype=int)
+    fewest = np.ones(config.pp, dtype=int)
+    if not model.is_encoder_decoder:
+        fewest[0] = fewest[-1] = 0
+    return np.maximum(fewest, config.blocked_layers)
 
 
 def segments(model: Model, config: Config) -> tuple[np.ndarray, np.ndarray]:

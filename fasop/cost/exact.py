@@ -13,7 +13,7 @@ from functools import cache
 
 import numpy as np
 
-from fasop.cost.config import Config, per_stage
+from fasop.cost.config import Config, chunk_layers, per_stage, recomputed_layers
 from fasop.cost.schedule import stage_times
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -26,14 +26,6 @@ BUCKET_PARAMS_PER_DP_RANK = 1_000_000
 def bucket_params(dp: int) -> int:
     """Parameters per gradient bucket under Megatron-core's default."""
     return max(BUCKET_MIN_PARAMS, BUCKET_PARAMS_PER_DP_RANK * dp)
-
-
-def chunk_layers(counts: np.ndarray, virtual_stages: int) -> np.ndarray:
-    """(..., P) layers per stage -> (..., P, v) layers per model chunk: as even as can be, the first chunks
-    taking one more when the count does not divide."""
-    n = np.asarray(counts)[..., None]
-    chunk = np.arange(virtual_stages)
-    return n // virtual_stages + (chunk < n % virtual_stages)
 
 
 def per_chunk(fixed_s: np.ndarray, layer_s: np.ndarray, n: np.ndarray, v: int) -> np.ndarray:
@@ -52,7 +44,7 @@ class ScheduleBatch:
     """What the exact step needs of B plans with the same number of stages; per-stage arrays are (B, P), each
     the value beyond the stage's partitioned layers (`*_fixed`) or what one of those layers adds (`*_layer`)."""
 
-    fixed_s: np.ndarray  # forward + backward of one micro-batch
+    fixed_s: np.ndarray  # forward + backward of one micro-batch, without recomputation
     layer_s: np.ndarray
     fixed_forward_s: np.ndarray  # its forward part
     layer_forward_s: np.ndarray
@@ -72,6 +64,9 @@ class ScheduleBatch:
     overlap_param_gather: np.ndarray  # (B,) bool
     virtual_stages: np.ndarray  # (B,) model chunks per stage
     wrap_s: np.ndarray  # (B,) the last stage's send to the first, interleaved
+    recompute_fixed_s: np.ndarray  # forwards recomputed beyond the partitioned layers (a stage holding the model)
+    recompute_layer_s: np.ndarray  # forward each recomputed layer reruns, one micro-batch
+    recomputed_per_chunk: np.ndarray  # (B,) most layers of a model chunk recomputed (Config.recomputed_per_chunk)
 
     def __len__(self) -> int:
         return len(self.num_microbatches)
@@ -84,26 +79,44 @@ class ScheduleBatch:
         return ScheduleBatch(*(getattr(self, f.name)[rows] for f in fields(ScheduleBatch)))
 
     def chunks(self, rows: np.ndarray, v: int, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward), each (rows, P, v), of every model chunk: a stage's layers split evenly over its
-        chunks (`chunk_layers`); the first stage's fixed units (the embedding) on its first chunk, the last
-        stage's (the head) on its last."""
+        """(forward, backward without recomputation), each (rows, P, v), of every model chunk: a stage's layers
+        split evenly over its chunks (`chunk_layers`); the first stage's fixed units (the embedding) on its first
+        chunk, the last stage's (the head) on its last."""
         return per_chunk(self.fixed_forward_s[rows], self.layer_forward_s[rows], n, v), \
             per_chunk(self.fixed_s[rows] - self.fixed_forward_s[rows], self.layer_s[rows] - self.layer_forward_s[rows], n, v)
+
+    def recompute_s(self, rows: np.ndarray, v: int, n: np.ndarray) -> np.ndarray:
+        """(rows, P, v) forwards each model chunk recomputes per micro-batch: its recomputed layers'
+        (`recomputed_layers`), and on a stage holding the whole model (one chunk) all of its own."""
+        redo = recomputed_layers(n, v, self.recomputed_per_chunk[rows]) * self.recompute_layer_s[rows][..., None]
+        redo[..., 0] += self.recompute_fixed_s[rows]
+        return redo
+
+    def stage_recomputed_layers(self, counts: np.ndarray) -> np.ndarray:
+        """(B, P) layers each stage recomputes, over all its chunks, for layer counts (B, P)."""
+        n = np.asarray(counts, dtype=float)
+        total = np.empty_like(n)
+        for v in np.unique(self.virtual_stages):
+            rows = np.flatnonzero(self.virtual_stages == v)
+            total[rows] = recomputed_layers(n[rows], int(v), self.recomputed_per_chunk[rows]).sum(-1)
+        return total
 
     def step_terms(self, counts: np.ndarray) -> dict[str, np.ndarray]:
         """The step of each plan for layer counts (B, P): the schedule's makespan (`pipeline_time_s`), when each
         stage is done (`stage_done_s`), the optimizer step and the data-parallel time left exposed by the
         slowest stage (`optimizer_s`, `dp_exposed_s`), and `step_time_s`."""
         n = np.asarray(counts, dtype=float)
-        compute = self.fixed_s + self.layer_s * n
         forward = self.fixed_forward_s + self.layer_forward_s * n
-        backward = compute - forward
-        first, end = np.empty_like(n), np.empty_like(n)
+        backward = self.fixed_s - self.fixed_forward_s + (self.layer_s - self.layer_forward_s) * n
+        first, end, recompute = np.empty_like(n), np.empty_like(n), np.empty_like(n)
         for v in np.unique(self.virtual_stages):
             rows = np.flatnonzero(self.virtual_stages == v)
             f, b = (forward[rows], backward[rows]) if v == 1 else self.chunks(rows, int(v), n[rows])
+            redo = self.recompute_s(rows, int(v), n[rows])
             first[rows], end[rows] = stage_times(f, b, self.boundary_s[rows], self.num_microbatches[rows],
-                                                 virtual_stages=int(v), wrap_send_s=self.wrap_s[rows])
+                                                 virtual_stages=int(v), wrap_send_s=self.wrap_s[rows], recompute_s=redo)
+            recompute[rows] = redo.sum(-1)
+        backward = backward + recompute  # recomputed forwards open each backward
         grad = self.grad_fixed_s + self.grad_layer_s * n
         gather = self.gather_fixed_s + self.gather_layer_s * n
         optimizer = self.optimizer_fixed_s + self.optimizer_layer_s * n

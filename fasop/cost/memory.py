@@ -11,12 +11,13 @@ holds for one micro-batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from functools import cache
 from typing import TypeVar
 
 import numpy as np
 
-from fasop.cost.config import Config, per_stage
+from fasop.cost.config import RECOMPUTE_MODES, Config, per_stage, recomputed_layers
 from fasop.cost.pipeline import in_flight
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -141,37 +142,67 @@ def stage_capacity_gib(cluster: Cluster, placements: list[tuple[tuple[str, ...],
     return np.array(per_stage(placements, lambda names: min(cluster.node_types[n].gpu_memory_gib for n in names)))
 
 
-def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: tuple[np.ndarray, np.ndarray],
-                     mbs: np.ndarray, num_microbatches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(fixed, per layer): (K, pp) GiB of model state and activations on each stage beyond its layers, and
-    what each layer adds; activations are held for the micro-batches in flight under 1F1B.
+@dataclass(frozen=True)
+class StageMemory:
+    """(rows, pp) GiB on each stage: a stage of n layers that recomputes r of them (fasop.cost.config.
+    recomputed_layers) holds fixed + layer n + recomputed r, and the layer being rebuilt once r > 0."""
 
-    Full recomputation keeps each recomputed layer's input for every micro-batch in flight, plus the whole
-    activations of the one layer being recomputed (one micro-batch). With the block method only the first k
-    layers of a stage are recomputed: the stage's k layers cost input instead of whole activations, a fixed
-    saving for stages of at least k layers (fasop.cost.step makes k the fewest a stage holds)."""
+    fixed_gib: np.ndarray  # model state and activations beyond the stage's layers (one stage holding the model: all)
+    layer_gib: np.ndarray  # what a layer adds: its state, and its activations for the micro-batches in flight
+    recomputed_gib: np.ndarray  # what full recomputation of a layer takes off that (<= 0): it keeps only its input
+    working_gib: np.ndarray  # the layer being rebuilt, one micro-batch, beyond what it keeps
+
+    def at(self, layers: np.ndarray, recomputed: np.ndarray) -> np.ndarray:
+        """GiB on stages of `layers` layers that recompute `recomputed` of them."""
+        return (self.fixed_gib + self.layer_gib * layers + self.recomputed_gib * recomputed
+                + np.where(recomputed > 0, self.working_gib, 0.0))
+
+    def affine(self, per_layer: float, fixed: float) -> tuple[np.ndarray, np.ndarray]:
+        """(fixed, per layer) GiB of a stage of n >= 1 layers that recomputes per_layer n + fixed of them
+        (fasop.cost.config.recomputed_affine): the affine form the partition takes."""
+        return (self.fixed_gib + self.recomputed_gib * fixed + self.working_gib,
+                self.layer_gib + self.recomputed_gib * per_layer)
+
+    def take(self, rows: np.ndarray) -> StageMemory:
+        return StageMemory(*(getattr(self, f.name)[rows] for f in fields(StageMemory)))
+
+    @staticmethod
+    def stack(parts: list[StageMemory]) -> StageMemory:
+        return StageMemory(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(StageMemory)))
+
+
+def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: tuple[np.ndarray, np.ndarray],
+                     mbs: np.ndarray, num_microbatches: np.ndarray) -> StageMemory:
+    """(K, pp) memory of model state and activations on each stage, for K micro-batch sizes; activations are
+    held for the micro-batches in flight under 1F1B.
+
+    Full recomputation keeps a recomputed layer's input alone for each micro-batch in flight, selective
+    recomputation all but its attention scores; in the backward one recomputed layer at a time is rebuilt
+    whole, for one micro-batch."""
     fixed_params, layer_params = params
     tp, pp, sp = config.tp, config.pp, config.sequence_parallel
     per_param = bytes_per_param(model, config.dp, config.distributed_optimizer)
-    whole_act = _kind_activation_bytes(model, tp, sp, "none")
-    blocked = config.blocked_layers
-    # with the block method the stage's layers beyond the first k keep their whole activations
-    kept_act = whole_act if blocked else _kind_activation_bytes(model, tp, sp, config.recompute)
+    whole_act, selective_act, input_act = (_kind_activation_bytes(model, tp, sp, mode) for mode in RECOMPUTE_MODES)
+    full = config.recompute == "full"
+    kept_act = selective_act if config.recompute == "selective" else whole_act
+    recomputed_act = input_act - whole_act if full else np.zeros_like(whole_act)
+    working_act = whole_act - (input_act if full else kept_act)
     fixed_act = np.zeros(pp)
     fixed_act[0] += embedding_activation_bytes(model, 1, tp, sp)
     fixed_act[-1] += head_activation_bytes(model, 1, tp, sp)
-    if blocked:
-        saving = blocked * (whole_act - _kind_activation_bytes(model, tp, sp, "full"))
-        fixed_act -= saving[segment] if pp > 1 else saving.sum()  # one stage: k layers of each segment's block
-    if pp == 1:
-        fixed_act[0] += float(np.dot(model.segment_layers, kept_act))
+    fixed_working = 0.0
+    if pp == 1:  # one stage: its layers are not partitioned, all fixed; each segment is a block of its own
+        recomputed = recomputed_layers(np.array(model.segment_layers), 1, config.recomputed_per_chunk)[:, 0]
+        fixed_act[0] += float(np.dot(model.segment_layers, kept_act) + np.dot(recomputed, recomputed_act))
+        fixed_working = float(working_act[recomputed > 0].max(initial=0.0))
+        recomputed_act, working_act = np.zeros_like(whole_act), np.zeros_like(whole_act)
     held = in_flight(pp, num_microbatches, config.virtual_stages) * mbs[:, None]  # samples whose activations a stage holds
-    mem_fixed = (fixed_params * per_param + fixed_act * held) / GIB
-    if config.recompute == "full":  # the layer being recomputed, conservatively also on stages without layers
-        working = whole_act[segment] if pp > 1 else np.full(pp, whole_act.max())
-        mem_fixed = mem_fixed + working * mbs[:, None] / GIB
-    mem_layer = (layer_params * per_param + kept_act[segment] * held) / GIB
-    return mem_fixed, mem_layer
+    one = mbs[:, None] / GIB  # the working layer's micro-batch
+    return StageMemory(
+        fixed_gib=(fixed_params * per_param + fixed_act * held) / GIB + fixed_working * one,
+        layer_gib=(layer_params * per_param + kept_act[segment] * held) / GIB,
+        recomputed_gib=recomputed_act[segment] * held / GIB,
+        working_gib=working_act[segment] * one)
 
 
 def head_fits(model: Model, cluster: Cluster, tp: int, mbs: int, sequence_parallel: bool = True) -> bool:
@@ -181,10 +212,13 @@ def head_fits(model: Model, cluster: Cluster, tp: int, mbs: int, sequence_parall
     return bool(mbs * (head_activation_bytes(model, 1, tp, sequence_parallel) / GIB) <= usable * (1 + 1e-9))
 
 
-def layers_that_fit(mem_fixed: np.ndarray, mem_layer: np.ndarray, usable: np.ndarray, whole: bool) -> np.ndarray:
-    """(K, pp) most layers each stage's memory holds, `usable` GiB per stage (fasop.cost.memory.usable_gib);
-    -1 where not even the stage's fixed part fits; 0 where it fits and one stage holds the whole model (its
-    layers are fixed)."""
+def layers_that_fit(memory: StageMemory, recomputed: tuple[float, float], usable: np.ndarray,
+                    whole: bool) -> np.ndarray:
+    """(K, pp) most layers each stage's memory holds, `usable` GiB per stage (fasop.cost.memory.usable_gib), the
+    stage recomputing per_layer n + fixed of them (`recomputed`, fasop.cost.config.recomputed_affine); -1 where
+    not even the stage without layers fits; 0 where it fits and one stage holds the whole model (its layers are
+    fixed). Exact wherever the affine form is, and at no layers (a stage without layers rebuilds none)."""
+    mem_fixed, mem_layer = memory.affine(*recomputed)
     with np.errstate(divide="ignore", invalid="ignore"):
-        hi = np.floor((usable - mem_fixed) / mem_layer + 1e-12)
-    return np.where(mem_fixed <= usable, 0 if whole else hi, -1).astype(int)
+        hi = np.maximum(np.floor((usable - mem_fixed) / mem_layer + 1e-12), 0)
+    return np.where(memory.fixed_gib <= usable, 0 if whole else hi, -1).astype(int)

@@ -16,9 +16,9 @@ import numpy as np
 
 from fasop.cost.communication import Geometry, allreduce_times, gradient_comm_bytes, p2p_times
 from fasop.cost.compute import recompute_times, stage_compute
-from fasop.cost.config import Config, segments
+from fasop.cost.config import Config, fewest_layers, recomputed_affine, segments
 from fasop.cost.exact import ScheduleBatch, bucket_params, optimizer_times
-from fasop.cost.memory import layers_that_fit, stage_capacity_gib, stage_memory_gib, stage_params, usable_gib
+from fasop.cost.memory import StageMemory, layers_that_fit, stage_capacity_gib, stage_memory_gib, stage_params, usable_gib
 from fasop.cost.pipeline import pipeline_terms
 from fasop.cost.problem import PartitionBatch
 from fasop.cost.schedule import interleaving_error
@@ -35,12 +35,10 @@ class StageCosts:
     mbs: np.ndarray  # (G K,)
     problem: PartitionBatch
     gpu: tuple[tuple[str, ...], ...]  # per row: GPU types hosting each stage, '+'-joined when a stage spans two types
-    fixed_s: np.ndarray  # compute of the embedding/head units on the stage, one micro-batch (with recomputation)
-    recompute_fixed_s: np.ndarray  # (G K, pp) of which recomputed forwards (fasop.cost.compute)
-    recompute_layer_s: np.ndarray  # (G K, pp) forward recomputed per layer and micro-batch, part of problem.layer_s
     boundary_s: np.ndarray  # (G K, pp-1) send of one micro-batch's activation across each boundary
     exchange_s: np.ndarray  # sends and receives a stage waits for in each steady-state step
-    mem_fixed_gib: np.ndarray
+    memory: StageMemory  # each stage's memory, for any layer counts
+    mem_fixed_gib: np.ndarray  # its affine form that the partition takes (StageMemory.affine)
     mem_layer_gib: np.ndarray
     capacity_gib: np.ndarray  # (G K, pp) memory of the smallest GPU on the stage
     embedding_allreduce_s: np.ndarray  # (G K,)
@@ -55,7 +53,7 @@ class StageCosts:
                 return value
             if name == "gpu":
                 return tuple(value[row] for row in rows)
-            return value.take(rows) if name in ("problem", "schedule") else value[rows]
+            return value.take(rows) if name in ("problem", "schedule", "memory") else value[rows]
 
         return StageCosts(*(part(f.name) for f in fields(StageCosts)))
 
@@ -68,6 +66,8 @@ class StageCosts:
                 return PartitionBatch.stack(values)
             if name == "schedule":
                 return ScheduleBatch.stack(values)
+            if name == "memory":
+                return StageMemory.stack(values)
             if name == "gpu":
                 return tuple(chain.from_iterable(values))
             return values[0] if name == "fixed_layers" else np.concatenate(values)
@@ -125,11 +125,6 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     if config.virtual_stages > 1:
         refused = np.tile([interleaving_error(pp, config.virtual_stages, int(count)) is not None for count in m],
                           len(geos))
-    lo = np.ones(pp, dtype=int)
-    if whole:
-        lo[:] = 0
-    elif not model.is_encoder_decoder:
-        lo[0] = lo[-1] = 0  # a first stage may hold only the embedding, a last one only the head
     # the closed form the partitioner optimises charges each stage its gradient reduction, its parameter gather
     # and its optimizer step; with overlap, only one bucket of the reduction and none of the gather
     gather = 0.0 if config.overlap_param_gather else gather_share
@@ -143,25 +138,27 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     for setting in range(len(splits[0][1])):
         variant = splits[0][1][setting]
         # memory does not depend on the placement, only what fits does
-        memory = [stage_memory_gib(model, configs[setting], split_segment, split_param, mbs, m)
-                  for (_, configs), split_segment, split_param in zip(splits, split_segments, split_params)]
-        mem_fixed, mem_layer = (np.array([part[i] for part in memory])[split_of_geo].reshape(rows, pp) for i in range(2))
-        hi = layers_that_fit(mem_fixed, mem_layer, usable, whole)
+        split_memory = [stage_memory_gib(model, configs[setting], split_segment, split_param, mbs, m)
+                        for (_, configs), split_segment, split_param in zip(splits, split_segments, split_params)]
+        memory = StageMemory.stack([split_memory[s] for s in split_of_geo])
+        # the partition takes each stage's recomputed layers as affine in its layers, exact from recomputed[1]
+        # layers on: no stage holds fewer
+        recomputed = recomputed_affine(variant.recomputed_per_chunk, variant.virtual_stages)
+        hi = layers_that_fit(memory, recomputed, usable, whole)
         if refused is not None:
             hi = np.where(refused[:, None], -1, hi)
-        # block recomputation: every stage holds the k layers it recomputes (keeps the costs affine)
-        variant_lo = lo if whole else np.maximum(lo, variant.blocked_layers)
+        lo = np.maximum(fewest_layers(model, variant), 0 if whole else int(recomputed[1]))
         recompute_layer_s, recompute_fixed_s = recompute_times(model, variant, compute, segment_rows)
-        # recomputed forwards run right before each backward: part of the backward in the schedule
-        fixed_s = compute.fixed_s + recompute_fixed_s
-        layer_s = compute.layer_s + recompute_layer_s
+        # the partition's compute: recomputed forwards run right before each backward
+        fixed_s = compute.fixed_s + recompute_fixed_s + recomputed[1] * recompute_layer_s
+        layer_s = compute.layer_s + recomputed[0] * recompute_layer_s
         problem = PartitionBatch(
-            segment_of_stage=segment_rows, segment_layers=segment_layers, lo=np.broadcast_to(variant_lo, (rows, pp)),
+            segment_of_stage=segment_rows, segment_layers=segment_layers, lo=np.broadcast_to(lo, (rows, pp)),
             hi=hi, layer_s=layer_s, period_fixed_s=fixed_s + exchange, ar_fixed_s=post_fixed, ar_layer_s=post_layer,
             num_microbatches=num_microbatches, base_s=fixed_s.sum(-1) + 2 * boundary.sum(-1) + emb_ar,
         )
         schedule = ScheduleBatch(
-            fixed_s=fixed_s, layer_s=layer_s, fixed_forward_s=compute.fixed_forward_s,
+            fixed_s=compute.fixed_s, layer_s=compute.layer_s, fixed_forward_s=compute.fixed_forward_s,
             layer_forward_s=compute.layer_forward_s, boundary_s=boundary, num_microbatches=num_microbatches,
             grad_fixed_s=grad_share * ar_fixed, grad_layer_s=grad_share * ar_layer,
             gather_fixed_s=gather_share * ar_fixed, gather_layer_s=gather_share * ar_layer,
@@ -170,30 +167,32 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
             bucket_params=buckets, embedding_allreduce_s=emb_ar,
             overlap_grad_reduce=np.full(rows, config.overlap_grad_reduce),
             overlap_param_gather=np.full(rows, config.overlap_param_gather),
-            virtual_stages=np.full(rows, config.virtual_stages), wrap_s=wrap)
-        yield StageCosts(np.tile(mbs, len(geos)), problem, compute.gpu, fixed_s, recompute_fixed_s, recompute_layer_s,
-                         boundary, exchange, mem_fixed, mem_layer, capacity, emb_ar, fixed_layers, schedule)
+            virtual_stages=np.full(rows, config.virtual_stages), wrap_s=wrap, recompute_fixed_s=recompute_fixed_s,
+            recompute_layer_s=recompute_layer_s, recomputed_per_chunk=np.full(rows, variant.recomputed_per_chunk))
+        yield StageCosts(np.tile(mbs, len(geos)), problem, compute.gpu, boundary, exchange, memory,
+                         *memory.affine(*recomputed), capacity, emb_ar, fixed_layers, schedule)
 
 
 def breakdown(costs: StageCosts, counts: np.ndarray, exact: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Every term of the step time and memory of each row for the layer counts `counts` (K, pp): the step is the
     exact schedule's (fasop.cost.exact; `exact`: its terms when already computed); `closed_form_step_s` is the
     closed form the partitioner optimises."""
-    p = costs.problem
+    p, sched = costs.problem, costs.schedule
     n = np.asarray(counts, dtype=float)
-    compute = costs.fixed_s + p.layer_s * n
-    sched = costs.schedule
+    recomputed = sched.stage_recomputed_layers(n)
+    recompute = sched.recompute_fixed_s + sched.recompute_layer_s * recomputed
+    compute = sched.fixed_s + sched.layer_s * n + recompute
     allreduce = (sched.grad_fixed_s + sched.gather_fixed_s) + (sched.grad_layer_s + sched.gather_layer_s) * n
     closed = pipeline_terms(compute, costs.exchange_s, costs.boundary_s, p.num_microbatches)
     exact = sched.step_terms(n) if exact is None else exact
-    memory = costs.mem_fixed_gib + costs.mem_layer_gib * n
-    recompute = costs.recompute_fixed_s + costs.recompute_layer_s * n
     bottleneck = compute.argmax(-1)[:, None]  # the stage whose compute sets the pipeline's pace
     return {
         **exact,
         "bubble_s": exact["pipeline_time_s"] - p.num_microbatches * compute.max(-1),
         "p2p_s": closed["p2p_s"],
-        "closed_form_step_s": p.objective(n),
+        # the partition's objective, at these counts' own recomputation
+        "closed_form_step_s": closed["pipeline_time_s"] + costs.embedding_allreduce_s
+        + (p.ar_fixed_s + p.ar_layer_s * n).max(-1),
         "dp_allreduce_s": allreduce.max(-1),
         "embedding_allreduce_s": costs.embedding_allreduce_s,
         "stage_compute_s": compute,
@@ -203,6 +202,6 @@ def breakdown(costs: StageCosts, counts: np.ndarray, exact: dict[str, np.ndarray
         "recompute_s": p.num_microbatches * np.take_along_axis(recompute, bottleneck, -1)[:, 0],
         "stage_p2p_s": costs.exchange_s,
         "stage_allreduce_s": allreduce,
-        "stage_memory_gib": memory,
+        "stage_memory_gib": costs.memory.at(n, recomputed),
         "stage_capacity_gib": costs.capacity_gib,
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fasop.cost.communication import geometry, with_embedding_group
-from fasop.cost.config import Config, embedding_stages, recompute_error, virtual_stages_error
+from fasop.cost.config import Config, embedding_stages, fewest_layers, recompute_error, virtual_stages_error
 from fasop.cost.memory import usable_gib
 from fasop.cost.step import StageCosts, stage_costs
 from fasop.errors import InputError
@@ -72,10 +72,10 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
     geo = with_embedding_group(sub, geometry(sub, tuple(placement), tp, dp, pp), embedding_stages(model, config))
     costs = stage_costs(model, sub, inputs.profiles, geo, config, [mbs])
     counts = np.array(layers) - costs.fixed_layers
-    if (counts < costs.problem.lo[0]).any():
+    if (counts < fewest_layers(model, config)).any():
         if config.blocked_layers:
-            raise InputError("--layers", f"every stage needs at least the {config.blocked_layers} layers that block "
-                                         "recomputation recomputes on it")
+            raise InputError("--layers", f"every stage needs at least the {config.blocked_layers} layers of "
+                                         "--recompute-num-layers with block recomputation")
         raise InputError("--layers", "every stage needs at least one layer (the first may hold only the embedding, "
                                      "the last only the head)")
     row = plan_rows(inputs, [(config, geo, True)], costs, counts[None, :])[0]

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from fasop.cost.communication import Geometry
-from fasop.cost.config import Config
-from fasop.cost.exact import chunk_layers, per_chunk
+from fasop.cost.config import Config, chunk_layers
 from fasop.cost.price import price_per_hour_usd
 from fasop.cost.step import StageCosts, breakdown
 from fasop.search.space import Inputs
@@ -79,10 +78,11 @@ def plan_rows(inputs: Inputs, plans: list[tuple[Config, Geometry, bool]], costs:
 
 def chunk_times(costs: StageCosts, counts: np.ndarray, k: int, v: int) -> list[list[dict]]:
     """Each stage's model chunks of row k: forward, recomputed forward and backward of one micro-batch, as the
-    exact schedule times them (fasop.cost.exact.ScheduleBatch.chunks)."""
-    forward, backward = costs.schedule.chunks(np.array([k]), v, counts[k:k + 1])
-    recompute = per_chunk(costs.recompute_fixed_s[k:k + 1], costs.recompute_layer_s[k:k + 1], counts[k:k + 1], v)
-    return [[{"forward_s": float(f), "recompute_s": float(r), "backward_s": float(b - r)}
+    exact schedule times them (fasop.cost.exact.ScheduleBatch.chunks and recompute_s)."""
+    row = np.array([k])
+    forward, backward = costs.schedule.chunks(row, v, counts[row])
+    recompute = costs.schedule.recompute_s(row, v, counts[row])
+    return [[{"forward_s": float(f), "recompute_s": float(r), "backward_s": float(b)}
              for f, r, b in zip(fs, rs, bs)] for fs, rs, bs in zip(forward[0], recompute[0], backward[0])]
 
 
