@@ -227,13 +227,13 @@ def plans_as_csv(records: list[dict]) -> str:
     return out.getvalue()
 
 
-def plans_text(plans: Sequence[Plan], output: Path) -> str:
+def plans_text(plans: Sequence[Plan], output: Path, option: str = "--output") -> str:
     """What write_plans writes to `output` (.json or .csv); refuses non-finite numbers before anything is written
-    (the search builds its plans unchecked)."""
+    (the search builds its plans unchecked); errors name `option`."""
     if output.suffix not in (".json", ".csv"):
-        raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
+        raise InputError(f"{option} {output}", "expected a file name ending in .json or .csv")
     records = [plan.record() for plan in plans]
-    check_finite(records, f"--output {output}")
+    check_finite(records, f"{option} {output}")
     return plans_as_json(records) if output.suffix == ".json" else plans_as_csv(records)
 
 

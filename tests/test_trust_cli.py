@@ -106,10 +106,20 @@ def test_search_emit_folder_with_files_is_replaced_only_with_force(runner, tiny)
     run.mkdir()
     (run / "sbatch.sh").write_text("mine\n")
     result = runner.invoke(main, ["search", *files.args("--emit", str(run))])
-    assert result.exit_code == 2 and "--force" in result.stderr
+    one_line_error(result, f"--emit {run}", "--force")  # the option the user gave, not emit's --out
     assert (run / "sbatch.sh").read_text() == "mine\n"
     ok(runner.invoke(main, ["search", *files.args("--emit", str(run), "--force")]))
     assert (run / "sbatch.sh").read_text().startswith("#!")
+
+
+@pytest.mark.parametrize("rank", ["0", "-3"])
+def test_emit_rank_is_checked_where_it_is_parsed(runner, tiny, rank):
+    files = tiny()
+    plans = files.root / "plans.json"
+    ok(runner.invoke(main, ["search", *files.args("--output", str(plans))]))
+    result = runner.invoke(main, ["emit", "--plans", str(plans), "--rank", rank, "--out", str(files.root / "run")])
+    one_line_error(result, "--rank", rank)
+    assert not (files.root / "run").exists()
 
 
 def test_profile_layers_never_writes_over_its_model_even_with_force(runner, tiny):

@@ -116,7 +116,7 @@ def _site_options(command):
 @click.command("emit")
 @click.option("--plans", "plans_file", required=True, metavar="FILE",
               help="Plan list written by `fasop search --output plans.json`.")
-@click.option("--rank", type=int, default=1, show_default=True, help="Which plan of the list (1 = the best).")
+@click.option("--rank", type=click.IntRange(min=1), default=1, show_default=True, help="Which plan of the list (1 = the best).")
 @click.option("--out", "out_dir", required=True, metavar="DIR",
               help="Directory to write sbatch.sh (or launch.sh, or commands.txt), run_inter.sh and plan.json into "
                    "(created if missing).")

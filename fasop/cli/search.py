@@ -98,7 +98,7 @@ def search(model_name, cluster_name, gbs, top, sort, output, force, train_steps,
     if emit_dir is not None:
         from fasop.launch.write import check_out_dir  # the launch code is loaded only for --emit
 
-        check_out_dir(emit_dir, force)
+        check_out_dir(emit_dir, force, "--emit")
     common.check_outputs(outputs, inputs, force)
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch,
                              merged_specs(own=cluster.gpus))
@@ -162,7 +162,7 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> 
         if emit_dir is not None:
             # force: whether its files may be replaced was settled before the search, and the plan list's
             # temporary file may be there now
-            write_files(emit_dir, emitted, force=True)
+            write_files(emit_dir, emitted, force=True, option="--emit")
 
 
 @click.command()

@@ -26,12 +26,12 @@ from fasop.plans import Plan
 OUTPUT_FILES = ("sbatch.sh", "run_inter.sh", "plan.json")
 
 
-def check_out_dir(out_dir: Path, force: bool) -> None:
-    """Refuse an output path that is a file, or a directory holding files unless `force`."""
+def check_out_dir(out_dir: Path, force: bool, option: str = "--out") -> None:
+    """Refuse an output path that is a file, or a directory holding files unless `force`; errors name `option`."""
     if out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"--out {out_dir}", "exists and is not a directory")
+        raise InputError(f"{option} {out_dir}", "exists and is not a directory")
     if out_dir.is_dir() and not force and any(out_dir.iterdir()):
-        raise InputError(f"--out {out_dir}", "the directory holds files already; pass --force to overwrite them")
+        raise InputError(f"{option} {out_dir}", "the directory holds files already; pass --force to overwrite them")
 
 
 def render_plan(plan: Plan, model: Any, cluster: Any, options: LaunchOptions | None = None,
@@ -54,17 +54,18 @@ def _umask() -> int:
     return mask
 
 
-def write_files(out_dir: Path, files: Mapping[str, str], force: bool = False) -> list[Path]:
-    """Write `files` into `out_dir` through a temporary sibling, so a failure leaves no half-written output."""
+def write_files(out_dir: Path, files: Mapping[str, str], force: bool = False, option: str = "--out") -> list[Path]:
+    """Write `files` into `out_dir` through a temporary sibling, so a failure leaves no half-written output;
+    errors name `option`."""
     out_dir = Path(out_dir)
-    check_out_dir(out_dir, force)
+    check_out_dir(out_dir, force, option)
     parent = out_dir.absolute().parent
     mask = _umask()
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=parent))
     except OSError as err:
-        raise InputError(f"--out {out_dir}", f"cannot create a directory beside it ({err.strerror})") from None
+        raise InputError(f"{option} {out_dir}", f"cannot create a directory beside it ({err.strerror})") from None
     try:
         for name, text in files.items():
             path = tmp / name
@@ -79,7 +80,7 @@ def write_files(out_dir: Path, files: Mapping[str, str], force: bool = False) ->
             os.rename(tmp, out_dir)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise InputError(f"--out {out_dir}", f"cannot write ({err.strerror or err})") from None
+        raise InputError(f"{option} {out_dir}", f"cannot write ({err.strerror or err})") from None
     return [out_dir / name for name in files]
 
 
