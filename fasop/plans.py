@@ -22,7 +22,7 @@ from fasop.inputs.tomlfile import Range, Table, expected, validated
 
 MAX_PLAN_INT = 2**53  # ranks, degrees, batch sizes and layer counts of a plan file: exact in any JSON reader
 DATA_PARALLEL_KINDS = ("ddp", "zero1", "zero2", "zero3")
-CSV_LISTS = ("placement", "layers_per_stage", "layers_per_virtual_stage")
+CSV_LISTS = ("synthesised_profiles", "placement", "layers_per_stage", "layers_per_virtual_stage")
 # Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.inputs.names),
 # so every node-type name reads back whole ("-" is inside it).
 CSV_LIST_SEPARATOR = " "
@@ -83,6 +83,8 @@ class Plan(Table):
     model_file: str | None = None
     cluster: str | None = None
     cluster_file: str | None = None
+    profiles: str | None = None  # the --profiles folder as given; absent: the bundled profiles of the model
+    synthesised_profiles: list[str] | None = None  # GPU types without a profile, synthesised from the roofline
     kind: Literal["3d", "ddp", "zero1", "zero2", "zero3"] = "3d"
     batch_split: Literal["even", "uneven"] | None = None
     gbs: Count

@@ -2,8 +2,8 @@
 
     python scripts/bench_scale.py [--workers N] [--keep K]
 
-The cluster is fasop/data/clusters/h100-a100-a10g.toml (32 H100, 64 A100 and 32 A10G nodes of 8 GPUs); the profiles
-are fasop/data/profiles/llama2-70b/{H100,A100,A10G}.csv, written by `fasop profile synth` (each file says how to
+The cluster is clusters/h100-a100-a10g.toml (32 H100, 64 A100 and 32 A10G nodes of 8 GPUs); the profiles
+are profiles/llama2-70b/{H100,A100,A10G}.csv, written by `fasop profile synth` (each file says how to
 regenerate it). Prints the wall time (start-up excluded, loading included), the plans evaluated and the best
 plan. Placements are searched as type blocks (a heuristic, docs/cost-model.md section 1).
 """

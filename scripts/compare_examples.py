@@ -7,6 +7,7 @@ with `fasop profile synth`, as the tests do).
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,8 @@ def synthesised_bert_profiles(folder: Path) -> Path:
 
 
 def main() -> None:
+    # no options: --help shows the above (running rewrites docs/compare.md)
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     sections = ["# `fasop compare` on the bundled clusters", "",
                 "Produced by `python scripts/compare_examples.py`; every number is fasop's estimate, not a "
                 "measurement. bert on h100-a100-a10g uses bert's measured A100 profile and synthesised H100 and "

@@ -142,8 +142,8 @@ def convert(source, prefix, gpu):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path, metavar="SOURCE_DIR", help="directory of FASOP's .npy profiles")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "fasop" / "data" / "profiles",
-                        help="profiles directory to write (default: the bundled fasop/data/profiles/)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "profiles",
+                        help="profiles directory to write (default: the bundled profiles/)")
     args = parser.parse_args(argv)
     for prefix in MODELS:
         for gpu in GPUS:

@@ -3,6 +3,7 @@
 # sbatch) and the shell linter; into the active Python, torch (CPU wheel) and megatron-core.
 # Run as root, inside the project's virtualenv; safe to run again when everything is installed.
 set -euo pipefail
+[[ "${1:-}" != -h && "${1:-}" != --help ]] || { sed -n '2,/^set /s/^# \{0,1\}//p' "$0"; exit 0; }  # usage: the comment above
 
 PYTHON="${PYTHON:-python}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"

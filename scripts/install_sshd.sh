@@ -4,6 +4,7 @@
 # started here (a policy-rc.d denies it while the package installs, unless the machine has one already).
 # Run as root; safe to run again when everything is installed.
 set -euo pipefail
+[[ "${1:-}" != -h && "${1:-}" != --help ]] || { sed -n '2,/^set /s/^# \{0,1\}//p' "$0"; exit 0; }  # usage: the comment above
 
 if command -v sshd >/dev/null 2>&1 || [[ -x /usr/sbin/sshd ]]; then
     /usr/sbin/sshd -V 2>&1 | head -n 1 || true

@@ -2,7 +2,7 @@
 
     python scripts/measure_accuracy.py [--instances 200] [--seed 0]
 
-1. The 1F1B closed form (docs/cost-model.md section 4) against the event simulation of fasop/cost/simulate.py:
+1. The 1F1B closed form (docs/cost-model.md section 4) against the event simulation of tests/simulate.py:
    on the best plan of each of FASOP's six experiments, and on random stage sets (speeds 0.3x to 3x apart).
 2. The placement subset that large searches use (type blocks and their rotations, docs/cost-model.md
    section 1) against exhaustive search, on random clusters of up to 16 nodes of up to 3 GPU types that are
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,14 +24,15 @@ import numpy as np
 
 import fasop
 from fasop.cost.problem import PartitionBatch
-from fasop.cost.simulate import simulate_1f1b
-from fasop.inputs.cluster import Cluster, Derating, NodeType, parse_bandwidth
+from fasop.inputs.bandwidth import parse_bandwidth
+from fasop.inputs.cluster import Cluster, Derating, NodeType
 from fasop.inputs.model import Model
 from fasop.search import search_plans
 from fasop.search.estimate import plan_costs
 from fasop.search.placement import more_sequences_than, placement_unit, type_order
 from fasop.search.space import prepare
 
+TESTS = Path(__file__).resolve().parents[1] / "tests"
 EXPERIMENTS = [("gpt2-xl", "fasop-8xA10"), ("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-4xA10"),
                ("bert", "fasop-1xA100-3xA10"), ("t5", "fasop-8xA10"), ("t5", "fasop-1xA100-7xA10")]
 
@@ -38,6 +40,7 @@ EXPERIMENTS = [("gpt2-xl", "fasop-8xA10"), ("gpt2-xl", "fasop-1xA100-7xA10"), ("
 SPEED = {"fast": 1.0, "mid": 2.0, "slow": 4.5}
 MEMORY_GIB = {"fast": 40.0, "mid": 24.0, "slow": 16.0}
 NETWORK = {"fast": "100 Gbit/s", "mid": "50 Gbit/s", "slow": "25 Gbit/s"}
+MEMORY_BANDWIDTH = {"fast": "1555 GB/s", "mid": "600 GB/s", "slow": "300 GB/s"}  # an A100, an A10, an L4
 
 
 def write_profiles(folder: Path) -> None:
@@ -63,7 +66,8 @@ def random_instance(rng: random.Random) -> tuple[Model, Cluster]:
     for _ in range(rng.randint(2, 16) - len(types)):
         counts[rng.randrange(len(types))] += 1
     nodes = {t: NodeType(t, t, gpus, rng.choice([MEMORY_GIB[t], MEMORY_GIB[t] / 8]), parse_bandwidth("100 GB/s", t),
-                         parse_bandwidth(NETWORK[t], t), 1.0 + SPEED[t], n) for t, n in zip(types, counts)}
+                         parse_bandwidth(NETWORK[t], t), 1.0 + SPEED[t], n, parse_bandwidth(MEMORY_BANDWIDTH[t], t))
+             for t, n in zip(types, counts)}
     return model, Cluster("random", nodes, Derating(), 1.0)
 
 
@@ -101,6 +105,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    sys.path.insert(0, str(TESTS))  # the event simulation is a test oracle
+    from simulate import simulate_1f1b
 
     print("1F1B closed form against the event simulation (closed / simulated - 1)")
     for model_name, cluster_name in EXPERIMENTS:

@@ -11,6 +11,7 @@ of 1,000 nodes). Plan records list every node of every stage, so memory grows wi
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -49,9 +50,15 @@ def cases(folder: Path) -> dict[str, list[str]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cases", nargs="*", metavar="CASE", help="the cases to run (default: every case)")
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         table = cases(Path(tmp))
-        for name in sys.argv[1:] or list(table):
+        unknown = sorted(set(args.cases) - set(table))
+        if unknown:
+            parser.error(f"unknown case {unknown[0]} (cases: {', '.join(table)})")
+        for name in args.cases or list(table):
             command = [sys.executable, "-m", "fasop", "search", *table[name], "--workers", "1", "--top", "1"]
             started = time.perf_counter()
             child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -5,10 +5,11 @@
 #
 #   scripts/profile_on_gpu.sh [GPU] [OUT_DIR]
 #
-# GPU: the GPU type of fasop/data/catalogue/gpus.toml the profile is for (default H100). OUT_DIR: where to write
-# <model>-<GPU>-measured.csv (default: fasop/data/profiles/<model>/<GPU>-measured.csv, beside the bundled profiles).
+# GPU: the GPU type of clusters/catalogue/gpus.toml the profile is for (default H100). OUT_DIR: where to write
+# <model>-<GPU>-measured.csv (default: profiles/<model>/<GPU>-measured.csv, beside the bundled profiles).
 # Environment: PYTHON (default python3), REPEAT (timed passes, default 20), WARMUP (default 5).
 set -euo pipefail
+[[ "${1:-}" != -h && "${1:-}" != --help ]] || { sed -n '2,/^set /s/^# \{0,1\}//p' "$0"; exit 0; }  # usage: the comment above
 
 cd "$(dirname "$0")/.."
 GPU="${1:-H100}"
@@ -22,7 +23,7 @@ for model in gpt2-xl llama2-7b; do
     if [[ -n "$OUT_DIR" ]]; then
         measured="$OUT_DIR/$model-$GPU-measured.csv"
     else
-        measured="fasop/data/profiles/$model/$GPU-measured.csv"
+        measured="profiles/$model/$GPU-measured.csv"
     fi
     echo "== $model on $GPU: measuring into $measured"
     # the measured profile is its own GPU type, <GPU>-measured, beside the bundled <GPU>.csv
@@ -31,7 +32,7 @@ for model in gpt2-xl llama2-7b; do
     cat "$measured"
     synth="$synth_dir/$model.csv"
     if ! "$PYTHON" -m fasop profile synth --model "$model" --gpu "$GPU" --tp 1 --mbs 1,2,4,8 --out "$synth" --force; then
-        echo "(no synthetic profile for $GPU: not in fasop/data/catalogue/gpus.toml)"
+        echo "(no synthetic profile for $GPU: not in clusters/catalogue/gpus.toml)"
         continue
     fi
     echo "== $model on $GPU: measured against fasop profile synth (milliseconds)"

@@ -87,6 +87,9 @@ def model_fields(draw) -> dict:
     return fields
 
 
+HARDWARE = ("gpu", "gpu_memory_gib", "gpu_memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth")
+
+
 @st.composite
 def cluster_tables(draw, precision: str, gpus: list[str] | None = None, most_nodes: int = 16) -> tuple[dict, list[dict]]:
     """([cluster] table, [[node_type]] tables): 1 to 3 node types of 1 to `most_nodes` nodes, one GPUs-per-node
@@ -106,8 +109,11 @@ def cluster_tables(draw, precision: str, gpus: list[str] | None = None, most_nod
             "intra_node_bandwidth": draw(bandwidths(1e9, 1e15)),  # up to 1 PB/s: generous links
             "inter_node_bandwidth": draw(bandwidths(1e7, 1e15)),
         }
+        if node["gpu"] not in GPU_SPECS or draw(st.booleans()):  # the catalogue's figure, or the node type's own
+            node["gpu_memory_bandwidth"] = draw(bandwidths(1e11, 1e13))
         if nodes and draw(st.booleans()):  # the same hardware under another name (a second partition, say)
-            node.update({k: nodes[0][k] for k in ("gpu", "gpu_memory_gib", "intra_node_bandwidth", "inter_node_bandwidth")})
+            node = {key: value for key, value in node.items() if key not in HARDWARE}
+            node.update({key: value for key, value in nodes[0].items() if key in HARDWARE})
         node["price_per_hour_usd"] = draw(st.one_of(st.just(0.0), st.floats(0.05, 100.0).map(lambda p: round(p, 4))))
         node["count"] = draw(st.integers(1, most_nodes))
         nodes.append(node)

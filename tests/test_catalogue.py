@@ -10,10 +10,10 @@ import pytest
 from conftest import toml_table
 
 from fasop.cli import main
+from fasop.cost.roofline import unit_work
 from fasop.inputs.catalogue import load_gpu_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.inputs.roofline import unit_work
 
 MY_GPU = {"name": "MyGPU-24G", "dense_fp16_tflops": 100.0, "dense_bf16_tflops": 100.0, "memory_gib": 24.0,
           "memory_bandwidth_gb_per_s": 1000.0, "intra_node_link": "25 GB/s", "matmul_efficiency": 0.5,

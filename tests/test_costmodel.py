@@ -7,13 +7,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from pipelines import closed_form, closed_form_terms
+from simulate import simulate_1f1b
 
 import fasop
 from fasop.cost.communication import geometry, with_embedding_group
 from fasop.cost.config import Config, embedding_stages
 from fasop.cost.memory import bytes_per_param, layer_activation_bytes
 from fasop.cost.schedule import makespan_s
-from fasop.cost.simulate import simulate_1f1b
 from fasop.cost.step import stage_costs
 from fasop.inputs.cluster import Cluster, Derating, NodeType
 from fasop.inputs.model import Model
@@ -27,11 +27,14 @@ EXACT_PARTITION_GAP = 0.05
 
 
 def node_type(name, gpus=2, intra="80 GB/s", inter="10 GB/s", memory=16.0, count=1, gpu=None):
-    from fasop.inputs.cluster import parse_bandwidth
+    """A node type whose GPU memory has no bandwidth limit: the optimizer step, which the hand computations
+    here leave out, takes no time."""
+    from fasop.inputs.bandwidth import parse_bandwidth
 
     return NodeType(name=name, gpu=gpu or name, gpus_per_node=gpus, gpu_memory_gib=memory,
                     intra_node_bytes_per_s=parse_bandwidth(intra, "test"),
-                    inter_node_bytes_per_s=parse_bandwidth(inter, "test"), price_per_hour_usd=3.6, count=count)
+                    inter_node_bytes_per_s=parse_bandwidth(inter, "test"), price_per_hour_usd=3.6, count=count,
+                    gpu_memory_bytes_per_s=float("inf"))
 
 
 def cluster(*types, derating=None, margin=1.0):

@@ -608,6 +608,19 @@ def test_cli_rank_beyond_the_list(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("missing, option", [("model_file", "--model"), ("cluster_file", "--cluster")])
+def test_cli_a_plan_that_names_no_input_file_needs_the_option(tmp_path, missing, option):
+    cluster = write_cluster(tmp_path)
+    plan = fresh_plan(tmp_path)
+    del plan[missing]
+    plans = write_plans(tmp_path, [plan])
+    result = runner().invoke(emit, ["--plans", str(plans), "--out", str(tmp_path / "o")])
+    one_line_error(result, f"names no {missing}", f"give {option}")
+    given = {"--model": "gpt2-xl", "--cluster": str(cluster)}[option]
+    result = runner().invoke(emit, ["--plans", str(plans), "--out", str(tmp_path / "o"), option, given])
+    assert result.exit_code == 0, result.stderr
+
+
 def test_cli_output_directory_with_files(tmp_path):
     write_cluster(tmp_path)
     plans = write_plans(tmp_path, [fresh_plan(tmp_path)])

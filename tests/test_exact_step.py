@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from simulate import simulate_1f1b, simulate_interleaved_1f1b
 
 import fasop
-from fasop.cost.exact import OPTIMIZER_BYTES_MIXED, ScheduleBatch, bucket_params, chunk_layers
+from fasop.cost.exact import ScheduleBatch, bucket_params, chunk_layers
 from fasop.cost.pipeline import in_flight
 from fasop.cost.schedule import makespan_s
-from fasop.cost.simulate import simulate_1f1b, simulate_interleaved_1f1b
 from fasop.errors import InputError
+from fasop.inputs.bundled import locate
 from fasop.search import search_plans
 
 
@@ -106,9 +107,46 @@ def test_the_optimizer_step_is_a_pass_over_the_optimizer_shard():
     layers = 12 * model.layer_params("layer")
     params = max(model.embedding_params(1) + layers, model.head_params(1, shares_stage_with_embedding=False) + layers)
     bandwidth = 600e9  # the bundled catalogue's A10
-    assert whole.optimizer_s == pytest.approx(params * OPTIMIZER_BYTES_MIXED / bandwidth)
+    # fp16 Adam: the fp32 main gradient read twice (8), fp32 weight and moments read and written (24), the fp16
+    # weight written (2)
+    assert whole.optimizer_s == pytest.approx(params * 34 / bandwidth)
     assert sharded.optimizer_s == pytest.approx(whole.optimizer_s / 4)
     assert sharded.step_time_s > sharded.pipeline_time_s + sharded.optimizer_s
+
+
+# an A10 with half the bundled catalogue's memory bandwidth (600 GB/s), the rest as bundled
+A10_AT_300_GB_PER_S = """
+[[gpu]]
+name = "A10"
+dense_fp16_tflops = 125.0
+dense_bf16_tflops = 125.0
+memory_gib = 22.49
+memory_bandwidth_gb_per_s = 300.0
+intra_node_link = "64 GB/s"
+matmul_efficiency = 0.58
+"""
+
+
+def test_the_optimizer_step_runs_at_the_memory_bandwidth_the_cluster_file_gives(tmp_path):
+    """The GPU's memory bandwidth is the cluster file's where it gives one: its own [[gpu]] table over the bundled
+    catalogue, a node type's gpu_memory_bandwidth over both; a GPU in neither, without it, is refused."""
+    model = fasop.load_model("gpt2-xl")
+    bundled_text = locate("clusters", "fasop-4xA10", ".toml", "--cluster")[0].read_text()
+    path = tmp_path / "cluster.toml"
+
+    def optimizer_s(text: str) -> float:
+        path.write_text(text)
+        return fasop.estimate(model, fasop.load_cluster(str(path)), tp=1, dp=4, pp=4, mbs=1, placement=["A10"] * 4,
+                              layers=[12] * 4, overlap=False).optimizer_s
+
+    as_bundled = optimizer_s(bundled_text)
+    assert optimizer_s(bundled_text + A10_AT_300_GB_PER_S) == pytest.approx(2 * as_bundled, rel=1e-12)
+    own = bundled_text.replace('gpu = "A10"\n', 'gpu = "A10"\ngpu_memory_bandwidth = "150 GB/s"\n')
+    assert optimizer_s(own + A10_AT_300_GB_PER_S) == pytest.approx(4 * as_bundled, rel=1e-12)
+    path.write_text(bundled_text.replace('gpu = "A10"\n', 'gpu = "MI50"\n'))
+    with pytest.raises(InputError) as refused:
+        fasop.load_cluster(str(path))
+    assert "node_type.A10.gpu_memory_bandwidth: missing, and GPU 'MI50' is in neither" in str(refused.value)
 
 
 # -- interleaved (virtual) stages ------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from strategies import GPU_SPECS, model_fields
 
 from fasop import load_model
+from fasop.cost.roofline import Rates, unit_times, unit_work
 from fasop.inputs.profiles import Curve, load_profiles, roofline_shape
-from fasop.inputs.roofline import Rates, unit_times, unit_work
 
 GPT2 = load_model("gpt2-xl")
 A100 = GPU_SPECS["A100"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT / "fasop" / "data" / "profiles"
+PROFILES = ROOT / "profiles"
 SCRIPT = ROOT / "scripts" / "convert_fasop_profiles.py"
 SOURCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "fasop-profiles"
 

@@ -23,11 +23,11 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from simulate import simulate_1f1b, simulate_interleaved_1f1b
 from strategies import ExplicitPlan, Spec, Written, explicit_plans, specs, write
 
 from fasop.cli import main
 from fasop.cost.config import chunk_layers
-from fasop.cost.simulate import simulate_1f1b, simulate_interleaved_1f1b
 from fasop.plans import CSV_LIST_SEPARATOR, load_plans, write_plans
 from fasop.search import estimate, search_plans
 from fasop.search.engine import SORT_KEYS

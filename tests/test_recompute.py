@@ -15,11 +15,11 @@ import fasop
 from fasop.cost.config import Config, recomputed_affine, recomputed_layers
 from fasop.cost.memory import GIB, layer_activation_bytes, stage_memory_gib, stage_params
 from fasop.cost.pipeline import in_flight
+from fasop.cost.roofline import Rates, attention_core_share, attention_core_time_share, unit_work
 from fasop.errors import InputError
 from fasop.inputs.catalogue import load_gpu_spec
 from fasop.inputs.cluster import Cluster, Derating, NodeType, load_cluster
 from fasop.inputs.model import Model
-from fasop.inputs.roofline import Rates, attention_core_share, attention_core_time_share, unit_work
 from fasop.search import search_plans
 
 # GPT-3 175B's layer as Korthikanti et al. 2022 use it (Table 3): s = 2048, h = 12288, a = 96, dropout, no
@@ -220,8 +220,9 @@ def _tiny(tmp_path, memory_gib=16.0, overhead_gib=0.0, gpus=1, seq=32, layers=4)
     rows = ["tp,mbs,kind,forward_s,backward_s", "1,1,embedding,0.001,0.002", "1,1,layer,0.010,0.020",
             "1,1,head,0.002,0.004", "2,1,embedding,0.001,0.002", "2,1,layer,0.006,0.012", "2,1,head,0.002,0.004"]
     (tmp_path / "G.csv").write_text("\n".join(rows) + "\n")
+    # memory without a bandwidth limit: the optimizer step takes no time
     node = NodeType(name="G", gpu="G", gpus_per_node=gpus, gpu_memory_gib=memory_gib, intra_node_bytes_per_s=10e9,
-                    inter_node_bytes_per_s=1e9, price_per_hour_usd=3.6, count=2)
+                    inter_node_bytes_per_s=1e9, price_per_hour_usd=3.6, count=2, gpu_memory_bytes_per_s=math.inf)
     cluster = Cluster(name="t", node_types={"G": node}, derating=Derating(), gpu_memory_overhead_gib=overhead_gib)
     return model, cluster, str(tmp_path)
 

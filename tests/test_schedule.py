@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pipelines import closed_form
+from simulate import simulate_1f1b, simulate_interleaved_1f1b
 
 import fasop.cost.schedule as schedule
 from fasop.cost.schedule import interleaving_error, makespan_s, op_times, stage_program
-from fasop.cost.simulate import simulate_1f1b, simulate_interleaved_1f1b
 from fasop.errors import InputError
 from fasop.timeline import plot_timeline
 

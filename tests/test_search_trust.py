@@ -4,7 +4,7 @@ full search's best plans, and work stays bounded by the answer rather than by th
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from fasop.errors import InputError
@@ -12,7 +12,7 @@ from fasop.inputs.cluster import Cluster, Derating, NodeType
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import Curve, GpuProfile
 from fasop.market.pareto import MAX_COMPOSITIONS, compositions
-from fasop.search import engine, search_plans
+from fasop.search import evaluation, search_plans
 from fasop.search.placement import SUBSET_NODES, placements
 from fasop.search.space import MAX_GLOBAL_BATCH, divisors
 
@@ -43,7 +43,7 @@ def profile_of(gpu: str, speed: float) -> GpuProfile:
 
 def cluster_of(types: list[tuple[str, int, float, float]], gpus_per_node: int) -> Cluster:
     """types: (gpu, count, memory GiB, price) per node type; bandwidths in round numbers."""
-    nodes = {f"n{i}": NodeType(f"n{i}", gpu, gpus_per_node, memory, 50e9, 12.5e9, price, count)
+    nodes = {f"n{i}": NodeType(f"n{i}", gpu, gpus_per_node, memory, 50e9, 12.5e9, price, count, 1e12)
              for i, (gpu, count, memory, price) in enumerate(types)}
     return Cluster("c", nodes, Derating(), 1.0)
 
@@ -67,14 +67,14 @@ def test_pruned_search_returns_the_full_searchs_best(instance, sort):
     try:
         full = search_plans(model, cluster, profiles=profiles, sort=sort, workers=1).plans
     except InputError:  # no plan can use the batch size on these GPUs
-        return
+        reject()
     for plan in full:
         assert sum(plan.layers_per_stage) == model.num_layers
     for keep in (1, 2, 3, 5):
         # the threshold also tightens after every single problem: soundness may not depend on the chunk size
-        for chunk in (1, engine.PRUNE_CHUNK):
+        for chunk in (1, evaluation.PRUNE_CHUNK):
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(engine, "PRUNE_CHUNK", chunk)
+                patch.setattr(evaluation, "PRUNE_CHUNK", chunk)
                 pruned = search_plans(model, cluster, profiles=profiles, sort=sort, keep=keep, workers=1).plans
             assert pruned == full[:keep]
 

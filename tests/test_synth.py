@@ -11,14 +11,14 @@ from click.testing import CliRunner
 
 from fasop import load_model
 from fasop.cli import main
+from fasop.cost import roofline
 from fasop.errors import InputError
-from fasop.inputs import roofline
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import load_profiles, read_profile
 from fasop.profile import synth
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT / "fasop" / "data" / "profiles"
+PROFILES = ROOT / "profiles"
 
 # The bundled synthetic profiles: the three-type cluster clusters/h100-a100-a10g.toml needs H100, A100 and
 # A10G profiles; gpt2-xl's A100 (and A10) profiles are FASOP's measurements.

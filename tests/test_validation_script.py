@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from fasop.cost.roofline import Rates, attention_core_share, attention_core_time_share, unit_work
 from fasop.errors import InputError
 from fasop.inputs.catalogue import load_gpu_spec
-from fasop.inputs.roofline import Rates, attention_core_share, attention_core_time_share, unit_work
 from fasop.profile.synth import synthesize
 
 ROOT = Path(__file__).resolve().parents[1]

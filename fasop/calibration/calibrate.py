@@ -33,8 +33,9 @@ from fasop.calibration.validate import Setting, mape_pct, predict_step_s
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.csvfile import csv_rows
-from fasop.inputs.profiles import GpuProfile
+from fasop.inputs.profiles import DEFAULT_DEGREES, GpuProfile
 from fasop.inputs.tomlfile import read_toml
+from fasop.profile import synth
 
 COMPUTE_BOUNDS = (0.25, 4.0)
 BANDWIDTH_BOUNDS = (0.1, 10.0)
@@ -272,9 +273,17 @@ def calibrated_cluster_text(cluster_path: Path, cluster: Cluster, outcome: Outco
     return "\n".join(lines) + "\n"
 
 
-def scaled_profile_text(profile: GpuProfile, scale: float, comments: list[str]) -> str:
-    """The profile file with every time multiplied by `scale`; its own comments kept under `comments`."""
-    text = files.read_text(profile.file, files.CSV_LIMIT_BYTES)
+def scaled_profile_text(setting: Setting, gpu: str, scale: float, comments: list[str]) -> str:
+    """The profile file of `gpu` with every time multiplied by `scale`; its own comments kept under `comments`
+    (a synthesised profile: the file `fasop profile synth` writes of it)."""
+    profile = setting.profiles[gpu]
+    if profile.synthesised:
+        spec = merged_specs(own=setting.cluster.gpus)[gpu]
+        tps = profile.tensor_degrees
+        text = synth.format_profile(synth.synthesize(setting.model, spec, tps, DEFAULT_DEGREES),
+                                    synth.header_lines(setting.model, spec, tps, DEFAULT_DEGREES))
+    else:
+        text = files.read_text(profile.file, files.CSV_LIMIT_BYTES)
     kept = [line for line in text.splitlines() if line.lstrip().startswith("#")]
     rows = [cells for _, cells in csv_rows(((n, line) for n, line in enumerate(text.splitlines(), start=1)
                                             if line.strip() and not line.lstrip().startswith("#")), profile.file)]

@@ -34,7 +34,7 @@ class Setting:
 
     @property
     def input_paths(self) -> list[Path]:
-        return [*self.files] + [Path(p.file) for p in self.profiles.values()]
+        return [*self.files] + [Path(p.file) for p in self.profiles.values() if not p.synthesised]
 
 
 def load_settings(runs: list[MeasuredRun], profiles_dir: str | None) -> list[Setting]:

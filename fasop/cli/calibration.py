@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from fasop.calibration.measured import WARMUP_ITERS, input_files, merge_repeats, read_measured
-from fasop.cli.common import check_outputs, force_option, reports_input_errors
+from fasop.cli.common import check_outputs, force_option, note_synthesised, reports_input_errors
 from fasop.errors import InputError
 from fasop.files import pending_write
 
@@ -46,6 +46,8 @@ def _runs_and_settings(measured, warmup_iters, model_name, cluster_name, profile
     settings = load_settings(runs, profiles_dir)
     if note:
         click.echo(note, err=True)
+    for setting in {id(s): s for s in settings}.values():
+        note_synthesised(setting.model, setting.profiles)
     return runs, settings
 
 
@@ -124,8 +126,8 @@ def calibrate(measured, warmup_iters, model_name, cluster_name, profiles_dir, ou
                                                 today), "--out")]
     if profiles_out is not None:
         texts += [(profiles_out / f"{gpu}.csv",
-                   cal.scaled_profile_text(profile, outcome.values[cal.Factor("compute", gpu)], comments),
-                   "--profiles-out") for gpu, profile in sorted(setting.profiles.items())]
+                   cal.scaled_profile_text(setting, gpu, outcome.values[cal.Factor("compute", gpu)], comments),
+                   "--profiles-out") for gpu in sorted(setting.profiles)]
     # every file is written beside its place first and moved in only once all of them are written
     with ExitStack() as stack:
         for path, text, option in texts:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -16,8 +17,9 @@ import click
 from fasop import files
 from fasop.errors import InputError
 from fasop.inputs import bundled
+from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.names import NAME, NAME_RULE
-from fasop.inputs.profiles import profile_paths
+from fasop.inputs.profiles import GpuProfile, load_profiles, profile_paths
 
 PROGRESS_DELAY_S = 1.0  # runs shorter than this never show a bar
 
@@ -42,7 +44,9 @@ cluster_option = click.option("--cluster", "cluster_name", required=True, metava
                               help="A bundled cluster (fasop-1xA100-7xA10, ...) or a cluster TOML file.")
 gbs_option = click.option("--gbs", type=int, default=None, help="Global batch size (default: the model file's).")
 profiles_option = click.option("--profiles", "profiles_dir", default=None, metavar="DIR",
-                               help="Folder of <gpu>.csv profiles (default: the bundled profiles/<model>).")
+                               help="Folder of <gpu>.csv profiles, one for every GPU type of the cluster (default: "
+                                    "the bundled profiles/<model>, GPU types without one there synthesised from the "
+                                    "roofline).")
 mismatch_option = click.option("--allow-profile-mismatch", is_flag=True,
                                 help="Use profiles whose fasop-profile header line names another model or GPU.")
 optimizer_option = click.option("--distributed-optimizer/--no-distributed-optimizer", default=True, show_default=True,
@@ -108,6 +112,25 @@ def input_paths(model_name: str, cluster_name: str, model, cluster, profiles_dir
             *profiles.values()]
 
 
+def run_profiles(model, cluster, profiles_dir: str | None, allow_mismatch: bool = False) -> dict[str, GpuProfile]:
+    """The profiles of `model` for the GPU types of `cluster` (its own [[gpu]] tables merged over the catalogue),
+    with a note on stderr when some were synthesised."""
+    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_mismatch,
+                             merged_specs(own=cluster.gpus))
+    note_synthesised(model, profiles)
+    return profiles
+
+
+def note_synthesised(model, profiles: dict[str, GpuProfile]) -> None:
+    """One line on stderr naming the GPU types whose profiles were synthesised, and how to measure them."""
+    synthesised = sorted(gpu for gpu, profile in profiles.items() if profile.synthesised)
+    if synthesised:
+        model_arg = shlex.quote(model.file or model.name)
+        click.echo(f"note: no profile of {model.name} for {', '.join(synthesised)}: synthesised from the roofline "
+                   "(an estimate; measured runs are slower); to measure instead, run `fasop profile layers --model "
+                   f"{model_arg} --gpu GPU --out DIR/GPU.csv` for each GPU type and pass --profiles DIR", err=True)
+
+
 @contextmanager
 def progress_bar(label: str) -> Iterator[Callable[[int, int], None]]:
     """A `progress(done, total)` callback that shows click's progress bar on stderr, only on a terminal and only
@@ -145,5 +168,5 @@ def catalogue_options(command):
     command = click.option("--cluster", "gpus_cluster", default=None, metavar="NAME|FILE",
                            help="A cluster file whose [[gpu]] tables add or replace GPUs (over --catalogue).")(command)
     return click.option("--catalogue", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                        metavar="FILE", help="Your own [[gpu]] tables (catalogue/gpus.toml's format), merged over "
+                        metavar="FILE", help="Your own [[gpu]] tables (clusters/catalogue/gpus.toml's format), merged over "
                                              "the bundled catalogue: they add GPUs or replace one of the same name.")(command)

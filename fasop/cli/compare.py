@@ -10,10 +10,8 @@ import click
 from fasop.cli import common
 from fasop.errors import InputError
 from fasop.files import pending_write
-from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.inputs.profiles import load_profiles
 from fasop.plans import plans_text
 from fasop.plot import plot_comparison
 from fasop.search.compare import as_csv, plan_list, table
@@ -49,8 +47,7 @@ def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch,
     model, cluster = load_model(model_name), load_cluster(cluster_name)
     outputs = [(path, option) for path, option, _ in checks if path is not None]
     common.check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir), force)
-    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir,
-                             allow_profile_mismatch, merged_specs(own=cluster.gpus))
+    profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
     families = run_compare(model, cluster, profiles, gbs, distributed_optimizer, overlap)
     batch = gbs or model.global_batch_size
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {batch}")

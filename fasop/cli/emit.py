@@ -41,12 +41,17 @@ def launcher_options(command):
     return command
 
 
-def _resolve_input(value: str, plans_path: Path) -> str:
-    """A file named in the plan list: as given if it exists, else beside the plan list, else as given (a name)."""
-    if Path(value).exists():
-        return value
-    beside = plans_path.parent / value
-    return str(beside) if beside.exists() else value
+def _input_file(option: str | None, recorded: str | None, kind: str, where: str, plans_path: Path) -> str:
+    """The --model or --cluster given, else the file the plan names: as named if it exists, else beside the
+    plan list, else as named (a bundled name); an error when neither names one."""
+    if option is not None:
+        return option
+    if recorded is None:
+        raise InputError(where, f"names no {kind}_file; give --{kind}")
+    if Path(recorded).exists():
+        return recorded
+    beside = plans_path.parent / recorded
+    return str(beside) if beside.exists() else recorded
 
 
 def _type_map(values: tuple[str, ...], option: str) -> tuple[str | None, dict[str, str]]:
@@ -143,8 +148,9 @@ def emit(plans_file: str, rank: int, out_dir: str, force: bool, model_name: str 
 
     DIR gets sbatch.sh (one Slurm job, a heterogeneous-job component per run of node types in the plan's
     placement order), run_inter.sh (torchrun and Megatron-LM flags, one per node) and plan.json (the plan and
-    its estimate). The plan is estimated afresh from the model, cluster and profiles first, and refused when
-    the figures in the plan file disagree. Submit with: cd DIR && sbatch sbatch.sh
+    its estimate). The plan is estimated afresh from the model, cluster and profiles first (the plan's
+    `profiles` folder unless --profiles is given), and refused when the figures in the plan file disagree.
+    Submit with: cd DIR && sbatch sbatch.sh
     """
     written = _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions, gres_types,
                     extra_flags, profiles_dir, site)
@@ -164,12 +170,11 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
     out = Path(out_dir)
     check_out_dir(out, force)
     where = f"{plans_file}: plan {rank}"
-    for key, option in (("model_file", model_name), ("cluster_file", cluster_name)):
-        if option is None and getattr(plan, key) is None:
-            raise InputError(where, f"names no {key}; give --{key.split('_')[0]}")
-    model_file = model_name or _resolve_input(plan.model_file, plans_path)
-    cluster_file = cluster_name or _resolve_input(plan.cluster_file, plans_path)
+    model_file = _input_file(model_name, plan.model_file, "model", where, plans_path)
+    cluster_file = _input_file(cluster_name, plan.cluster_file, "cluster", where, plans_path)
     model, cluster = load_model(model_file), load_cluster(cluster_file)
+    if profiles_dir is None and plan.profiles is not None:  # the folder the plan was made with
+        profiles_dir = _input_file(None, plan.profiles, "profiles", where, plans_path)
     data_parallel = plan.is_data_parallel  # kinds ddp and zero1-3 have their own estimate and launcher
     plan, warning = (restate_dp_plan if data_parallel else restate_plan)(plan, model, cluster, profiles_dir, force, where)
     # A plain NAME on the command line applies to every node type, over what the cluster file says.
@@ -179,7 +184,7 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
         for node_type in cluster.node_types.values():
             if default is not None and node_type.name not in mapping and node_type.gpu not in mapping:
                 mapping[node_type.name] = default
-    flags = []
+    flags: list[str] = []
     for value in extra_flags:
         flags += split_flags(value, "--extra-flags")
     overrides = {key: value for key, value in site.items() if key in LAUNCH_KEYS}

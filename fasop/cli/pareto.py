@@ -75,6 +75,7 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
     model, cluster = load_model(model_name), load_cluster(cluster_name)
     outputs = [(path, option) for path, option in ((output, "--output"), (chart, "--chart")) if path is not None]
     common.check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir), force)
+    profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
     todo = compositions(cluster, _max_nodes(max_nodes))
     batch = gbs or model.global_batch_size
     caps = ", ".join(f"0-{max(c[n] for c in todo)} {n}" for n in cluster.node_types)
@@ -85,8 +86,7 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
     started = time.perf_counter()
     with common.progress_bar("sweeping") as progress:
         records = sweep(model, cluster, todo, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
-                        profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer,
-                        allow_profile_mismatch=allow_profile_mismatch, progress=progress)
+                        distributed_optimizer=distributed_optimizer, progress=progress, profiles=profiles)
     elapsed = time.perf_counter() - started
     click.echo(front_table(records))
     on_front = sum(r["on_front"] for r in records)

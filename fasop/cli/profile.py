@@ -24,17 +24,17 @@ def profile():
 
 @profile.command()
 @model_option
-@profile_options(gpu_help="GPU type of catalogue/gpus.toml (A100, H100, A10G, L4, ...). It is also the profile's "
+@profile_options(gpu_help="GPU type of clusters/catalogue/gpus.toml (A100, H100, A10G, L4, ...). It is also the profile's "
                           "file name: a cluster's node_type `gpu` field picks profiles/<model>/<gpu>.csv.",
                  tp_default="1,2,4,8",
                  tp_help="Tensor-parallel degrees to estimate; each must divide the model's heads, query groups and FFN.",
                  mbs_help="Micro-batch sizes to estimate (fasop interpolates between them and scales beyond).")
 @click.option("--efficiency", type=float, default=None, metavar="F",
               help="Achievable fraction of the dense peak FLOP/s, in (0, 1] (default: the GPU's matmul_efficiency "
-                   "in catalogue/gpus.toml). Lower it to match a measured profile of another GPU type.")
+                   "in clusters/catalogue/gpus.toml). Lower it to match a measured profile of another GPU type.")
 @click.option("--link-bandwidth", default=None, metavar="BANDWIDTH",
               help='Intra-node link per GPU, one direction, for the tensor-parallel collectives (so with a --tp above '
-                   '1), e.g. "450 GB/s" (default: the GPU\'s intra_node_link in catalogue/gpus.toml).')
+                   '1), e.g. "450 GB/s" (default: the GPU\'s intra_node_link in clusters/catalogue/gpus.toml).')
 @click.option("--out", type=click.Path(path_type=Path), required=True, metavar="FILE",
               help="CSV to write. As profiles/<model>/<gpu>.csv, or <gpu>.csv in a folder passed to "
                    "`fasop search --profiles DIR`, the search uses it.")
@@ -48,7 +48,7 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
     Each unit (embedding, transformer layer, head) takes, kernel by kernel, max(FLOPs / (peak x efficiency),
     bytes / memory bandwidth), plus the GPU's kernel_launch_us per kernel and its tensor-parallel all-gathers
     and reduce-scatters over the intra-node link; backward does twice the forward FLOPs. See
-    fasop/inputs/roofline.py for what is counted. Small layers still run slower in practice: measure a profile
+    fasop/cost/roofline.py for what is counted. Small layers still run slower in practice: measure a profile
     when you can.
     """
     from fasop.profile import synth as synthesis

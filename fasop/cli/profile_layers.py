@@ -78,9 +78,9 @@ def layers(model_name, gpu, tp_text, mbs_text, device, repeat, warmup, out, forc
     sizes = [(tp, mbs) for tp in tps for mbs in mbss]
     with click.progressbar(length=len(sizes), label=f"measuring {model.name}", show_eta=True, show_pos=True,
                            file=sys.stderr,
-                           item_show_func=lambda size: size and f"tp={size[0]} mbs={size[1]}") as bar:
+                           item_show_func=lambda label: label) as bar:
         def on_size(tp, mbs):
-            bar.update(1, (tp, mbs))
+            bar.update(1, f"tp={tp} mbs={mbs}")
 
         try:
             rows, out_of_memory = measure.measure(model, tps, mbss, settings, on_size)

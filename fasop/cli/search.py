@@ -15,10 +15,8 @@ from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
 from fasop.cost.price import check_run_length
 from fasop.errors import InputError
 from fasop.files import check_finite, pending_write
-from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.inputs.profiles import load_profiles
 from fasop.plans import plans_text
 from fasop.search.robust import CANDIDATES, DEFAULT_TRIALS, MAX_SEED, MAX_TRIALS
 
@@ -100,8 +98,7 @@ def search(model_name, cluster_name, gbs, top, sort, output, force, train_steps,
 
         check_out_dir(emit_dir, force, "--emit")
     common.check_outputs(outputs, inputs, force)
-    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch,
-                             merged_specs(own=cluster.gpus))
+    profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
     started = time.perf_counter()
     with common.progress_bar("searching") as progress:
         result = search_plans(model, cluster, gbs, profiles_dir, distributed_optimizer=distributed_optimizer,
@@ -129,20 +126,25 @@ def search(model_name, cluster_name, gbs, top, sort, output, force, train_steps,
                f"as out of memory.")
     click.echo(TIMING_LEGEND)
     click.echo(format_table(plans, top))
-    if result.pruned:
-        click.echo(f"{result.pruned} layer partitions skipped: their lower bound cannot reach the best {top}.")
-    if result.dominated:
-        click.echo(f"{result.dominated} layer partitions skipped: another recompute mode, virtual size or encoder split "
-                   "of the same plan is provably never slower.")
-    if any(plan.placement_search != "exhaustive" for plan in plans[:top]):
-        click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
-                   "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
+    _echo_notes(result, top)
     if report is not None:
         click.echo(report)
     if output is not None:
         click.echo(f"{len(plans)} plans written to {output}")
     if emit_dir is not None:
         click.echo(f"launch scripts of plan 1 written to {emit_dir}; submit with: cd {emit_dir} && sbatch sbatch.sh")
+
+
+def _echo_notes(result, top) -> None:
+    """What the table does not show: the partitions skipped, and placements searched by a heuristic."""
+    if result.pruned:
+        click.echo(f"{result.pruned} layer partitions skipped: their lower bound cannot reach the best {top}.")
+    if result.dominated:
+        click.echo(f"{result.dominated} layer partitions skipped: another recompute mode, virtual size or encoder split "
+                   "of the same plan is provably never slower.")
+    if any(plan.placement_search != "exhaustive" for plan in result.plans[:top]):
+        click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
+                   "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
 
 
 def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> None:
@@ -199,8 +201,7 @@ def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, 
     from fasop.search import estimate as run_estimate
 
     model, cluster = load_model(model_name), load_cluster(cluster_name)
-    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch,
-                             merged_specs(own=cluster.gpus))
+    profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
     plan = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
                        layers=common.int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
                        distributed_optimizer=distributed_optimizer, profiles=profiles, overlap=overlap,

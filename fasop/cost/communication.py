@@ -15,15 +15,9 @@ from functools import cache
 import numpy as np
 
 from fasop.cost.config import Config
-from fasop.cost.memory import FP32_BYTES
+from fasop.cost.memory import gradient_bytes
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
-
-
-def gradient_comm_bytes(model: Model) -> int:
-    """Bytes per gradient element in the data-parallel reduction: Megatron-LM reduces bf16 training's
-    gradients in fp32 (it turns on accumulate-allreduce-grads-in-fp32 for bf16) and fp16's in fp16."""
-    return FP32_BYTES if model.precision in ("bf16", "fp32") else model.precision_bytes
 
 
 @cache
@@ -64,7 +58,7 @@ def allreduce_times(model: Model, geos: list[Geometry], config: Config, fixed_pa
     """(fixed, per layer, embedding) of each placement `geos`, with its stages' parameters (G, pp), each repeated
     for k micro-batch sizes (row g k + j): (G k, pp) data-parallel all-reduce of each stage's gradients beyond its
     layers, (G k, pp) what each layer adds, and (G k,) the tied embedding's all-reduce between its stages."""
-    grad_bytes = gradient_comm_bytes(model)
+    grad_bytes = gradient_bytes(model)
     per_byte = np.array([geo.dp_allreduce_s_per_byte for geo in geos])
     latency = np.array([geo.dp_allreduce_latency_s for geo in geos])
     ar_fixed = per_byte * grad_bytes * fixed_params + latency

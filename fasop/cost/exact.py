@@ -9,11 +9,11 @@ The partitioner (fasop.search.partition) optimises a closed form; the search ran
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from functools import cache
 
 import numpy as np
 
 from fasop.cost.config import Config, chunk_layers, per_stage, recomputed_layers
+from fasop.cost.memory import optimizer_traffic_bytes
 from fasop.cost.schedule import stage_times
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -145,43 +145,15 @@ class ScheduleBatch:
         }
 
 
-# Bytes each parameter of a rank's optimizer shard moves through GPU memory in one Adam step (Megatron-core's
-# DistributedOptimizer / Float16OptimizerWithFloat16Params, then torch's fused Adam): the gradient-norm pass
-# reads the fp32 main gradient (4); Adam reads it again (4), reads and writes the fp32 master weight (8) and the
-# two fp32 moments (16), and the updated weight is written back into the model's fp16/bf16 copy (2). fp32
-# training has no master copy: 4 + 4 + 8 + 16.
-OPTIMIZER_BYTES_MIXED = 34
-OPTIMIZER_BYTES_FP32 = 32
-
-
-def optimizer_bytes_per_param(model: Model) -> int:
-    return OPTIMIZER_BYTES_FP32 if model.precision == "fp32" else OPTIMIZER_BYTES_MIXED
-
-
-@cache
-def _catalogue_bandwidths() -> dict[str, float]:
-    from fasop.inputs.catalogue import load_gpu_specs
-
-    return {name: spec.memory_bytes_per_s for name, spec in load_gpu_specs().items()}
-
-
-def memory_bytes_per_s(cluster: Cluster, gpu: str) -> float:
-    """The GPU's memory bandwidth: the cluster file's own [[gpu]] table, else the bundled catalogue; 0 for a GPU
-    in neither (its optimizer step is then not charged)."""
-    own = cluster.gpus.get(gpu)
-    return own.memory_bytes_per_s if own is not None else _catalogue_bandwidths().get(gpu, 0.0)
-
-
 def optimizer_times(model: Model, cluster: Cluster, placements: list[tuple[tuple[str, ...], ...]], config: Config,
                     fixed_params: np.ndarray, layer_params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(fixed, per layer): (G, pp) seconds of each stage's optimizer step for G placements (the node types hosting
     each stage), a memory-bound pass over its ranks' optimizer state (sharded over the data-parallel group with the
     distributed optimizer) at the memory bandwidth of the stage's slowest GPU."""
     def slowest(names: tuple[str, ...]) -> float:
-        return min(memory_bytes_per_s(cluster, cluster.node_types[n].gpu) for n in names)
+        return min(cluster.node_types[n].gpu_memory_bytes_per_s for n in names)
 
     bandwidth: np.ndarray = np.array(per_stage(placements, slowest))
     shard = config.dp if config.distributed_optimizer else 1
-    with np.errstate(divide="ignore"):
-        per_param = np.where(bandwidth > 0, optimizer_bytes_per_param(model) / shard / bandwidth, 0.0)
+    per_param = optimizer_traffic_bytes(model) / shard / bandwidth
     return fixed_params * per_param, layer_params * per_param

@@ -28,18 +28,42 @@ FP32_BYTES = 4
 DROPOUT_MASK_BYTES = 1
 
 
-# Megatron-LM's model state per parameter (docs/user-guide distributed optimizer table): bytes every rank keeps,
-# and bytes the distributed optimizer shards over the data-parallel group (else kept whole). fp16: weights and
-# gradients in fp16 (4), fp32 main gradients, master weights and Adam moments (16); bf16: bf16 weights and fp32
-# gradients (6), fp32 master weights and moments (12); fp32: weights and gradients (8), moments (8).
-STATE_BYTES_PER_PARAM = {"fp16": (4, 16), "bf16": (6, 12), "fp32": (8, 8)}
+# Adam keeps two fp32 moments per parameter (momentum and variance) and, under mixed precision, fp32 master
+# weights: K = 12 bytes (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+# Models", section 3.1), 8 in fp32 training.
+ADAM_MOMENTS_BYTES = 2 * FP32_BYTES
+
+
+def gradient_bytes(model: Model) -> int:
+    """Bytes per gradient element in Megatron-LM's gradient buffer, the one the data-parallel group reduces: fp32
+    for bf16 training (it turns on accumulate-allreduce-grads-in-fp32 for bf16), fp16 for fp16's."""
+    return FP32_BYTES if model.precision in ("bf16", "fp32") else model.precision_bytes
+
+
+def optimizer_state_bytes(model: Model) -> int:
+    """Adam's state per parameter: its moments, and the master weights of mixed precision (12 bytes, 8 in fp32)."""
+    return ADAM_MOMENTS_BYTES + (0 if model.precision == "fp32" else FP32_BYTES)
 
 
 def bytes_per_param(model: Model, dp: int, distributed_optimizer: bool) -> float:
-    """Model-state bytes per parameter: 20, 18 and 16 for fp16, bf16 and fp32, or 4 + 16/d, 6 + 12/d and
-    8 + 8/d when the distributed optimizer shards its part over the d data-parallel ranks."""
-    kept, sharded = STATE_BYTES_PER_PARAM[model.precision]
+    """Megatron-LM's model state per parameter (its distributed-optimizer table): every rank keeps the weights and
+    the gradient buffer; Adam's state, with fp16's fp32 copy of the gradients, is the distributed optimizer's part,
+    sharded over the d data-parallel ranks (else kept whole). 20, 18 and 16 bytes for fp16, bf16 and fp32, or
+    4 + 16/d, 6 + 12/d and 8 + 8/d."""
+    kept = model.precision_bytes + gradient_bytes(model)
+    main_gradients = FP32_BYTES if gradient_bytes(model) < FP32_BYTES else 0
+    sharded = optimizer_state_bytes(model) + main_gradients
     return kept + sharded / (dp if distributed_optimizer else 1)
+
+
+def optimizer_traffic_bytes(model: Model) -> int:
+    """Bytes each parameter of a rank's optimizer shard moves through GPU memory in one Adam step (Megatron-core's
+    DistributedOptimizer / Float16OptimizerWithFloat16Params, then torch's fused Adam): the gradient-norm pass and
+    Adam each read the fp32 main gradient; Adam reads and writes the moments and the fp32 weights (the master
+    copy, or in fp32 training the weights themselves); mixed precision writes the updated weight back into the
+    model's copy. 34 bytes, 32 in fp32."""
+    copy = 0 if model.precision == "fp32" else model.precision_bytes
+    return 2 * FP32_BYTES + 2 * (ADAM_MOMENTS_BYTES + FP32_BYTES) + copy
 
 
 def usable_gib(cluster: Cluster, capacity_gib: Capacity) -> Capacity:

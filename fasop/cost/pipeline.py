@@ -1,5 +1,5 @@
 """The pipeline schedule, Megatron-LM's 1F1B: how many micro-batches each stage holds, and the time of the
-pipeline from per-stage compute and sends (docs/cost-model.md section 4; fasop.cost.simulate runs the same
+pipeline from per-stage compute and sends (docs/cost-model.md section 4; tests/simulate.py runs the same
 schedule event by event)."""
 
 from __future__ import annotations

@@ -14,11 +14,17 @@ from fasop.inputs.model import Model
 # any JSON reader.
 MAX_TRAIN_STEPS = 2**53
 MAX_TRAIN_TOKENS = float(2**53)
+SECONDS_PER_HOUR = 3600.0
 
 
 def price_per_hour_usd(cluster: Cluster, placement: tuple[str, ...] | list[str]) -> float:
     """Dollars per hour of the nodes of a placement."""
     return sum(cluster.node_types[n].price_per_hour_usd for n in placement)
+
+
+def cost_per_step_usd(hourly_price_usd: float, step_time_s: float) -> float:
+    """Dollars of one step of `step_time_s` seconds on nodes that cost `hourly_price_usd` an hour together."""
+    return hourly_price_usd * step_time_s / SECONDS_PER_HOUR
 
 
 def check_run_length(train_steps: int | None, train_tokens: float | None) -> None:
@@ -48,5 +54,5 @@ def add_training_run(row: dict, model: Model, train_steps: int | None, train_tok
     else:
         return
     row["train_steps"] = int(steps)
-    row["train_hours"] = row["step_time_s"] * steps / 3600.0
+    row["train_hours"] = row["step_time_s"] * steps / SECONDS_PER_HOUR
     row["train_cost_usd"] = row["cost_per_step_usd"] * steps

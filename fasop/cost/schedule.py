@@ -8,7 +8,7 @@ previous operation of its stage's program has ended and the operation it depends
 
 A forward waits for the forward of the same micro-batch one virtual stage up, a backward for the backward one
 virtual stage down (the very last virtual stage's backward for its own forward); a backward may first
-recompute its forward (activation recomputation). Sends are blocking, as in fasop/cost/simulate.py: a stage
+recompute its forward (activation recomputation). Sends are blocking, as in tests/simulate.py: a stage
 is busy while it sends what it produced, and the receiver may start once the send has ended. The programs are
 Megatron's (docs/cost-model.md section 4.1). The step's pipeline time is the makespan, when the first stage
 ends its last backward.

@@ -14,11 +14,19 @@ from itertools import chain
 
 import numpy as np
 
-from fasop.cost.communication import Geometry, allreduce_times, gradient_comm_bytes, p2p_times
+from fasop.cost.communication import Geometry, allreduce_times, p2p_times
 from fasop.cost.compute import recompute_times, stage_compute
 from fasop.cost.config import Config, fewest_layers, recomputed_affine, segments
 from fasop.cost.exact import ScheduleBatch, bucket_params, optimizer_times
-from fasop.cost.memory import StageMemory, layers_that_fit, stage_capacity_gib, stage_memory_gib, stage_params, usable_gib
+from fasop.cost.memory import (
+    StageMemory,
+    gradient_bytes,
+    layers_that_fit,
+    stage_capacity_gib,
+    stage_memory_gib,
+    stage_params,
+    usable_gib,
+)
 from fasop.cost.pipeline import pipeline_terms
 from fasop.cost.problem import PartitionBatch
 from fasop.cost.schedule import interleaving_error
@@ -117,7 +125,7 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     # the distributed optimizer reduce-scatters the gradients (half the all-reduce's traffic) and all-gathers
     # the parameters, in the training precision rather than the gradients'
     grad_share = 0.5 if config.distributed_optimizer else 1.0
-    gather_share = 0.5 * model.precision_bytes / gradient_comm_bytes(model) if config.distributed_optimizer else 0.0
+    gather_share = 0.5 * model.precision_bytes / gradient_bytes(model) if config.distributed_optimizer else 0.0
     buckets = np.full(rows, float(bucket_params(config.dp)))
     capacity = np.repeat(stage_capacity_gib(cluster, placements), k, axis=0)
     usable = usable_gib(cluster, capacity)
@@ -132,7 +140,7 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     post_layer = gather * ar_layer + opt_layer
     if config.overlap_grad_reduce:
         per_byte = np.repeat(np.array([geo.dp_allreduce_s_per_byte for geo in geos]), k, axis=0)
-        post_fixed = post_fixed + grad_share * per_byte * gradient_comm_bytes(model) * buckets[:, None]
+        post_fixed = post_fixed + grad_share * per_byte * gradient_bytes(model) * buckets[:, None]
     else:
         post_fixed, post_layer = post_fixed + grad_share * ar_fixed, post_layer + grad_share * ar_layer
     for setting in range(len(splits[0][1])):

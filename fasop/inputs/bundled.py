@@ -1,5 +1,7 @@
-"""Where the bundled models, profiles, clusters and catalogue live: `fasop/data/<kind>/`, package data found
-with importlib.resources, so that an installed wheel finds them wherever it is installed."""
+"""Where the bundled models, profiles and clusters live: the folders models/, profiles/ and clusters/ at the top of
+the source tree, installed as the data packages fasop.<kind> (setup.cfg) and found with importlib.resources, so
+that an editable install and a wheel find them wherever they are installed; a source tree run without installing
+(PYTHONPATH) finds them beside the package."""
 
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ from fasop.errors import InputError
 
 
 def data_dir(kind: str) -> Path:
-    """The bundled folder `kind` (models, profiles, clusters or catalogue)."""
-    # fasop is installed as plain files (never zipped: its data is read by path), so this is a real folder
-    return Path(str(resources.files("fasop") / "data" / kind))
+    """The bundled folder `kind` (models, profiles or clusters)."""
+    try:
+        # fasop is installed as plain files (never zipped: its data is read by path), so this is a real folder
+        return Path(str(resources.files(f"fasop.{kind}")))
+    except ModuleNotFoundError:  # a source tree on PYTHONPATH, not installed: the folder beside the package
+        return Path(__file__).resolve().parents[2] / kind
 
 
 def resolve(kind: str, name_or_path: str, suffix: str) -> Path:

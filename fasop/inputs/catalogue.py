@@ -1,4 +1,4 @@
-"""GPU specification tables: the bundled catalogue/gpus.toml, with the user's own GPUs merged over it.
+"""GPU specification tables: the bundled clusters/catalogue/gpus.toml, with the user's own GPUs merged over it.
 
 A user's GPUs come from `[[gpu]]` tables in a file passed with `--catalogue FILE`, or in the cluster file
 itself; either adds GPUs or replaces a bundled GPU of the same name whole. Every table, bundled or not, is
@@ -17,11 +17,11 @@ from pydantic import AfterValidator, BeforeValidator, Field
 
 from fasop.errors import InputError
 from fasop.inputs import bundled
-from fasop.inputs.cluster import bandwidth_bytes_per_s
+from fasop.inputs.bandwidth import bandwidth_bytes_per_s
 from fasop.inputs.names import Name
 from fasop.inputs.tomlfile import Range, Table, Text, expected, read_toml, validated
 
-GPU_TABLE = "gpus.toml"
+GPU_TABLE = "clusters/catalogue/gpus.toml"  # the bundled table, named by its place in the source tree
 # Seconds each kernel launch adds when kernels are too short to hide it (docs/cost-model.md section 2.1): the
 # value of the bundled tables, and the default of a user's table without the field.
 DEFAULT_KERNEL_LAUNCH_US = 5.0
@@ -131,13 +131,13 @@ def _specs(tables: GpuFile, file: str) -> dict[str, GpuSpec]:
 
 
 def gpu_table_path() -> Path:
-    return bundled.data_dir("catalogue") / GPU_TABLE
+    return bundled.data_dir("clusters") / "catalogue" / "gpus.toml"
 
 
 def load_gpu_specs(path: Path | None = None) -> dict[str, GpuSpec]:
-    """Every GPU of a spec file (default: the bundled catalogue/gpus.toml), by name."""
+    """Every GPU of a spec file (default: the bundled clusters/catalogue/gpus.toml), by name."""
     path = Path(path) if path is not None else gpu_table_path()
-    shown = f"catalogue/{GPU_TABLE}" if path == gpu_table_path() else str(path)
+    shown = GPU_TABLE if path == gpu_table_path() else str(path)
     return _specs(validated(GpuFile, read_toml(path), shown), shown)
 
 
@@ -156,7 +156,7 @@ def load_gpu_spec(name: str, catalogue: Path | None = None, own: dict[str, GpuSp
     if name not in specs:
         hint = [known for known in specs if known.lower() == name.lower()]
         did_you_mean = f"; did you mean {hint[0]}?" if hint else ""
-        where = "the bundled catalogue/gpus.toml" + (f", {catalogue}" if catalogue else "") + \
+        where = f"the bundled {GPU_TABLE}" + (f", {catalogue}" if catalogue else "") + \
                 (" or the cluster file" if own else "")
         raise InputError(f"--gpu {name}", f"not in {where} (known: {', '.join(specs)}){did_you_mean}")
     return specs[name]

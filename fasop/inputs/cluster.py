@@ -3,56 +3,25 @@
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field
+from pydantic import Field
 
 from fasop.errors import InputError
 from fasop.inputs import bundled
+from fasop.inputs.bandwidth import Bandwidth
+from fasop.inputs.catalogue import GpuSpec, gpu_tables, merged_specs
 from fasop.inputs.names import Name
 from fasop.inputs.tomlfile import Range, Table, Text, read_toml, validated
 
-# Units a bandwidth may be written in, as bytes per second per unit. "Gb/s" and "Gbps" are refused: one
-# capital letter apart from "GB/s", they are the classic way to be wrong by 8x.
-_BANDWIDTH_UNITS = {
-    "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "Mbit/s": 1e6 / 8, "Gbit/s": 1e9 / 8, "Tbit/s": 1e12 / 8,
-    "B/s": 1.0, "kB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12, "GiB/s": 2.0**30,
-}
-MIN_BANDWIDTH_BYTES_PER_S, MAX_BANDWIDTH_BYTES_PER_S = 1e3, 1e15
 # Latency of one step of a transfer, microseconds: NCCL's own tuning model (src/graph/tuning.cc, hwLat, ring
 # algorithm with the Simple protocol, which large transfers use) charges 3.4 us per NVLink hop and 9.6 us per
 # network hop.
 DEFAULT_INTRA_NODE_LATENCY_US = 3.4
 DEFAULT_INTER_NODE_LATENCY_US = 9.6
 MAX_LATENCY_US = 1e6
-_BANDWIDTH = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z/]+)\s*$")
-
-
-def bandwidth_bytes_per_s(text: Any) -> float:
-    """'40 Gbit/s' -> 5e9; anything else is a ValueError saying what was expected."""
-    match = _BANDWIDTH.match(text) if isinstance(text, str) else None
-    if not match or match.group(2) not in _BANDWIDTH_UNITS:
-        units = ", ".join(_BANDWIDTH_UNITS)
-        raise ValueError(f"expected a bandwidth such as \"40 Gbit/s\" or \"230 GB/s\" (units: {units}), got {text!r}")
-    value = float(match.group(1)) * _BANDWIDTH_UNITS[match.group(2)]
-    if not MIN_BANDWIDTH_BYTES_PER_S <= value <= MAX_BANDWIDTH_BYTES_PER_S:  # also refuses inf ("1e999 GB/s")
-        raise ValueError(f"expected a bandwidth from 1 kB/s to 1 PB/s, got {text!r}")
-    return value
-
-
-def parse_bandwidth(text: Any, where: str) -> float:
-    """'40 Gbit/s' -> 5e9 (bytes per second); anything else is an InputError at `where`."""
-    try:
-        return bandwidth_bytes_per_s(text)
-    except ValueError as err:
-        raise InputError(where, str(err)) from None
-
-
-Bandwidth = Annotated[float, BeforeValidator(bandwidth_bytes_per_s)]
-"""A field of a fasop.tomlfile.Table written as a string with a unit, read as bytes per second."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +34,7 @@ class NodeType:
     inter_node_bytes_per_s: float  # per node, through its network interface
     price_per_hour_usd: float  # per node
     count: int
+    gpu_memory_bytes_per_s: float  # per GPU, its memory bandwidth: the pace of the optimizer step
     intra_node_latency_s: float = DEFAULT_INTRA_NODE_LATENCY_US * 1e-6  # one step of a transfer inside the node
     inter_node_latency_s: float = DEFAULT_INTER_NODE_LATENCY_US * 1e-6  # one step across its network interface
     instance: str = ""
@@ -101,7 +71,7 @@ class Cluster:
     description: str = ""
     launch: dict[str, Any] = field(default_factory=dict)
     file: str = ""
-    gpus: dict[str, Any] = field(default_factory=dict)  # the file's own [[gpu]] specs (fasop.catalogue)
+    gpus: dict[str, GpuSpec] = field(default_factory=dict)  # the file's own [[gpu]] specs (fasop.inputs.catalogue)
 
     @property
     def gpus_per_node(self) -> int:
@@ -142,6 +112,7 @@ class NodeTypeTable(Table):
     instance: Text = ""
     gpus_per_node: Annotated[int, Range(1, MAX_GPUS_PER_NODE)]
     gpu_memory_gib: Annotated[float, Range(0.0, MAX_GPU_MEMORY_GIB, low_allowed=False)] | None = None
+    gpu_memory_bandwidth: Bandwidth | None = None
     intra_node_bandwidth: Bandwidth
     inter_node_bandwidth: Bandwidth
     intra_node_latency_us: Annotated[float, Range(0.0, MAX_LATENCY_US)] = DEFAULT_INTRA_NODE_LATENCY_US
@@ -176,30 +147,35 @@ class ClusterFile(Table):
     cluster: ClusterHead
     node_type: list[NodeTypeTable] = Field(min_length=1)
     launch: dict[str, Any] = Field(default_factory=dict)  # site defaults, checked by fasop.emit where it reads them
-    gpu: Any = None  # [[gpu]] tables, read by fasop.catalogue.gpu_tables
+    gpu: Any = None  # [[gpu]] tables, read by fasop.inputs.catalogue.gpu_tables
 
 
-def _gpu_memory_gib(table: NodeTypeTable, where: str, catalogue: Callable[[], dict[str, Any]]) -> float:
-    """The node type's gpu_memory_gib, or else the memory_gib of its GPU in the catalogue."""
-    if table.gpu_memory_gib is not None:
-        return table.gpu_memory_gib
+def _gpu_figure(table: NodeTypeTable, field: str, figure: str, where: str,
+                catalogue: Callable[[], dict[str, GpuSpec]]) -> float:
+    """The node type's `field`, or else the `figure` of its GPU's spec in the catalogue; neither is refused, naming
+    the GPU."""
+    given = getattr(table, field)
+    if given is not None:
+        return given
     spec = catalogue().get(table.gpu)
     if spec is None:
-        raise InputError(f"{where}.gpu_memory_gib", f"missing, and GPU {table.gpu!r} is in neither the bundled "
-                                                    "catalogue/gpus.toml nor this file's [[gpu]] tables")
-    return spec.memory_gib
+        raise InputError(f"{where}.{field}", f"missing, and GPU {table.gpu!r} is in neither the bundled "
+                                             "clusters/catalogue/gpus.toml nor this file's [[gpu]] tables")
+    return getattr(spec, figure)
 
 
-def _node_type(table: NodeTypeTable, file: str, catalogue: Callable[[], dict[str, Any]]) -> NodeType:
+def _node_type(table: NodeTypeTable, file: str, catalogue: Callable[[], dict[str, GpuSpec]]) -> NodeType:
+    where = f"{file}: node_type.{table.name}"
     return NodeType(
         name=table.name,
         gpu=table.gpu,
         gpus_per_node=table.gpus_per_node,
-        gpu_memory_gib=_gpu_memory_gib(table, f"{file}: node_type.{table.name}", catalogue),
+        gpu_memory_gib=_gpu_figure(table, "gpu_memory_gib", "memory_gib", where, catalogue),
         intra_node_bytes_per_s=table.intra_node_bandwidth,
         inter_node_bytes_per_s=table.inter_node_bandwidth,
         price_per_hour_usd=table.price_per_hour_usd,
         count=table.count,
+        gpu_memory_bytes_per_s=_gpu_figure(table, "gpu_memory_bandwidth", "memory_bytes_per_s", where, catalogue),
         intra_node_latency_s=table.intra_node_latency_us * 1e-6,
         inter_node_latency_s=table.inter_node_latency_us * 1e-6,
         instance=table.instance,
@@ -215,10 +191,9 @@ def load_cluster(name_or_path: str) -> Cluster:
     path, is_bundled = bundled.locate("clusters", name_or_path, ".toml", "--cluster")
     file = str(path)
     cluster = validated(ClusterFile, read_toml(path), file)
-    from fasop.inputs.catalogue import gpu_tables, merged_specs  # they read bandwidths with this module, so not on top
-
     gpus = gpu_tables(cluster.gpu, file) if cluster.gpu is not None else {}
-    # the bundled catalogue with the file's own GPUs over it, read only if a node type leaves out its memory
+    # the bundled catalogue with the file's own GPUs over it (the one place a cluster's GPUs are looked up), read
+    # only if a node type leaves out its GPU's memory or memory bandwidth
     catalogue = functools.cache(lambda: merged_specs(own=gpus))
     types: dict[str, NodeType] = {}
     for table in cluster.node_type:

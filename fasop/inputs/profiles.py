@@ -2,15 +2,19 @@
 degree and micro-batch size, read from `profiles/<model>/<gpu>.csv`.
 
 At a profiled micro-batch size the time is the profile's. Elsewhere, for a GPU type of the spec table, the
-time follows the shape of the unit's roofline estimate r(b) (fasop.inputs.roofline) anchored at the profiled
+time follows the shape of the unit's roofline estimate r(b) (fasop.cost.roofline) anchored at the profiled
 sizes: t(b) = q(b) r(b), with q = t / r at each profiled size, interpolated linearly between them and held
 beyond the smallest and the largest. For a GPU type without a spec, times are interpolated linearly between
 profiled sizes and the nearest profiled time is scaled per sample beyond them.
+
+A GPU type with no bundled profile of the model gets one synthesised from the roofline on its spec, as
+`fasop profile synth` writes it (synthesised_profile); a `--profiles` folder must hold every GPU type's.
 """
 
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -18,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
+from fasop.cost.roofline import Rates, attention_core_share, unit_attention_core_share, unit_seconds
 from fasop.errors import InputError
 from fasop.files import CSV_LIMIT_BYTES, read_text
 from fasop.inputs import bundled
-from fasop.inputs.catalogue import GpuSpec, load_gpu_specs
+from fasop.inputs.catalogue import GPU_TABLE, GpuSpec, load_gpu_specs
 from fasop.inputs.csvfile import csv_rows
 from fasop.inputs.model import Model
-from fasop.inputs.roofline import Rates, attention_core_share, unit_attention_core_share, unit_seconds
 
 COLUMNS = ("tp", "mbs", "kind", "forward_s", "backward_s")
 MEMORY_COLUMN = "peak_memory_bytes"  # optional last column of measured profiles; the search does not read it
@@ -33,6 +37,9 @@ IDENTITY_PREFIX = "# fasop-profile:"
 MAX_DEGREE = 2**16  # tp and mbs
 MAX_UNIT_TIME_S = 3600.0  # one unit, one micro-batch
 MAX_MEMORY_BYTES = 2**50  # one unit's peak memory
+# The tensor degrees and micro-batch sizes `fasop profile synth` estimates by default, and so those of the
+# profiles synthesised for GPU types without one.
+DEFAULT_DEGREES = (1, 2, 4, 8)
 
 
 Shape = Callable[[int], tuple[float, float]]  # micro-batch size -> roofline (forward_s, backward_s)
@@ -119,6 +126,8 @@ class GpuProfile:
     gpu: str
     file: str
     curves: dict[tuple[int, str], Curve]
+    folder: str | None = None  # the --profiles folder as given; None: bundled or synthesised
+    synthesised: bool = False  # made from the roofline, not read from a file (`file` then says so)
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -260,18 +269,79 @@ def _curves(rows: dict[tuple[int, str], list[tuple[int, float, float]]], file: s
 
 
 def profile_paths(model: Model, gpus, directory: str | None = None) -> dict[str, Path]:
-    """Where the profile of `model` on each GPU type is read from (default: the bundled profiles/<model>)."""
-    folder = Path(directory) if directory else bundled.data_dir("profiles") / model.name
+    """The profile files of `model` to read, by GPU type: every <gpu>.csv of `directory`, or by default those
+    the bundled profiles/<model> holds (the other GPU types get synthesised profiles)."""
+    if not directory:
+        folder = bundled.data_dir("profiles") / model.name
+        return {gpu: folder / f"{gpu}.csv" for gpu in sorted(set(gpus)) if (folder / f"{gpu}.csv").exists()}
+    folder = Path(directory)
     if not folder.is_dir():
-        where = f"--profiles {directory}" if directory else f"model {model.name}"
-        raise InputError(where, f"no profile directory {folder} (expected one <gpu>.csv per GPU type)")
+        raise InputError(f"--profiles {directory}", f"no profile directory {folder} (expected one <gpu>.csv per GPU type)")
     return {gpu: folder / f"{gpu}.csv" for gpu in sorted(set(gpus))}
+
+
+def _how_to_profile(model: Model, gpu: str, out: str) -> str:
+    model_arg = shlex.quote(model.file or model.name)
+    return (f"measure one with `fasop profile layers --model {model_arg} --gpu {gpu} --out {shlex.quote(out)}`, "
+            "or estimate one with `fasop profile synth` and the same options")
 
 
 def load_profiles(model: Model, gpus: list[str], directory: str | None = None, allow_mismatch: bool = False,
                   specs: dict[str, GpuSpec] | None = None) -> dict[str, GpuProfile]:
-    """Profiles of `model` for each GPU type, from `directory` (default: the bundled profiles/<model>); a GPU
-    type of `specs` (default: the bundled catalogue/gpus.toml) scales its times with its roofline shape."""
+    """Profiles of `model` for each GPU type: from `directory`, which must hold each, or by default from the
+    bundled profiles/<model>, a GPU type without one there synthesised from its spec (measured profiles and
+    the user's folder always win over the roofline). A GPU type of `specs` (default: the bundled
+    clusters/catalogue/gpus.toml) scales its times with its roofline shape."""
     specs = load_gpu_specs() if specs is None else specs
-    return {gpu: read_profile(path, model, gpu, allow_mismatch, specs.get(gpu))
-            for gpu, path in profile_paths(model, gpus, directory).items()}
+    paths = profile_paths(model, gpus, directory)
+    profiles = {}
+    for gpu in sorted(set(gpus)):
+        path = paths.get(gpu)
+        if path is None:
+            profiles[gpu] = synthesised_profile(model, gpu, specs.get(gpu))
+            continue
+        if not path.exists():
+            raise InputError(str(path), f"no profile of model {model.name} for GPU type {gpu}: "
+                                        + _how_to_profile(model, gpu, str(path)))
+        read = read_profile(path, model, gpu, allow_mismatch, specs.get(gpu))
+        profiles[gpu] = GpuProfile(gpu, read.file, read.curves, folder=directory)
+    return profiles
+
+
+def synthesised_profile(model: Model, gpu: str, spec: GpuSpec | None) -> GpuProfile:
+    """The profile `fasop profile synth --model MODEL --gpu GPU` writes (at its default tensor degrees that split
+    the model, and micro-batch sizes), made in memory: the roofline times themselves, and its shape beyond."""
+    where = f"model {model.name}"
+    missing = f"no profile for GPU type {gpu}"
+    if spec is None:
+        model_arg = shlex.quote(model.file or model.name)
+        raise InputError(where, f"{missing}, and no spec of {gpu} to synthesise one from: add a [[gpu]] table of {gpu} "
+                                f"({GPU_TABLE}'s format) to the cluster file, or measure one with `fasop profile layers "
+                                f"--model {model_arg} --gpu {gpu} --out DIR/{gpu}.csv` and pass --profiles DIR holding "
+                                "every GPU type's profile")
+    try:
+        rates = Rates.of(spec, model)
+    except InputError as err:  # fp32 models, bf16 on GPUs without it
+        raise InputError(where, f"{missing}, and none can be synthesised ({err})") from None
+    splits = (model.num_attention_heads, model.num_query_groups, model.ffn_hidden_size)
+    sizes = np.array(DEFAULT_DEGREES, dtype=float)
+    curves = {}
+    for tp in (t for t in DEFAULT_DEGREES if all(value % t == 0 for value in splits)):
+        for kind in required_kinds(model):
+            shape = RooflineShape(model, rates, tp, kind)
+            times = np.array([shape(b) for b in DEFAULT_DEGREES])
+            curves[(tp, kind)] = Curve(sizes, times[:, 0], times[:, 1], shape)
+    return GpuProfile(gpu, f"{model.name} on {gpu}, synthesised from the roofline", curves, synthesised=True)
+
+
+def profile_sources(profiles: dict[str, GpuProfile]) -> dict[str, str | list[str]]:
+    """The plan fields that say which profiles a plan was made with: `profiles`, the --profiles folder as given,
+    and `synthesised_profiles`, the GPU types whose profiles were synthesised; neither for bundled profiles."""
+    sources: dict[str, str | list[str]] = {}
+    folders = {p.folder for p in profiles.values() if p.folder is not None}
+    if len(folders) == 1:  # profiles from several folders (by hand, in Python) name none
+        sources["profiles"] = folders.pop()
+    synthesised = sorted(gpu for gpu, p in profiles.items() if p.synthesised)
+    if synthesised:
+        sources["synthesised_profiles"] = synthesised
+    return sources

@@ -37,24 +37,7 @@ def check_plan(plan: Plan, model: Any, cluster: Any, opts: LaunchOptions, where:
                          f"holds {sum(layers)} layers, model {model.name} has {total}")
     if gbs % (mbs * dp):
         raise InputError(f"{where}: gbs", f"{gbs} is not a multiple of mbs x dp = {mbs * dp}")
-    unknown = sorted(set(placement) - set(cluster.node_types))
-    if unknown:
-        known = ", ".join(cluster.node_types)
-        raise InputError(f"{where}: placement", f"node type {unknown[0]} is not in cluster {cluster.name} (it has {known})")
-    for name in sorted(set(placement)):
-        used, have = placement.count(name), cluster.node_types[name].count
-        if used > have:
-            raise InputError(f"{where}: placement",
-                             f"uses {used} nodes of type {name}, cluster {cluster.name} has {have}")
-    if opts.gpus_per_node is not None:
-        gpn = opts.gpus_per_node
-    else:
-        sizes = {cluster.node_types[name].gpus_per_node for name in placement}
-        if len(sizes) > 1:
-            raise InputError(f"{where}: placement", f"node types with different GPUs per node {sorted(sizes)}")
-        gpn = sizes.pop()
-        if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:  # written into the scripts as it is
-            raise InputError(f"cluster {cluster.name}: gpus_per_node", f"expected an integer >= 1, got {gpn!r}")
+    gpn = _gpus_per_node(placement, cluster, opts, where)
     world = tp * dp * pp
     if world != gpn * len(placement):
         raise InputError(f"{where}: placement",
@@ -90,6 +73,29 @@ def check_plan(plan: Plan, model: Any, cluster: Any, opts: LaunchOptions, where:
                       virtual_stages=v, layers_per_virtual_stage=tuple(chunks), recompute=recompute,
                       recompute_method=plan.recompute_method, recompute_num_layers=plan.recompute_num_layers,
                       sequence_parallel=sequence_parallel)
+
+
+def _gpus_per_node(placement: list[str], cluster: Any, opts: LaunchOptions, where: str) -> int:
+    """The placement checked against the cluster's node types and counts; the options' GPUs per node, else the
+    one size of every node type the placement uses."""
+    unknown = sorted(set(placement) - set(cluster.node_types))
+    if unknown:
+        known = ", ".join(cluster.node_types)
+        raise InputError(f"{where}: placement", f"node type {unknown[0]} is not in cluster {cluster.name} (it has {known})")
+    for name in sorted(set(placement)):
+        used, have = placement.count(name), cluster.node_types[name].count
+        if used > have:
+            raise InputError(f"{where}: placement",
+                             f"uses {used} nodes of type {name}, cluster {cluster.name} has {have}")
+    if opts.gpus_per_node is not None:
+        return opts.gpus_per_node
+    sizes = {cluster.node_types[name].gpus_per_node for name in placement}
+    if len(sizes) > 1:
+        raise InputError(f"{where}: placement", f"node types with different GPUs per node {sorted(sizes)}")
+    gpn = sizes.pop()
+    if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:  # written into the scripts as it is
+        raise InputError(f"cluster {cluster.name}: gpus_per_node", f"expected an integer >= 1, got {gpn!r}")
+    return gpn
 
 
 def _virtual_layout(plan: Plan, model: Any, where: str) -> tuple[int, list[int]]:

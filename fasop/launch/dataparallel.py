@@ -24,7 +24,7 @@ from fasop.runtime import check_plan
 from fasop.search.dataparallel import NoPlan, plan_row
 
 DEFAULT_ENTRY_SCRIPT = "train.py"  # beside sbatch.sh unless --entry-script names another
-_NOT_FIGURES = ("model", "model_file", "cluster", "cluster_file")
+_NOT_FIGURES = ("model", "model_file", "cluster", "cluster_file", "profiles", "synthesised_profiles")
 
 
 def _checked(plan: Plan, cluster: Any, where: str) -> int:

@@ -102,6 +102,22 @@ def _interleaved_flags(p: LaunchPlan, opts: LaunchOptions) -> list[tuple[str, ..
     return [("--pipeline-model-parallel-layout", pipeline_layout(chunks))]
 
 
+def _encoder_decoder_flags(p: LaunchPlan, opts: LaunchOptions, where: str) -> list[tuple[str, ...]]:
+    """Stock Megatron-LM's split of an encoder-decoder model: the encoder stages, each side split evenly."""
+    if opts.pipeline_split != "auto":
+        raise InputError("--pipeline-split", f"{opts.pipeline_split} applies to decoder and encoder models only; "
+                         "encoder-decoder plans use --pipeline-model-parallel-split-rank")
+    layers = list(p.layers_per_stage)
+    encoder, decoder = layers[:p.encoder_stages], layers[p.encoder_stages:]
+    if len(set(encoder)) > 1 or len(set(decoder)) > 1:
+        raise InputError(f"{where}: layers_per_stage",
+                         f"encoder-decoder split {layers} (encoder stages {encoder}, decoder stages {decoder}) cannot be "
+                         "run by stock Megatron-LM: --pipeline-model-parallel-split-rank splits the encoder's layers "
+                         "evenly over the encoder stages and the decoder's over the rest, and the pipeline layout "
+                         "has no encoder layers; use an even split or --megatron-flavor fasop-fork")
+    return [("--pipeline-model-parallel-split-rank", str(p.encoder_stages))]
+
+
 def split_layer_flags(p: LaunchPlan, model: Any, opts: LaunchOptions, where: str) -> list[tuple[str, ...]]:
     """The flags that tell Megatron-LM how many layers each pipeline stage holds."""
     if p.pp == 1:
@@ -115,17 +131,7 @@ def split_layer_flags(p: LaunchPlan, model: Any, opts: LaunchOptions, where: str
             flags.append(("--pipeline-model-parallel-split-rank", str(p.encoder_stages)))
         return flags
     if model.architecture == "encoder-decoder":
-        if opts.pipeline_split != "auto":
-            raise InputError("--pipeline-split", f"{opts.pipeline_split} applies to decoder and encoder models only; "
-                             "encoder-decoder plans use --pipeline-model-parallel-split-rank")
-        encoder, decoder = layers[:p.encoder_stages], layers[p.encoder_stages:]
-        if len(set(encoder)) > 1 or len(set(decoder)) > 1:
-            raise InputError(f"{where}: layers_per_stage",
-                             f"encoder-decoder split {layers} (encoder stages {encoder}, decoder stages {decoder}) cannot be "
-                             "run by stock Megatron-LM: --pipeline-model-parallel-split-rank splits the encoder's layers "
-                             "evenly over the encoder stages and the decoder's over the rest, and the pipeline layout "
-                             "has no encoder layers; use an even split or --megatron-flavor fasop-fork")
-        return [("--pipeline-model-parallel-split-rank", str(p.encoder_stages))]
+        return _encoder_decoder_flags(p, opts, where)
     if opts.pipeline_split == "layout":
         return [("--pipeline-model-parallel-layout", pipeline_layout(layers))]
     if len(set(layers)) == 1:
@@ -155,6 +161,31 @@ def recompute_flags(p: LaunchPlan) -> list[tuple[str, ...]]:
     return flags
 
 
+def _newer_model_flags(model: Any) -> list[tuple[str, ...]]:
+    """The model's flags that Megatron-LM gained after the FASOP fork was made."""
+    newer: list[tuple[str, ...]] = []
+    if model.num_query_groups != model.num_attention_heads:
+        newer.append(("--group-query-attention",))
+        newer.append(("--num-query-groups", str(model.num_query_groups)))
+    if model.ffn_activation == "swiglu":
+        newer.append(("--swiglu",))
+    if model.normalization == "rmsnorm":
+        newer.append(("--normalization", "RMSNorm"))
+    if model.position_embedding == "rope":
+        newer.append(("--position-embedding-type", "rope"))
+    elif model.position_embedding == "relative":
+        newer.append(("--position-embedding-type", "relative"))
+    if not model.tie_embeddings:
+        newer.append(("--untie-embeddings-and-output-weights",))
+    if not getattr(model, "linear_bias", True):
+        newer.append(("--disable-bias-linear",))
+    # the attention kernel the memory model assumed (an AttnBackend name of megatron-core; its default, auto, may
+    # pick a fused kernel that keeps no attention scores); the FASOP fork runs unfused attention and has no flag
+    if getattr(model, "flash_attention", False):
+        newer.append(("--attention-backend", "flash"))
+    return newer
+
+
 def model_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
     flags: list[tuple[str, ...]] = []
     if model.architecture == "encoder-decoder":
@@ -176,26 +207,7 @@ def model_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
         positions = model.encoder_seq_length or model.decoder_seq_length
         flags.append(("--seq-length", str(positions)))
     flags.append(("--max-position-embeddings", str(positions)))
-    newer: list[tuple[str, ...]] = []  # flags that Megatron-LM gained after the FASOP fork was made
-    if model.num_query_groups != model.num_attention_heads:
-        newer.append(("--group-query-attention",))
-        newer.append(("--num-query-groups", str(model.num_query_groups)))
-    if model.ffn_activation == "swiglu":
-        newer.append(("--swiglu",))
-    if model.normalization == "rmsnorm":
-        newer.append(("--normalization", "RMSNorm"))
-    if model.position_embedding == "rope":
-        newer.append(("--position-embedding-type", "rope"))
-    elif model.position_embedding == "relative":
-        newer.append(("--position-embedding-type", "relative"))
-    if not model.tie_embeddings:
-        newer.append(("--untie-embeddings-and-output-weights",))
-    if not getattr(model, "linear_bias", True):
-        newer.append(("--disable-bias-linear",))
-    # the attention kernel the memory model assumed (an AttnBackend name of megatron-core; its default, auto, may
-    # pick a fused kernel that keeps no attention scores); the FASOP fork runs unfused attention and has no flag
-    if getattr(model, "flash_attention", False):
-        newer.append(("--attention-backend", "flash"))
+    newer = _newer_model_flags(model)
     if newer and opts.megatron_flavor == "fasop-fork":
         names = ", ".join(f[0] for f in newer)
         raise InputError("--megatron-flavor fasop-fork",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -59,6 +59,22 @@ class LaunchOptions:
     pipeline_split: str = "auto"
 
 
+def _check_slurm_names(opts: LaunchOptions, bad: Callable[[str, str], InputError]) -> None:
+    """Partitions, GRES types (empty: none), account and job name: what #SBATCH lines hold unquoted."""
+    def slurm_name(value: Any, pattern: re.Pattern, empty_ok: bool) -> bool:
+        return isinstance(value, str) and (bool(pattern.fullmatch(value)) or (empty_ok and value == ""))
+
+    for key, pattern in (("partition", SLURM_LIST), ("gres_type", SLURM_NAME), ("account", SLURM_NAME),
+                         ("job_name", SLURM_NAME)):
+        value = getattr(opts, key)
+        if value is not None and not slurm_name(value, pattern, key == "gres_type"):
+            raise bad(key, f"expected a Slurm name (letters, digits, _ . + -), got {value!r}")
+    for key, pattern in (("partitions", SLURM_LIST), ("gres_types", SLURM_NAME)):
+        for name, value in getattr(opts, key).items():
+            if not slurm_name(value, pattern, key == "gres_types"):
+                raise bad(f"{key[:-1]}.{name}", f"expected a Slurm name (letters, digits, _ . + -), got {value!r}")
+
+
 def check_options(opts: LaunchOptions, where: str) -> None:
     def bad(key: str, problem: str) -> InputError:
         return InputError(f"{where}{key.replace('_', '-') if where == '--' else key}", problem)
@@ -76,18 +92,7 @@ def check_options(opts: LaunchOptions, where: str) -> None:
         raise bad("master_port", f"expected a port number 1-65535, got {port!r}")
     if not isinstance(opts.time_limit, str) or not SLURM_TIME.fullmatch(opts.time_limit):
         raise bad("time_limit", f"expected a Slurm time such as 90, 01:30:00 or 1-12:00:00, got {opts.time_limit!r}")
-    def slurm_name(value: Any, pattern: re.Pattern, empty_ok: bool) -> bool:
-        return isinstance(value, str) and (bool(pattern.fullmatch(value)) or (empty_ok and value == ""))
-
-    for key, pattern in (("partition", SLURM_LIST), ("gres_type", SLURM_NAME), ("account", SLURM_NAME),
-                         ("job_name", SLURM_NAME)):
-        value = getattr(opts, key)
-        if value is not None and not slurm_name(value, pattern, key == "gres_type"):
-            raise bad(key, f"expected a Slurm name (letters, digits, _ . + -), got {value!r}")
-    for key, pattern in (("partitions", SLURM_LIST), ("gres_types", SLURM_NAME)):
-        for name, value in getattr(opts, key).items():
-            if not slurm_name(value, pattern, key == "gres_types"):
-                raise bad(f"{key[:-1]}.{name}", f"expected a Slurm name (letters, digits, _ . + -), got {value!r}")
+    _check_slurm_names(opts, bad)
     for key in ("megatron_path", "entry_script", "data_path", "tokenizer_type", "vocab_file", "merge_file",
                 "tokenizer_model", "container_image", "container_mounts"):
         value = getattr(opts, key)

@@ -13,7 +13,8 @@ from fasop.plans import Plan
 FIGURE_TOLERANCE = 1e-6  # relative; a plan written by fasop search re-estimates to within rounding noise
 
 
-_NOT_FIGURES = ("model", "model_file", "cluster", "cluster_file", "placement_search", "fits_memory")
+_NOT_FIGURES = ("model", "model_file", "cluster", "cluster_file", "profiles", "synthesised_profiles", "placement_search",
+                "fits_memory")
 
 
 def disagreements(given: Any, fresh: Any, key: str) -> list[tuple[str, Any, Any]]:

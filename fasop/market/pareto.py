@@ -144,13 +144,24 @@ class _Composition:
         return record
 
 
+def _checked_compositions(cluster: Cluster, compositions: list[dict[str, int]]) -> list[dict[str, int]]:
+    for composition in compositions:
+        for name in composition:
+            if name not in cluster.node_types:
+                raise InputError(f"composition {composition}",
+                                 f"unknown node type {name!r} (cluster has {', '.join(cluster.node_types)})")
+        if any(n < 0 for n in composition.values()) or not any(composition.values()):
+            raise InputError(f"composition {composition}", "expected node counts >= 0, at least one of them positive")
+    return compositions
+
+
 def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | None = None, *,
           gbs: int | None = None, train_steps: int | None = None, train_tokens: float | None = None,
           profiles_dir: str | None = None, distributed_optimizer: bool = True, allow_profile_mismatch: bool = False,
-          progress: Callable[[int, int], None] | None = None) -> list[dict]:
+          progress: Callable[[int, int], None] | None = None, profiles: dict | None = None) -> list[dict]:
     """One record per composition (in the order given; default: every composition of `cluster`) with its
     fastest plan, the time and cost of the whole run, and `on_front`, the Pareto flag over
-    (train_hours, train_cost_usd).
+    (train_hours, train_cost_usd); `profiles`: already loaded (by GPU type) instead of reading profiles_dir.
 
     The run is `train_steps` steps, or `train_tokens` tokens (steps = tokens / (gbs * sequence length),
     rounded up); with neither, DEFAULT_TRAIN_STEPS steps. The front does not depend on the run length (time
@@ -164,19 +175,12 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
     if train_steps is None and train_tokens is None:
         train_steps = DEFAULT_TRAIN_STEPS
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
-    if compositions is None:
-        compositions = all_compositions(cluster)
-    for composition in compositions:
-        for name in composition:
-            if name not in cluster.node_types:
-                raise InputError(f"composition {composition}",
-                                 f"unknown node type {name!r} (cluster has {', '.join(cluster.node_types)})")
-        if any(n < 0 for n in composition.values()) or not any(composition.values()):
-            raise InputError(f"composition {composition}", "expected node counts >= 0, at least one of them positive")
+    compositions = all_compositions(cluster) if compositions is None else _checked_compositions(cluster, compositions)
     # problems common to every composition (a missing or malformed profile) are errors, raised once here;
     # the profiles, and the per-size times they memoise, then serve every composition
-    profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch,
-                             merged_specs(own=cluster.gpus))
+    if profiles is None:
+        profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir,
+                                 allow_profile_mismatch, merged_specs(own=cluster.gpus))
     task = _Composition(model, cluster, gbs, train_steps, train_tokens, distributed_optimizer, profiles)
     workers = min(os.cpu_count() or 1, len(compositions) // PARALLEL_COMPOSITIONS)
     if workers <= 1:

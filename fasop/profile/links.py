@@ -146,7 +146,7 @@ def fit_alpha_beta(link_bytes_: np.ndarray, times_s: np.ndarray, where: str = "f
 
 # -- the cluster-file fragment ------------------------------------------------------------------------------------
 def format_bandwidth(bytes_per_s: float) -> str:
-    """A bandwidth string that fasop.inputs.cluster.parse_bandwidth reads back within 0.05%."""
+    """A bandwidth string that fasop.inputs.bandwidth.parse_bandwidth reads back within 0.05%."""
     return f"{bytes_per_s / 1e9:.4f} GB/s" if bytes_per_s >= 1e8 else f"{bytes_per_s / 1e6:.4f} MB/s"
 
 

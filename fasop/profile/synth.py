@@ -1,8 +1,8 @@
 """Synthetic layer profiles: forward and backward seconds of each unit from its FLOPs, the bytes it moves, its
-kernel launches and a GPU spec table (catalogue/gpus.toml), for GPU types nobody has profiled yet.
+kernel launches and a GPU spec table (clusters/catalogue/gpus.toml), for GPU types nobody has profiled yet.
 
 Each unit (embedding, transformer layer, head) is the sum of its kernels' rooflines, one micro-batch of b
-samples of s tokens on one GPU of a tp-way tensor-parallel group (fasop.inputs.roofline counts them):
+samples of s tokens on one GPU of a tp-way tensor-parallel group (fasop.cost.roofline counts them):
 
     pass_s = sum over kernels of max(FLOPs / (peak x efficiency x waves), bytes / memory_bandwidth)
              + kernels x kernel_launch_s + sum over collectives of (tp - 1) / tp x C / busbw(C)
@@ -33,15 +33,14 @@ import shlex
 from pathlib import Path
 from typing import NamedTuple
 
+from fasop.cost.roofline import Rates, unit_times, unit_work
 from fasop.errors import InputError
 from fasop.files import comment_line, write_atomically
+from fasop.inputs.bandwidth import parse_bandwidth
 from fasop.inputs.catalogue import GpuSpec, load_gpu_spec
-from fasop.inputs.cluster import parse_bandwidth
 from fasop.inputs.model import Model
-from fasop.inputs.profiles import COLUMNS, identity_line
-from fasop.inputs.roofline import Rates, unit_times, unit_work
+from fasop.inputs.profiles import COLUMNS, DEFAULT_DEGREES, identity_line
 
-DEFAULT_DEGREES = (1, 2, 4, 8)
 FORMULA = ("per kernel max(F / (peak x efficiency x waves), B / memory_bandwidth), summed, + kernels x "
            "kernel_launch_s + (tp-1)/tp x C / busbw(C) per collective; waves: share of the SMs busy with 256 x 128 "
            "output tiles; F: matmul FLOPs per GPU (2 x weights x tokens + 4 b s^2 x heads x kv_channels, "

@@ -16,20 +16,23 @@ from typing import Any
 
 import numpy as np
 
-from fasop.cost.exact import memory_bytes_per_s, optimizer_bytes_per_param
-from fasop.cost.memory import GIB, embedding_activation_bytes, head_activation_bytes, layer_activation_bytes, usable_gib
+from fasop.cost.memory import (
+    GIB,
+    embedding_activation_bytes,
+    head_activation_bytes,
+    layer_activation_bytes,
+    optimizer_state_bytes,
+    optimizer_traffic_bytes,
+    usable_gib,
+)
+from fasop.cost.price import cost_per_step_usd
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
-from fasop.inputs.profiles import GpuProfile
+from fasop.inputs.profiles import GpuProfile, profile_sources
 from fasop.plans import Plan
 from fasop.search.placement import type_order
 
 KINDS = ("ddp", "zero1", "zero2", "zero3")
-# Rajbhandari et al. 2020 ("ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", section 3.1):
-# mixed-precision Adam keeps K = 12 bytes of optimizer state per parameter (fp32 master weights, momentum and
-# variance); fp32 training keeps only the two moments.
-MIXED_OPTIMIZER_BYTES = 12
-FP32_OPTIMIZER_BYTES = 8
 # What each kind shards over the data-parallel group: optimizer state, gradients, parameters.
 SHARDED = {"ddp": (False, False, False), "zero1": (True, False, False), "zero2": (True, True, False),
            "zero3": (True, True, True)}
@@ -50,10 +53,6 @@ class NoPlan(Exception):
     """Why a kind has no plan on a cluster (out of memory, batch too small or not divisible, no profile)."""
 
 
-def optimizer_bytes(model: Model) -> int:
-    return FP32_OPTIMIZER_BYTES if model.precision == "fp32" else MIXED_OPTIMIZER_BYTES
-
-
 def state_bytes(model: Model, kind: str, world: int) -> float:
     """Model state per GPU: parameters and gradients in the model's precision (2 + 2 bytes under mixed
     precision) and the optimizer state, each divided by the data-parallel degree where `kind` shards it."""
@@ -61,7 +60,7 @@ def state_bytes(model: Model, kind: str, world: int) -> float:
     p = model.precision_bytes
     shard_optimizer, shard_grads, shard_params = SHARDED[kind]
     per_param = (p / (world if shard_params else 1) + p / (world if shard_grads else 1)
-                 + optimizer_bytes(model) / (world if shard_optimizer else 1))
+                 + optimizer_state_bytes(model) / (world if shard_optimizer else 1))
     return params * per_param
 
 
@@ -355,8 +354,8 @@ def optimizer_s(model: Model, cluster: Cluster, kind: str, members: list[Group])
     """The optimizer step of the slowest GPU: a memory-bound pass over its optimizer state (section 7's bytes
     per parameter), all of the model under ddp, a 1/N shard under ZeRO."""
     params = model.total_params() / (cluster.num_gpus if SHARDED[kind][0] else 1)
-    bandwidth = min(memory_bytes_per_s(cluster, g.gpu) for g in members)
-    return params * optimizer_bytes_per_param(model) / bandwidth if bandwidth > 0 else 0.0
+    bandwidth = min(cluster.node_types[g.node_type].gpu_memory_bytes_per_s for g in members)
+    return params * optimizer_traffic_bytes(model) / bandwidth
 
 
 def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind: str, batch: int,
@@ -414,15 +413,16 @@ def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], ki
                          "compute_s": float(time_s), "memory_gib": memory, "memory_capacity_gib": g.capacity_gib})
     worst = max(per_type, key=lambda t: t["memory_gib"] / t["memory_capacity_gib"])
     placement = [name for name in type_order(cluster) for _ in range(cluster.node_types[name].count)]
+    used = {t.gpu: profiles[t.gpu] for t in cluster.node_types.values()}
     return Plan.trusted({
         "model": model.name, "model_file": model.file, "cluster": cluster.name, "cluster_file": cluster.file,
-        "kind": kind, "batch_split": "even" if even else "uneven",
+        **profile_sources(used), "kind": kind, "batch_split": "even" if even else "uneven",
         "gbs": batch, "mbs": min(t["micro_batch_size"] for t in per_type), "tp": 1, "dp": world, "pp": 1,
         "placement": placement, "gpus_per_node": cluster.gpus_per_node, "layers_per_stage": [model.num_layers],
         "step_time_s": step, "throughput_samples_per_s": batch / step, "tokens_per_s": batch * model.seq_length / step,
         "overlap_grad_reduce": overlap, "compute_s": float(compute), "dp_allreduce_s": comm,
         "dp_exposed_s": reduced - float(compute), "optimizer_s": optimizer,
         "peak_memory_gib": worst["memory_gib"], "memory_capacity_gib": worst["memory_capacity_gib"],
-        "cost_per_hour_usd": price, "cost_per_step_usd": price * step / 3600.0,
+        "cost_per_hour_usd": price, "cost_per_step_usd": cost_per_step_usd(price, step),
         "per_type": per_type,
     })

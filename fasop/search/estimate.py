@@ -17,6 +17,27 @@ from fasop.search.record import plan_rows
 from fasop.search.space import prepare, tensor_degrees
 
 
+def _used_nodes(cluster: Cluster, placement: list[str]) -> dict[str, int]:
+    """The nodes of each type the placement uses, checked against the cluster's."""
+    used = {name: placement.count(name) for name in placement}
+    for name, count in used.items():
+        if name not in cluster.node_types:
+            raise InputError("--placement", f"unknown node type {name!r} (cluster has {', '.join(cluster.node_types)})")
+        if count > cluster.node_types[name].count:
+            raise InputError("--placement", f"{count} nodes of type {name} but the cluster has {cluster.node_types[name].count}")
+    return used
+
+
+def _encoder_stages(model: Model, layers: list[int]) -> int:
+    """The stages holding an encoder-decoder model's encoder layers (0: no encoder split)."""
+    if not model.is_encoder_decoder or len(layers) == 1:
+        return 0
+    prefix = np.cumsum(layers)
+    if model.encoder_num_layers not in prefix[:-1]:
+        raise InputError("--layers", f"no stage boundary falls after the {model.encoder_num_layers} encoder layers")
+    return int(np.searchsorted(prefix, model.encoder_num_layers)) + 1
+
+
 def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: int, placement: list[str],
              layers: list[int], gbs: int | None = None, profiles_dir: str | None = None,
              distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None,
@@ -27,13 +48,7 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
     and --overlap-param-gather with the distributed optimizer; `virtual_stages`: model chunks per pipeline rank,
     each stage's layers split evenly over them; full recomputation without a method is uniform over every layer;
     sequence_parallel: default on when tp > 1."""
-    used = {name: placement.count(name) for name in placement}
-    for name, count in used.items():
-        if name not in cluster.node_types:
-            raise InputError("--placement", f"unknown node type {name!r} (cluster has {', '.join(cluster.node_types)})")
-        if count > cluster.node_types[name].count:
-            raise InputError("--placement", f"{count} nodes of type {name} but the cluster has {cluster.node_types[name].count}")
-    sub = cluster.with_counts(used)
+    sub = cluster.with_counts(_used_nodes(cluster, placement))
     inputs = prepare(model, sub, gbs, profiles_dir, distributed_optimizer, profiles)
     gpn = cluster.gpus_per_node
     if gpn % tp or tp not in tensor_degrees(inputs):
@@ -47,12 +62,7 @@ def estimate(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: 
     if len(layers) != pp or sum(layers) != model.num_layers:
         raise InputError("--layers", f"expected {pp} stage counts summing to {model.num_layers} layers, "
                                      f"got {','.join(map(str, layers))}")
-    split = 0
-    if model.is_encoder_decoder and pp > 1:
-        prefix = np.cumsum(layers)
-        if model.encoder_num_layers not in prefix[:-1]:
-            raise InputError("--layers", f"no stage boundary falls after the {model.encoder_num_layers} encoder layers")
-        split = int(np.searchsorted(prefix, model.encoder_num_layers)) + 1
+    split = _encoder_stages(model, layers)
     refusal = virtual_stages_error(model, pp, virtual_stages, inputs.gbs // (dp * mbs))
     if refusal is not None:
         raise InputError("--virtual-stages", f"{virtual_stages}: {refusal}")

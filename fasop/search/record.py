@@ -7,8 +7,9 @@ import numpy as np
 
 from fasop.cost.communication import Geometry
 from fasop.cost.config import Config, chunk_layers
-from fasop.cost.price import price_per_hour_usd
+from fasop.cost.price import cost_per_step_usd, price_per_hour_usd
 from fasop.cost.step import StageCosts, breakdown
+from fasop.inputs.profiles import profile_sources
 from fasop.search.space import Inputs
 
 
@@ -20,6 +21,7 @@ def plan_rows(inputs: Inputs, plans: list[tuple[Config, Geometry, bool]], costs:
     terms = breakdown(costs, counts, exact)
     layers = (counts + costs.fixed_layers).astype(int)
     load = terms["stage_memory_gib"] / terms["stage_capacity_gib"]
+    sources = profile_sources(inputs.profiles)
     rows = []
     for k, (config, geo, exhaustive) in enumerate(plans):
         price = price_per_hour_usd(cluster, geo.placement)
@@ -46,7 +48,7 @@ def plan_rows(inputs: Inputs, plans: list[tuple[Config, Geometry, bool]], costs:
                      "recompute_num_layers": config.recompute_num_layers}
         rows.append({
             "model": model.name, "model_file": model.file, "cluster": cluster.name, "cluster_file": cluster.file,
-            "kind": "3d",
+            **sources, "kind": "3d",
             "gbs": config.gbs, "mbs": mbs, "tp": config.tp, "dp": config.dp, "pp": config.pp,
             "num_microbatches": config.gbs // (config.dp * mbs),
             "placement": list(geo.placement), "layers_per_stage": layers[k].tolist(),
@@ -69,7 +71,7 @@ def plan_rows(inputs: Inputs, plans: list[tuple[Config, Geometry, bool]], costs:
             "recompute_s": float(terms["recompute_s"][k]),
             "peak_memory_gib": float(terms["stage_memory_gib"][k, worst]),
             "memory_capacity_gib": float(terms["stage_capacity_gib"][k, worst]),
-            "cost_per_hour_usd": price, "cost_per_step_usd": price * step / 3600.0,
+            "cost_per_hour_usd": price, "cost_per_step_usd": cost_per_step_usd(price, step),
             "placement_search": "exhaustive" if exhaustive else "type-blocks",
             "stages": stages,
         })

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from fasop.cost.price import cost_per_step_usd, price_per_hour_usd
 from fasop.cost.step import breakdown
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
@@ -88,7 +89,7 @@ def plan_metric(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
     costs, counts = plan_costs(model, cluster, profiles, plan)
     step = float(breakdown(costs, counts)["step_time_s"][0])
     if sort == "cost":
-        return step * sum(cluster.node_types[n].price_per_hour_usd for n in plan.placement) / 3600.0
+        return cost_per_step_usd(price_per_hour_usd(cluster, plan.placement), step)
     return step
 
 

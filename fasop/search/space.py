@@ -13,6 +13,7 @@ from fasop.cost.communication import Geometry, geometry, with_embedding_groups
 from fasop.cost.config import RECOMPUTE_MODES, Config, embedding_stages, with_recompute
 from fasop.cost.memory import head_fits
 from fasop.errors import InputError
+from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile, load_profiles
@@ -90,8 +91,8 @@ def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir
         raise InputError("--recompute", f"expected a comma-separated list of {', '.join(RECOMPUTE_MODES)}, "
                                         f"got {','.join(recompute)!r}")
     gpus = sorted({t.gpu for t in cluster.node_types.values()})
-    if profiles is None:
-        profiles = load_profiles(model, gpus, profiles_dir)
+    if profiles is None:  # the cluster's own [[gpu]] tables over the catalogue, as the command line reads them
+        profiles = load_profiles(model, gpus, profiles_dir, specs=merged_specs(own=cluster.gpus))
     modes = tuple(mode for mode in RECOMPUTE_MODES if mode in recompute)  # lightest first, once each
     return Inputs(model, cluster, {g: profiles[g] for g in gpus}, gbs, distributed_optimizer, overlap, modes,
                   sequence_parallel)

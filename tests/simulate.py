@@ -2,7 +2,7 @@
 
 fasop ranks plans with the closed form of docs/cost-model.md section 4, which its partitioner can optimise
 exactly; these simulations run the schedule event by event to check that form (tests/test_costmodel.py), to
-measure how far it lands (scripts/measure_accuracy.py) and to check the exact schedule of fasop/schedule.py
+measure how far it lands (scripts/measure_accuracy.py) and to check the exact schedule of fasop/cost/schedule.py
 (tests/test_schedule.py).
 """
 
