@@ -86,6 +86,10 @@ PRUNED_WRONG_PLAN = tiny_spec(tiny_model("encoder-decoder", 7, encoder_num_layer
                                          encoder_seq_length=64, decoder_seq_length=64), a10_nodes("a", 7))
 # a node type whose name holds "-", which the CSV plan file once used to join placements
 DASHED_NODE_TYPE = tiny_spec(tiny_model("decoder", 1, num_layers=1, seq_length=64), a10_nodes("0-", 1))
+# the best plan is interleaved (two model chunks per stage): `fasop estimate` must be told its virtual stages
+INTERLEAVED_BEST = Spec(tiny_model("decoder", 3, num_layers=7, seq_length=256), {"name": "0", "memory_margin": 1.0},
+                        [{**a10_nodes(name, 1), "gpu": gpu, "inter_node_bandwidth": "6.566e+07B/s"}
+                         for name, gpu in (("0", "A100"), ("1", "A10"), ("2", "A100"))], {"A10": 0.05, "A100": 0.05})
 
 
 def written(spec, root: str) -> Written:
@@ -192,8 +196,8 @@ RECOMPUTE_FIELDS = ("recompute", "recompute_method", "recompute_num_layers", "se
 
 
 def recompute_options(plan: dict) -> list[str]:
-    """The `fasop estimate` options of the plan's recomputation and sequence parallelism."""
-    options = ["--recompute", plan["recompute"]]
+    """The `fasop estimate` options of the plan's model chunks, recomputation and sequence parallelism."""
+    options = ["--virtual-stages", str(plan["virtual_stages"]), "--recompute", plan["recompute"]]
     if "recompute_method" in plan:
         options += ["--recompute-method", plan["recompute_method"], "--recompute-num-layers", str(plan["recompute_num_layers"])]
     return options + ["--sequence-parallel" if plan["sequence_parallel"] else "--no-sequence-parallel"]
@@ -291,7 +295,8 @@ def test_command_line_search_writes_the_plans_of_the_api(max_examples, derandomi
                     assert close(float(row["step_time_s"]), plan["step_time_s"])
 
     check(max_examples, derandomize, prop, specs(), st.sampled_from(sorted(SORT_KEYS)), st.sampled_from([None, 1, 3]),
-          st.sampled_from([".json", ".csv"]), found=((DASHED_NODE_TYPE, "time", None, ".csv"),))
+          st.sampled_from([".json", ".csv"]),
+          found=((DASHED_NODE_TYPE, "time", None, ".csv"), (INTERLEAVED_BEST, "cost", None, ".json")))
 
 
 # -- recomputation ----------------------------------------------------------------------------------------------
