@@ -23,6 +23,16 @@ PLANS_LIMIT_BYTES = 256 * MIB  # a search of a large cluster writes every feasib
 LOG_LIMIT_BYTES = 256 * MIB  # a training log of a long run
 
 
+def beside(named: str, base: Path) -> str:
+    """A file that another file names (a plan's model file, a run's cluster): as named if it exists, else in
+    folder `base` beside the naming file if it exists there, else as named (a bundled name, or a missing file
+    that its reader will refuse)."""
+    if Path(named).exists():
+        return named
+    candidate = base / named
+    return str(candidate) if candidate.exists() else named
+
+
 def read_text(path: str | os.PathLike, limit_bytes: int, missing: str = "file not found") -> str:
     """The UTF-8 text of a regular file of at most `limit_bytes`; anything else is an InputError naming it.
 

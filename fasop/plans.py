@@ -10,13 +10,12 @@ import itertools
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_json, write_atomically
 from fasop.inputs.tomlfile import Range, Table, expected, validated
 
@@ -178,26 +177,6 @@ def _unchecked(cls: type[Stage], values: dict[str, Any]) -> Stage:
 _STAGE_DEFAULTS = {name: field.default for name, field in Stage.model_fields.items() if not field.is_required()}
 
 
-@dataclass(frozen=True)
-class PlanShape:
-    """What makes a plan, checked: degrees, batch sizes, placement and layers per stage (what launching or
-    re-estimating a plan needs of a plan file)."""
-
-    tp: int
-    dp: int
-    pp: int
-    mbs: int
-    gbs: int
-    placement: tuple[str, ...]
-    layers_per_stage: tuple[int, ...]
-    distributed_optimizer: bool
-    _: KW_ONLY  # defaulted: plan files written before these fields existed
-    recompute: str = "none"
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    sequence_parallel: bool = False
-
-
 def placement_runs(placement: Sequence[str]) -> list[tuple[str, int]]:
     """Runs of consecutive nodes of one type, in placement order: [A10, A100, A100, A10] -> 3 runs."""
     return [(name, len(list(run))) for name, run in itertools.groupby(placement)]
@@ -229,18 +208,18 @@ def plans_as_csv(records: list[dict]) -> str:
     return out.getvalue()
 
 
-def plans_text(plans: Sequence[Plan], output: Path, option: str = "--output") -> str:
+def plans_text(plans: Sequence[Plan], output: Path, argument: str = "output") -> str:
     """What write_plans writes to `output` (.json or .csv); refuses non-finite numbers before anything is written
-    (the search builds its plans unchecked); errors name `option`."""
+    (the search builds its plans unchecked); errors name `argument`."""
     if output.suffix not in (".json", ".csv"):
-        raise InputError(f"{option} {output}", "expected a file name ending in .json or .csv")
+        raise ArgumentError(argument, "expected a file name ending in .json or .csv", output)
     records = [plan.record() for plan in plans]
-    check_finite(records, f"{option} {output}")
+    check_finite(records, str(output))
     return plans_as_json(records) if output.suffix == ".json" else plans_as_csv(records)
 
 
 def write_plans(plans: Sequence[Plan], output: Path) -> None:
-    write_atomically(output, plans_text(plans, output), f"--output {output}")
+    write_atomically(output, plans_text(plans, output), str(output))
 
 
 def read_plan(data: Any, where: str) -> Plan:
@@ -251,10 +230,10 @@ def read_plan(data: Any, where: str) -> Plan:
 
 
 def load_plans(path: str | os.PathLike) -> list[Plan]:
-    """The plan list written by `fasop search --output plans.json`, checked to be one."""
+    """The plan list a search writes (plans.json), checked to be one."""
     where = str(path)
     if str(path).endswith(".csv"):
-        raise InputError(where, "expected the JSON plan list written by fasop search --output plans.json, not CSV")
+        raise InputError(where, "expected the JSON plan list a search writes (plans.json), not its CSV")
     data = read_json(path, PLANS_LIMIT_BYTES, "a fasop plan list", missing="no such plan file")
     if not isinstance(data, list) or not data:
         raise InputError(where, "not a fasop plan list: expected a non-empty JSON list of plan objects")
@@ -272,4 +251,12 @@ def select_plan(plans: Sequence[Plan], rank: int, where: str) -> Plan:
             return plan
     ranks = sorted(p.rank for p in plans if p.rank is not None)
     held = f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no ranks"
-    raise InputError(f"--rank {rank}", f"no such plan in {where} (it holds {len(plans)} plans, {held})")
+    raise ArgumentError("rank", f"no such plan in {where} (it holds {len(plans)} plans, {held})", rank)
+
+
+def read_plan_file(path: str | os.PathLike, rank: int = 1) -> Plan:
+    """The plan in `path`: one plan object (the plan.json of `fasop emit`) or plan `rank` of a plan list."""
+    data = read_json(path, PLANS_LIMIT_BYTES, "a fasop plan", missing="no such plan file")
+    if isinstance(data, list):
+        return select_plan([read_plan(item, f"{path}: entry {i}") for i, item in enumerate(data)], rank, str(path))
+    return read_plan(data, str(path))

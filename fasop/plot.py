@@ -9,9 +9,11 @@ figures are drawn headless (Agg) and written as PNG or SVG, chosen by the file s
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.files import write_atomically
 from fasop.plans import Plan, compress_placement
 
@@ -35,14 +37,24 @@ def _figure(width_in: float, height_in: float):
     return Figure(figsize=(width_in, height_in), layout="constrained")
 
 
-def _check_out(out_path, option: str = "--out") -> Path:
+def _check_out(out_path, argument: str) -> Path:
     path = Path(out_path)
     if path.suffix.lower() not in SUFFIXES:
-        raise InputError(f"{option} {out_path}", "expected a file name ending in .png or .svg")
+        raise ArgumentError(argument, "expected a file name ending in .png or .svg", out_path)
     return path
 
 
-def _save(fig, path: Path, option: str = "--out") -> None:
+@contextmanager
+def _as_argument(argument: str, path) -> Iterator[None]:
+    """The errors of a file check or write in the block, which name the file, as errors of the argument that
+    gave its path (which the command line names by its option)."""
+    try:
+        yield
+    except InputError as err:
+        raise ArgumentError(argument, err.problem, path) from None
+
+
+def _save(fig, path: Path, argument: str) -> None:
     """Write the chart whole or not at all, without a date (the same inputs give the same file)."""
     import io
 
@@ -54,7 +66,8 @@ def _save(fig, path: Path, option: str = "--out") -> None:
             fig.savefig(image, format="svg", metadata={"Date": None})
     else:
         fig.savefig(image, format="png", dpi=100, metadata={"Software": None})
-    write_atomically(path, image.getvalue(), f"{option} {path}")
+    with _as_argument(argument, path):
+        write_atomically(path, image.getvalue())
 
 
 def series_label(kind: str | None) -> str:
@@ -69,7 +82,7 @@ def _short(record: dict) -> str:
 
 def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: float | None = None,
                deadline: float | None = None, chosen: dict | None = None, title: str | None = None,
-               option: str = "--out") -> dict[str, int]:
+               argument: str = "out_path") -> dict[str, int]:
     """Cost of the run (USD) against throughput (samples/s) or time to train (hours), one point per
     feasible composition.
 
@@ -77,7 +90,7 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
     with the lowest price per node, then square, diamond, ...), a triangle for mixed compositions. The
     Pareto front is a step line (the least cost at which each throughput or each deadline can be had),
     the budget and the deadline are dashed lines, and `chosen` (one of `records`) is circled and labelled.
-    `option` names the chart file in errors.
+    `argument` names the chart file in errors.
 
     Returns the number of points drawn in each series, read back from the figure: one key per
     scatter series ('A100 only', 'mixed', ...), 'front' (points on the step line), 'chosen' (0 or 1) and
@@ -87,8 +100,8 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
     from fasop.market.pareto import check_limits, mark_front
 
     if x not in ("throughput", "time"):
-        raise InputError(f"--x {x}", "expected throughput or time")
-    path = _check_out(out_path, option)
+        raise ArgumentError("x", "expected throughput or time", x)
+    path = _check_out(out_path, argument)
     check_limits(budget, deadline)
     records = [dict(r) for r in records]
     mark_front(records)  # the front of the points drawn (a front file may have been filtered by hand)
@@ -117,7 +130,7 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
         _draw_chosen(ax, chosen, x, xkey)
     hidden = len(records) - len(feasible)
     _label_axes(ax, feasible[0], x, title, hidden)
-    _save(fig, path, option)
+    _save(fig, path, argument)
 
     counts: dict[str, int] = {}
     for collection in ax.collections:
@@ -209,7 +222,7 @@ MAX_SECONDS = 1e9  # a stage time or step time of a plan to chart
 def check_plan(plan: Plan, where: str) -> None:
     """What a stage chart needs beyond the plan schema: the per-stage breakdown of a 3D plan, times in range."""
     if not plan.stages or plan.num_microbatches is None or plan.step_time_s is None:
-        raise InputError(where, "not a 3D plan of fasop search --output plans.json: a chart needs its stages, "
+        raise InputError(where, "not a 3D plan as fasop search writes them: a chart needs its stages, "
                                 "step_time_s and num_microbatches")
     for index, stage in enumerate(plan.stages):
         for key in ("compute_s", "p2p_s", "dp_allreduce_s"):
@@ -241,7 +254,7 @@ def plot_stages(plan: Plan, out_path, *, title: str | None = None) -> dict[str, 
     and idle time within one step, in seconds. Returns the seconds drawn per series, one per stage
     (read back from the bars)."""
     times = stage_times(plan)
-    path = _check_out(out_path)
+    path = _check_out(out_path, "out_path")
     stages = plan.stages or []
     labels = []
     for stage in stages:
@@ -269,7 +282,7 @@ def plot_stages(plan: Plan, out_path, *, title: str | None = None) -> dict[str, 
                  fontsize=10)
     ax.grid(True, axis="x", lw=0.4, alpha=0.5)
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=8, frameon=False)
-    _save(fig, path)
+    _save(fig, path, "out_path")
     return drawn
 
 
@@ -283,9 +296,10 @@ def node_range(nodes: list[int]) -> str:
 
 
 def plot_validation(labels: list[str], predicted_s, measured_s, out_path, *, title: str | None = None,
-                    option: str = "--chart") -> None:
-    """Estimated against measured step time, one labelled point per run, with the line where they agree."""
-    path = _check_out(out_path, option)
+                    argument: str = "out_path") -> None:
+    """Estimated against measured step time, one labelled point per run, with the line where they agree;
+    `argument` names the chart file in errors."""
+    path = _check_out(out_path, argument)
     fig = _figure(6.0, 5.4)
     ax = fig.add_subplot()
     low, high = min(*predicted_s, *measured_s), max(*predicted_s, *measured_s)
@@ -299,13 +313,13 @@ def plot_validation(labels: list[str], predicted_s, measured_s, out_path, *, tit
     ax.set_ylabel("estimated step time (s)")
     ax.set_title(title or "fasop estimates against measured runs")
     ax.legend(loc="upper left", fontsize=8)
-    _save(fig, path, option)
+    _save(fig, path, argument)
 
 
-def plot_comparison(families: list, out_path, title: str, option: str = "--out") -> None:
-    """Throughput of each strategy as horizontal bars; strategies without a plan show their reason. `option`
+def plot_comparison(families: list, out_path, title: str, argument: str = "out_path") -> None:
+    """Throughput of each strategy as horizontal bars; strategies without a plan show their reason. `argument`
     names the chart file in errors."""
-    path = _check_out(out_path, option)
+    path = _check_out(out_path, argument)
     fig = _figure(8.0, 0.5 * len(families) + 1.2)
     ax = fig.add_subplot()
     names = [f.name for f in families][::-1]
@@ -318,4 +332,4 @@ def plot_comparison(families: list, out_path, title: str, option: str = "--out")
     ax.set_xlim(0, top * 1.45)
     ax.set_xlabel("throughput (samples/s)")
     ax.set_title(title)
-    _save(fig, path, option)
+    _save(fig, path, argument)

@@ -16,17 +16,12 @@ import itertools
 import os
 
 from fasop.errors import InputError
-from fasop.files import PLANS_LIMIT_BYTES, read_json
-from fasop.plans import Plan, TypeShare, read_plan, select_plan
+from fasop.plans import Plan, TypeShare, read_plan_file
 
 
 def load_plan(path: str | os.PathLike, rank: int = 1) -> Plan:
     """The plan in `path`: one plan object (fasop emit's plan.json) or plan `rank` of a plan list."""
-    data = read_json(path, PLANS_LIMIT_BYTES, "a fasop plan")
-    if isinstance(data, list):
-        plan = select_plan([read_plan(item, f"{path}: entry {i}") for i, item in enumerate(data)], rank, str(path))
-    else:
-        plan = read_plan(data, str(path))
+    plan = read_plan_file(path, rank)
     check_plan(plan, str(path))
     return plan
 

@@ -22,7 +22,7 @@ from fasop.cost.schedule import OpTimes, op_times
 from fasop.errors import InputError
 from fasop.files import check_outputs
 from fasop.plans import Plan
-from fasop.plot import MAX_SECONDS, _check_out, _figure, _save
+from fasop.plot import MAX_SECONDS, _as_argument, _check_out, _figure, _save
 
 # (label, face colour, hatch) of each kind of segment, in legend order
 STYLE = {
@@ -103,13 +103,15 @@ def _segments(times: OpTimes, plan: int) -> dict[str, list[tuple[int, float, flo
 
 
 def plot_timeline(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0, title: str | None = None,
-                  inputs: Iterable[str | os.PathLike] = (), option: str = "--timeline") -> dict[str, dict]:
+                  inputs: Iterable[str | os.PathLike] = (), argument: str = "out_path") -> dict[str, dict]:
     """Draw the schedule of plan `plan` of `times` to out_path (.png or .svg), refusing to write over any of
-    `inputs`. Returns, for each kind of segment, how many were drawn and their total seconds."""
-    path = _check_out(out_path, option)
-    check_outputs([(path, option)], inputs)
+    `inputs`; `argument` names the chart file in errors. Returns, for each kind of segment, how many were drawn
+    and their total seconds."""
+    path = _check_out(out_path, argument)
+    with _as_argument(argument, out_path):
+        check_outputs([(path, argument)], inputs)
     prog = times.program
-    check_drawable(prog.stages, prog.virtual_stages, prog.num_microbatches, option)
+    check_drawable(prog.stages, prog.virtual_stages, prog.num_microbatches, "times")
     found = _segments(times, plan)
     makespan = float(times.makespan_s[plan])
 
@@ -139,6 +141,6 @@ def plot_timeline(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0,
     ax.set_title(title or f"1F1B schedule: {prog.num_microbatches} micro-batches{interleaved}, "
                           f"pipeline time {makespan:.4g} s", fontsize=10)
     fig.legend(loc="outside lower center", ncols=len(STYLE), fontsize=8, frameon=False)
-    _save(fig, path, option)
+    _save(fig, path, argument)
     return {kind: {"segments": len(segments), "seconds": sum(b - a for _, a, b, _ in segments)}
             for kind, segments in found.items()}

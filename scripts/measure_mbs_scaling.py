@@ -111,6 +111,7 @@ def synth() -> None:
 def plans() -> None:
     from fasop import estimate, load_cluster
     from fasop.search import search_plans
+    from fasop.search.spec import spec_of
 
     print("Best plan under FASOP's measured profiles, measured step / step with synthesised A100 and A10 profiles:")
     print("| model | cluster | plan | measured step s | synth step s | ratio |")
@@ -123,9 +124,7 @@ def plans() -> None:
                 sizes = ((1, 2, 4), (1, 2, 4, 8))
                 write_profile(Path(folder) / f"{gpu}.csv", synthesize(model, gpu, *sizes),
                               header_lines(model, load_gpu_spec(gpu), *sizes))
-            synthetic = estimate(model, cluster, tp=best.tp, dp=best.dp, pp=best.pp, mbs=best.mbs,
-                                 placement=list(best.placement), layers=list(best.layers_per_stage),
-                                 profiles_dir=folder)
+            synthetic = estimate(model, cluster, spec_of(best, model, cluster), profiles_dir=folder)
         shape = f"tp{best.tp} dp{best.dp} pp{best.pp} mbs{best.mbs}"
         print(f"| {name} | {cluster_name} | {shape} | {best.step_time_s:.4f} | {synthetic.step_time_s:.4f} | "
               f"{best.step_time_s / synthetic.step_time_s:.2f} |")

@@ -158,8 +158,8 @@ def predict(run: Run, model: Model, cluster: Cluster, spec: GpuSpec | None = Non
         raise InputError(run.model_file, f"{model.num_layers} layers do not split evenly over {run.pp} stages")
     return estimate(model, cluster, tp=run.tp, dp=run.dp, pp=run.pp, mbs=run.mbs, gbs=run.gbs,
                     placement=[node_type] * (run.gpus // cluster.gpus_per_node),
-                    layers=[model.num_layers // run.pp] * run.pp, distributed_optimizer=False, profiles=profiles,
-                    overlap=run.overlap_grad_reduce, virtual_stages=run.virtual_stages, recompute=run.recompute,
+                    layers_per_stage=[model.num_layers // run.pp] * run.pp, distributed_optimizer=False, profiles=profiles,
+                    overlap_grad_reduce=run.overlap_grad_reduce, virtual_stages=run.virtual_stages, recompute=run.recompute,
                     sequence_parallel=run.sequence_parallel)
 
 

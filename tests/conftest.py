@@ -72,8 +72,8 @@ TINY_NODE_TYPES = {
 
 
 def without_optimizer_step(cluster):
-    """The cluster with GPU memory of unlimited bandwidth: no optimizer step. Calibration and the noise model
-    scale profile times and links, not memory bandwidth; their exact properties hold without that step."""
+    """The cluster with GPU memory of unlimited bandwidth: no optimizer step, for properties of the pipeline
+    alone."""
     return replace(cluster, node_types={name: replace(t, gpu_memory_bytes_per_s=math.inf)
                                         for name, t in cluster.node_types.items()})
 

@@ -17,8 +17,8 @@ from fasop.cost.communication import geometry
 from fasop.cost.schedule import op_times
 from fasop.errors import InputError
 from fasop.inputs.profiles import load_profiles
+from fasop.search import batchsplit, search_plans
 from fasop.search import dataparallel as dpl
-from fasop.search import search_plans
 from fasop.search.compare import compare
 from fasop.search.placement import type_order
 from fasop.search.space import MAX_PLAN_GPUS
@@ -47,7 +47,7 @@ def test_split_of_1e8_samples_is_the_closed_form():
     the batch (which ran out of memory)."""
     batch = 10**8
     units = [np.arange(5) * 0.25, np.arange(5) * 1.0]
-    got, peak = _peak_mib(lambda: dpl.best_split(units, [4, 12], batch))
+    got, peak = _peak_mib(lambda: batchsplit.best_split(units, [4, 12], batch))
     makespan, _, split = min((max(0.25 * ((batch - 12 * slow) // 4), float(slow)), -slow, [(batch - 12 * slow) // 4, slow])
                              for slow in (batch // 28, batch // 28 + 1))
     assert got == (makespan, split) == (3571429.0, [14285713, 3571429])
@@ -67,19 +67,22 @@ def test_plan_row_of_1e8_samples_is_the_best_split_near_the_balance(bert):
     nearby = []
     for s in range(a100.samples_per_gpu - 300, a100.samples_per_gpu + 301):
         if (batch - 4 * s) % 12 == 0:
-            times = [dpl.step_times(u, np.array([n]))[0][0] for u, n in zip(units, [(batch - 4 * s) // 12, s])]
+            times = [batchsplit.step_times(u, np.array([n]))[0][0] for u, n in zip(units, [(batch - 4 * s) // 12, s])]
             nearby.append((max(times), -s))
     assert min(nearby) == (max(a10.compute_s, a100.compute_s), -a100.samples_per_gpu)
 
 
-def test_split_refuses_in_one_line_beyond_its_step_limit(monkeypatch):
+def test_split_refuses_in_one_line_beyond_its_step_limit(monkeypatch, bert):
     """GPU counts sharing no divisor leave the split to try sums one by one: it stops at its documented limit
-    with the reason (the table of the batch never finished)."""
-    monkeypatch.setattr(dpl, "SPLIT_STEPS", 1000)
+    with the reason (the table of the batch never finished), which the plan row gives as why there is no plan."""
+    monkeypatch.setattr(batchsplit, "SPLIT_STEPS", 1000)
     units = [np.arange(2) * c for c in (1.0, 1.1, 1.3)]
-    with pytest.raises(dpl.NoPlan, match=r"^the exact batch split over 999999, 999998, 7 GPUs needs more than 1000 "
-                                         r"steps \(its limit\)$"):
-        dpl.best_split(units, [999999, 999998, 7], 10**8)
+    with pytest.raises(batchsplit.SplitStepLimit, match=r"^the exact batch split over 999999, 999998, 7 GPUs needs "
+                                                        r"more than 1000 steps \(its limit\)$"):
+        batchsplit.best_split(units, [999999, 999998, 7], 10**8)
+    monkeypatch.setattr(batchsplit, "SPLIT_STEPS", 0)
+    with pytest.raises(dpl.NoPlan, match=r"^the exact batch split over 12, 4 GPUs needs more than 0 steps"):
+        dpl.plan_row(*bert, "ddp", 64)
 
 
 def _clusters():
@@ -149,7 +152,7 @@ def test_runtime_gives_each_rank_its_share_of_the_split(bert):
 def test_timeline_refuses_a_schedule_too_large_to_see_before_computing_it(tmp_path):
     """256 model chunks per stage (drawn for over two minutes before): one line naming the limit, no chart."""
     plan = estimate(load_model("gpt2-xl"), load_cluster("fasop-8xA10"), tp=1, dp=4, pp=8, mbs=1, placement=["A10"] * 8,
-                    layers=[6] * 8, virtual_stages=2)
+                    layers_per_stage=[6] * 8, virtual_stages=2)
     record = {**plan.record(), "rank": 1, "virtual_stages": 256}
     for stage in record["stages"]:
         stage["chunks"] = stage["chunks"][:1] * 256
@@ -165,7 +168,7 @@ def test_timeline_refuses_a_schedule_too_large_to_see_before_computing_it(tmp_pa
 def test_timeline_refuses_to_draw_more_than_its_limit(tmp_path):
     m = MAX_OPERATIONS // 4 + 1  # two stages: just past the limit
     times = op_times(np.ones((1, 2)), np.ones((1, 2)), np.zeros((1, 1)), m)
-    with pytest.raises(InputError, match=f"^--timeline: 2 stages x 1 model chunks x {m} micro-batches make "
+    with pytest.raises(InputError, match=f"^times: 2 stages x 1 model chunks x {m} micro-batches make "
                                          f"{4 * m} forwards and backwards; a timeline draws at most {MAX_OPERATIONS}$"):
         plot_timeline(times, tmp_path / "t.png")
     assert not (tmp_path / "t.png").exists()

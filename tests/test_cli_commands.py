@@ -110,7 +110,7 @@ def estimate_breaks_down_one_plan(runner, tiny):
                                                 "--layers", 4, "--json"))
     row = json.loads(stdout)
     expected = estimate(load_model(str(tiny.model)), load_cluster(str(tiny.cluster)), tp=1, dp=2, pp=1, mbs=1,
-                        placement=["fast"], layers=[4], profiles_dir=str(tiny.profiles))
+                        placement=["fast"], layers_per_stage=[4], profiles_dir=str(tiny.profiles))
     assert row["layers_per_stage"] == [4] and row["step_time_s"] == pytest.approx(expected.step_time_s)
 
 
@@ -178,7 +178,7 @@ def runs_csv(tiny: Tiny, factor: float):
     model, cluster = load_model(str(tiny.model)), load_cluster(str(tiny.cluster))
     lines = ["run,model_file,cluster_file,gbs,mbs,tp,dp,pp,placement,layers_per_stage,measured_step_s"]
     for name, dp, pp, layers in (("r1", 2, 1, [4]), ("r2", 1, 2, [2, 2])):
-        step_s = estimate(model, cluster, tp=1, dp=dp, pp=pp, mbs=1, placement=["fast"], layers=layers,
+        step_s = estimate(model, cluster, tp=1, dp=dp, pp=pp, mbs=1, placement=["fast"], layers_per_stage=layers,
                           profiles_dir=str(tiny.profiles)).step_time_s
         lines.append(f"{name},model.toml,cluster.toml,8,1,1,{dp},{pp},fast,{' '.join(map(str, layers))},"
                      f"{step_s * factor!r}")

@@ -335,7 +335,7 @@ def test_every_tiny_plan_has_its_best_layer_split(tiny):
             continue
         for split in splits(model.num_layers, plan["pp"]):
             row = estimate(model, cluster, tp=plan["tp"], dp=plan["dp"], pp=plan["pp"], mbs=plan["mbs"],
-                           placement=plan["placement"], layers=list(split), profiles_dir=str(setup.profiles))
+                           placement=plan["placement"], layers_per_stage=list(split), profiles_dir=str(setup.profiles))
             if row.fits_memory:
                 assert plan["step_time_s"] <= row.step_time_s * (1 + 1e-9), (plan["layers_per_stage"], split)
                 checked += 1

@@ -134,7 +134,7 @@ def test_every_transfer_pays_its_links_latency_once_and_a_ring_two_per_step():
     assert geometry(c, ("X",), tp=1, dp=1, pp=2).boundary_latency_s[0] == pytest.approx(2e-6)
     # a plan's sends carry them: bytes over the link plus one latency
     model, a10 = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-4xA10")
-    plan = fasop.estimate(model, a10, tp=1, dp=8, pp=2, mbs=1, placement=["A10"] * 4, layers=[24, 24])
+    plan = fasop.estimate(model, a10, tp=1, dp=8, pp=2, mbs=1, placement=["A10"] * 4, layers_per_stage=[24, 24])
     geo = geometry(a10, ("A10",) * 4, tp=1, dp=8, pp=2)
     sent_bytes = 2 * 1024 * 1600  # fp16 activation of one sample, 1024 tokens, hidden 1600
     assert plan.stages[0].send_s == pytest.approx(geo.boundary_s_per_byte[0] * sent_bytes + 9.6e-6)
@@ -185,7 +185,7 @@ def tiny(tmp_path):
 
 def test_estimate_of_a_two_stage_plan_by_hand(tiny):
     model, c, profiles = tiny
-    row = fasop.estimate(model, c, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers=[2, 2],
+    row = fasop.estimate(model, c, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers_per_stage=[2, 2],
                          profiles_dir=profiles, distributed_optimizer=False)
     m = 4
     comp0, comp1 = 0.003 + 2 * 0.030, 2 * 0.030 + 0.006  # embedding + 2 layers; 2 layers + head
@@ -222,7 +222,7 @@ def test_search_finds_the_best_split_of_every_plan_for_the_closed_form(tiny):
         if plan.pp != 2:
             continue
         others = [fasop.estimate(model, c, tp=plan.tp, dp=plan.dp, pp=2, mbs=plan.mbs, placement=plan.placement,
-                                 layers=[first, 4 - first], profiles_dir=profiles) for first in range(0, 5)]
+                                 layers_per_stage=[first, 4 - first], profiles_dir=profiles) for first in range(0, 5)]
         others = [other for other in others if other.fits_memory]
         assert plan.closed_form_step_s <= min(other.closed_form_step_s for other in others) + 1e-12
         assert plan.step_time_s <= min(other.step_time_s for other in others) * (1 + EXACT_PARTITION_GAP)

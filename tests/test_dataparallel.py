@@ -17,12 +17,13 @@ from fasop.inputs.model import load_model
 from fasop.inputs.profiles import load_profiles
 from fasop.plans import load_plans
 from fasop.search import dataparallel as dpl
+from fasop.search.batchsplit import best_split, step_times
 
 
 def _brute_force(units, counts, batch):
     """The old way: every split, each group's time looked up in a table of step_times up to batch // count;
     the least makespan and, among its splits, the one whose later groups take the most samples."""
-    times = [dpl.step_times(u, np.arange(batch // n + 1))[0] for u, n in zip(units, counts)]
+    times = [step_times(u, np.arange(batch // n + 1))[0] for u, n in zip(units, counts)]
     best = None
     for split in itertools.product(*(range(1, batch // n + 1) for n in counts)):
         if sum(n * s for n, s in zip(counts, split)) == batch:
@@ -42,14 +43,14 @@ def test_best_split_is_the_brute_force_optimum(case):
     """Any micro-batch times, even ones where more samples take less time: the same makespan and split as
     trying every split."""
     counts, group_units, batch = case
-    assert dpl.best_split(group_units, counts, batch) == _brute_force(group_units, counts, batch)
+    assert best_split(group_units, counts, batch) == _brute_force(group_units, counts, batch)
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(0.01, 5.0), min_size=1, max_size=8), st.integers(0, 30))
 def test_step_times_are_the_best_micro_batch_and_grow_with_the_samples(increments, samples):
     unit_s = np.concatenate([[0.0], np.cumsum(increments)])  # increasing in the micro-batch size
-    time_s, size = dpl.step_times(unit_s, np.arange(samples + 1))
+    time_s, size = step_times(unit_s, np.arange(samples + 1))
     for s in range(1, samples + 1):
         by_size = [(s // b) * unit_s[b] + unit_s[s % b] for b in range(1, len(unit_s))]
         assert time_s[s] == pytest.approx(min(by_size))

@@ -103,7 +103,8 @@ def fresh_plan(directory: Path, **changes) -> dict:
     plan = make_plan(**changes)
     row = estimate(load_model(plan["model_file"]), load_cluster(str(directory / plan["cluster_file"])),
                    tp=plan["tp"], dp=plan["dp"], pp=plan["pp"], mbs=plan["mbs"], placement=plan["placement"],
-                   layers=plan["layers_per_stage"], gbs=plan["gbs"], distributed_optimizer=plan["distributed_optimizer"]).record()
+                   layers_per_stage=plan["layers_per_stage"], gbs=plan["gbs"],
+                   distributed_optimizer=plan["distributed_optimizer"]).record()
     assert row.pop("fits_memory")
     return {**plan, **row, "cluster_file": plan["cluster_file"]}  # the file as named beside the plan list
 
@@ -392,12 +393,12 @@ def test_untyped_gres_on_request(gpt2, cluster):
 
 
 def test_gpus_per_node_override_must_match_the_plan(gpt2, cluster):
-    with pytest.raises(InputError, match="placement lists 4 nodes of 4 GPUs"):
+    with pytest.raises(InputError, match="the placement.s 4 nodes of 4 GPUs hold 16"):
         render_plan(launchable(), gpt2, cluster, LaunchOptions(gpus_per_node=4))
 
 
 def test_plan_and_model_must_agree(gpt2, cluster):
-    with pytest.raises(InputError, match="holds 47 layers"):
+    with pytest.raises(InputError, match="summing to 48 layers, got 10,13,13,11"):
         render_plan(launchable(layers_per_stage=[10, 13, 13, 11]), gpt2, cluster)
     with pytest.raises(InputError, match="not in cluster"):
         render_plan(launchable(placement=["small", "huge", "big", "small"]), gpt2, cluster)
@@ -740,7 +741,7 @@ def test_force_emits_a_stale_plan_with_the_fresh_figures_and_a_warning(searched)
     result = emit_rank(searched, 1, out, "--force")
     assert result.exit_code == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "step_time_s is 0.001" in warnings[0] and "--force" in warnings[0]
+    assert len(warnings) == 1 and "step_time_s is 0.001" in warnings[0] and "(forced)" in warnings[0]
     written = json.loads((out / "plan.json").read_text())
     assert written["step_time_s"] == pytest.approx(before["step_time_s"], rel=1e-9)
     assert written["cost_per_step_usd"] == pytest.approx(before["cost_per_step_usd"], rel=1e-9)

@@ -101,7 +101,7 @@ def test_megatron_default_bucket():
 
 def test_the_optimizer_step_is_a_pass_over_the_optimizer_shard():
     model, cluster = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-4xA10")
-    args = dict(tp=1, dp=4, pp=4, mbs=1, placement=["A10"] * 4, layers=[12] * 4, overlap=False)
+    args = dict(tp=1, dp=4, pp=4, mbs=1, placement=["A10"] * 4, layers_per_stage=[12] * 4, overlap_grad_reduce=False)
     sharded = fasop.estimate(model, cluster, **args)
     whole = fasop.estimate(model, cluster, **args, distributed_optimizer=False)
     layers = 12 * model.layer_params("layer")
@@ -137,7 +137,7 @@ def test_the_optimizer_step_runs_at_the_memory_bandwidth_the_cluster_file_gives(
     def optimizer_s(text: str) -> float:
         path.write_text(text)
         return fasop.estimate(model, fasop.load_cluster(str(path)), tp=1, dp=4, pp=4, mbs=1, placement=["A10"] * 4,
-                              layers=[12] * 4, overlap=False).optimizer_s
+                              layers_per_stage=[12] * 4, overlap_grad_reduce=False).optimizer_s
 
     as_bundled = optimizer_s(bundled_text)
     assert optimizer_s(bundled_text + A10_AT_300_GB_PER_S) == pytest.approx(2 * as_bundled, rel=1e-12)
@@ -166,7 +166,7 @@ def test_interleaved_stages_hold_more_micro_batches_counted_from_the_schedule():
 
 def test_an_interleaved_estimate_is_the_interleaved_schedule_of_its_chunks():
     model, cluster = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-4xA10")
-    args = dict(tp=1, dp=4, pp=4, mbs=1, placement=["A10"] * 4, layers=[13, 11, 12, 12], overlap=False)
+    args = dict(tp=1, dp=4, pp=4, mbs=1, placement=["A10"] * 4, layers_per_stage=[13, 11, 12, 12], overlap_grad_reduce=False)
     plain, interleaved = fasop.estimate(model, cluster, **args), fasop.estimate(model, cluster, **args, virtual_stages=2)
     assert interleaved.virtual_stages == 2 and interleaved.layers_per_virtual_stage == [7, 6, 6, 6, 6, 5, 6, 6]
     stages = interleaved.stages
@@ -189,7 +189,7 @@ def test_an_interleaved_estimate_is_the_interleaved_schedule_of_its_chunks():
     assert interleaved.pipeline_time_s < plain.pipeline_time_s  # the bubble shrinks
     assert interleaved.peak_memory_gib > plain.peak_memory_gib  # more micro-batches in flight
     # 64 / (4 x 8) = 2 micro-batches: fewer than the 4 stages Megatron interleaves them over
-    with pytest.raises(InputError, match="--virtual-stages: 2: the micro-batch group size 4 must lie between"):
+    with pytest.raises(InputError, match="virtual_stages: 2: the micro-batch group size 4 must lie between"):
         fasop.estimate(model, cluster, **{**args, "mbs": 8}, virtual_stages=2)
 
 
@@ -207,8 +207,8 @@ def test_overlap_is_a_plan_choice_and_emitted_as_megatron_flags():
     from fasop.launch.write import render_plan
 
     model, cluster = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-4xA10")
-    args = dict(tp=1, dp=4, pp=4, mbs=1, placement=["A10"] * 4, layers=[12] * 4)
-    overlapped, plain = fasop.estimate(model, cluster, **args), fasop.estimate(model, cluster, **args, overlap=False)
+    args = dict(tp=1, dp=4, pp=4, mbs=1, placement=["A10"] * 4, layers_per_stage=[12] * 4)
+    overlapped, plain = fasop.estimate(model, cluster, **args), fasop.estimate(model, cluster, **args, overlap_grad_reduce=False)
     assert (overlapped.overlap_grad_reduce, overlapped.overlap_param_gather) == (True, True)
     assert (plain.overlap_grad_reduce, plain.overlap_param_gather) == (False, False)
     assert overlapped.pipeline_time_s == plain.pipeline_time_s

@@ -71,7 +71,7 @@ def test_ranks_are_grouped_by_node_and_launch_read_from_torchrun_or_slurm():
 def test_message_sizes():
     assert parse_message_sizes("1M,4K,4K") == (4096, 2**20)
     for bad in ("4K", "3", "1T", "4K,,1M", "-4K,1M"):
-        with pytest.raises(InputError, match="--sizes"):
+        with pytest.raises(InputError, match=f"^sizes_text={bad}: expected "):
             parse_message_sizes(bad)
 
 

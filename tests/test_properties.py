@@ -206,9 +206,9 @@ def recompute_options(plan: dict) -> list[str]:
 def check_estimate(plan: dict, w: Written) -> None:
     """`fasop estimate` of the plan's degrees, placement, layers and recomputation gives the plan's own figures."""
     row = estimated_fields(estimate(w.model, w.cluster, tp=plan["tp"], dp=plan["dp"], pp=plan["pp"], mbs=plan["mbs"],
-                   placement=plan["placement"], layers=plan["layers_per_stage"], gbs=plan["gbs"],
+                   placement=plan["placement"], layers_per_stage=plan["layers_per_stage"], gbs=plan["gbs"],
                    profiles_dir=str(w.profiles), distributed_optimizer=plan["distributed_optimizer"],
-                   overlap=plan["overlap_grad_reduce"], virtual_stages=plan["virtual_stages"],
+                   overlap_grad_reduce=plan["overlap_grad_reduce"], virtual_stages=plan["virtual_stages"],
                    **{key: plan.get(key) for key in RECOMPUTE_FIELDS}).record())
     assert row.pop("fits_memory") is True, plan
     expected = estimated_fields(plan)
@@ -388,7 +388,7 @@ def test_recomputation_frees_memory_and_times_each_recomputed_layer_once(max_exa
         with tempfile.TemporaryDirectory() as root:
             w = written(spec, root)
             plans = {name: estimate(w.model, w.cluster, tp=plan.tp, dp=plan.dp, pp=plan.pp, mbs=plan.mbs,
-                                    placement=plan.placement, layers=plan.layers, profiles_dir=str(w.profiles),
+                                    placement=plan.placement, layers_per_stage=plan.layers, profiles_dir=str(w.profiles),
                                     virtual_stages=plan.virtual_stages, **setting).record()
                      for name, setting in recompute_settings(plan, block_layers).items()}
         check_recompute_memory(plans)

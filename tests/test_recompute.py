@@ -140,7 +140,7 @@ def test_recomputed_layers_of_each_model_chunk():
 
 def _gpt2_xl_on_8_a10s(layers: list[int], virtual_stages: int = 1, gbs: int = 64, **recompute):
     return fasop.estimate(fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-8xA10"), tp=4, dp=1, pp=8, mbs=1,
-                          placement=["A10"] * 8, layers=layers, gbs=gbs, virtual_stages=virtual_stages, **recompute)
+                          placement=["A10"] * 8, layers_per_stage=layers, gbs=gbs, virtual_stages=virtual_stages, **recompute)
 
 
 def test_block_recomputation_reruns_the_first_layers_of_every_chunk():
@@ -193,7 +193,7 @@ def test_full_recomputation_holds_no_more_than_selective_on_one_stage(tmp_path, 
     rebuilt layer's are held); full (L - 1)(whole - input) less (input 2 s b h). (Before: full held more
     than selective at L = 1 and at s = 256, and more than none at L = 1.)"""
     model, cluster, profiles = _tiny(tmp_path, seq=seq, layers=layers)
-    memory = {mode: fasop.estimate(model, cluster, tp=1, dp=2, pp=1, mbs=2, placement=["G", "G"], layers=[layers],
+    memory = {mode: fasop.estimate(model, cluster, tp=1, dp=2, pp=1, mbs=2, placement=["G", "G"], layers_per_stage=[layers],
                                    profiles_dir=profiles, recompute=mode).stages[0].memory_gib * GIB
               for mode in ("none", "selective", "full")}
     s, b, h, a = seq, 2, 64, 4
@@ -240,7 +240,7 @@ def test_recomputed_forwards_add_to_stage_compute(tmp_path, recompute, method, k
         # 2 s (4 h^2 + 2 h f) + 4 s^2 q
         share = 4 * 32 * 32 * 64 / (2 * 32 * (4 * 64 * 64 + 2 * 64 * 256) + 4 * 32 * 32 * 64)
         extra_s = [3 * 0.010 * share, 0.010 * share]
-    row = fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers=[3, 1],
+    row = fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers_per_stage=[3, 1],
                          profiles_dir=profiles, recompute=recompute, recompute_method=method, recompute_num_layers=k)
     base = [0.003 + 3 * 0.030, 0.030 + 0.006]
     assert [s.compute_s for s in row.stages] == pytest.approx([b + e for b, e in zip(base, extra_s)])
@@ -258,7 +258,7 @@ def test_selective_recomputation_on_a_catalogue_gpu_reruns_the_cores_share_of_th
     (tmp_path / "G.csv").rename(tmp_path / "A100.csv")
     node = replace(cluster.node_types["G"], name="A100", gpu="A100")
     cluster = replace(cluster, node_types={"A100": node})
-    row = fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["A100", "A100"], layers=[3, 1],
+    row = fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["A100", "A100"], layers_per_stage=[3, 1],
                          profiles_dir=profiles, recompute="selective")
     share = attention_core_time_share(unit_work(model, 1, 1)["layer"], 1, Rates.of(load_gpu_spec("A100"), model))
     assert share > 1.5 * attention_core_share(model, "layer")
@@ -267,8 +267,8 @@ def test_selective_recomputation_on_a_catalogue_gpu_reruns_the_cores_share_of_th
 
 def test_block_recomputation_needs_k_layers_per_stage(tmp_path):
     model, cluster, profiles = _tiny(tmp_path)
-    with pytest.raises(InputError, match="at least the 2 layers of --recompute-num-layers"):
-        fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers=[3, 1],
+    with pytest.raises(InputError, match="at least the 2 layers block recomputation reruns"):
+        fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers_per_stage=[3, 1],
                        profiles_dir=profiles, recompute="full", recompute_method="block", recompute_num_layers=2)
 
 
@@ -281,7 +281,7 @@ def test_block_recomputation_needs_k_layers_per_stage(tmp_path):
 def test_recompute_settings_refused_in_one_line(tmp_path, recompute, method, k, message):
     model, cluster, profiles = _tiny(tmp_path)
     with pytest.raises(InputError, match=message):
-        fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers=[3, 1],
+        fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers_per_stage=[3, 1],
                        profiles_dir=profiles, recompute=recompute, recompute_method=method, recompute_num_layers=k)
 
 
@@ -290,13 +290,13 @@ def test_recompute_settings_refused_in_one_line(tmp_path, recompute, method, k, 
 
 def test_overhead_comes_off_the_gpu_memory(tmp_path):
     model, cluster, profiles = _tiny(tmp_path)
-    row = fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers=[2, 2],
+    row = fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers_per_stage=[2, 2],
                          profiles_dir=profiles)
     peak = row.peak_memory_gib
     fits = replace(cluster, gpu_memory_overhead_gib=16.0 - peak * 1.001)
     tight = replace(cluster, gpu_memory_overhead_gib=16.0 - peak * 0.999)
     for c, expected in ((fits, True), (tight, False)):
-        plan = fasop.estimate(model, c, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers=[2, 2],
+        plan = fasop.estimate(model, c, tp=1, dp=1, pp=2, mbs=1, placement=["G", "G"], layers_per_stage=[2, 2],
                               profiles_dir=profiles)
         assert plan.fits_memory is expected
 

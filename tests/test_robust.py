@@ -4,15 +4,16 @@ less exposed to profiling error."""
 
 import numpy as np
 import pytest
-from conftest import without_optimizer_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fasop.cli import main
+from fasop.cost.step import breakdown
 from fasop.errors import InputError
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.search import search_plans
+from fasop.search.estimate import plan_costs
 from fasop.search.robust import MAX_SEED, MAX_TRIALS, factor_keys, perturbed, plan_metric, robustness
 from fasop.search.space import prepare
 
@@ -36,17 +37,36 @@ def _degrees(plan):
 
 def test_equal_factors_scale_every_plan_and_unit_factors_leave_it_unchanged(tiny):
     _, model, cluster, inputs = _inputs(tiny)
-    cluster = without_optimizer_step(cluster)
     plans = search_plans(model, cluster, None, profiles=inputs.profiles).plans[:8]
+    assert all(plan.optimizer_s > 0 for plan in plans)
     keys = factor_keys(cluster, model)
-    assert keys[:3] == [("unit", "slow", "embedding"), ("unit", "slow", "layer"), ("unit", "slow", "head")]
-    assert keys[3:] == [("link", "fast", "intra"), ("link", "fast", "inter"), ("link", "slow", "intra"),
+    assert keys[:4] == [("unit", "slow", "embedding"), ("unit", "slow", "layer"), ("unit", "slow", "head"),
+                        ("memory", "slow", "optimizer")]
+    assert keys[4:] == [("link", "fast", "intra"), ("link", "fast", "inter"), ("link", "slow", "intra"),
                         ("link", "slow", "inter")]
     for factor in (1.0, 1.17):
         c, p = perturbed(cluster, inputs.profiles, dict.fromkeys(keys, factor))
         for plan in plans:  # every term of the step time is a sum and maximum of times: they scale alike
             assert plan_metric(model, c, p, plan, "time") == pytest.approx(factor * plan.step_time_s, rel=1e-12)
             assert plan_metric(model, c, p, plan, "cost") == pytest.approx(factor * plan.cost_per_step_usd, rel=1e-12)
+
+
+@pytest.mark.parametrize("factor", [0.83, 1.17])
+def test_the_optimizer_step_scales_with_its_gpus_factor(tiny_inputs, factor):
+    """The optimizer step is the GPU's work: its memory bandwidth is divided by the GPU type's factor, so the
+    step takes `factor` times as long; the profile and link factors leave it alone."""
+    model, cluster, inputs, plan = tiny_inputs
+    keys = factor_keys(cluster, model)
+
+    def optimizer_s(factors):
+        return breakdown(*plan_costs(model, *perturbed(cluster, inputs.profiles, factors), plan))["optimizer_s"][0]
+
+    exact = optimizer_s(dict.fromkeys(keys, 1.0))
+    assert exact == pytest.approx(plan.optimizer_s, rel=1e-12) and exact > 0
+    assert optimizer_s({**dict.fromkeys(keys, 1.0), ("memory", "slow", "optimizer"): factor}) == pytest.approx(
+        factor * exact, rel=1e-12)
+    others = {key: 1.0 if key[0] == "memory" else factor for key in keys}
+    assert optimizer_s(others) == pytest.approx(exact, rel=1e-12)
 
 
 @settings(max_examples=20, deadline=None)
@@ -128,10 +148,10 @@ def test_bad_noise_gets_one_line(runner, tiny, noise):
     assert np.all([line.startswith("Error:") for line in result.stderr.splitlines()])
 
 
-@pytest.mark.parametrize("trials, seed, option", [(MAX_TRIALS + 1, 0, "--trials"), (0, 0, "--trials"),
-                                                  (10, -1, "--seed"), (10, MAX_SEED + 1, "--seed")])
+@pytest.mark.parametrize("trials, seed, option", [(MAX_TRIALS + 1, 0, "trials="), (0, 0, "trials="),
+                                                  (10, -1, "seed="), (10, MAX_SEED + 1, "seed=")])
 def test_the_api_bounds_trials_and_seed(tiny_inputs, trials, seed, option):
     """The work is trials x candidates estimates: bounded before any is drawn, as the command line bounds it."""
     model, cluster, inputs, plan = tiny_inputs
-    with pytest.raises(InputError, match=f"^{option} "):
+    with pytest.raises(InputError, match=f"^{option}"):
         robustness(model, cluster, inputs.profiles, [plan], 0.1, trials, seed)

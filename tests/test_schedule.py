@@ -259,7 +259,7 @@ def test_timeline_refuses_to_overwrite_an_input_and_odd_suffixes(tmp_path):
     plans.write_text("{}")
     with pytest.raises(InputError, match="is an input of this run"):
         plot_timeline(times, tmp_path / "plans.png", inputs=[tmp_path / "plans.png"])
-    with pytest.raises(InputError, match="--timeline .*png or .svg"):
+    with pytest.raises(InputError, match="^out_path=.*plans.json: expected a file name ending in .png or .svg"):
         plot_timeline(times, plans)
     assert plans.read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["plans.json"]
 
@@ -300,7 +300,7 @@ def test_recomputed_forwards_are_drawn_apart_and_the_schedule_still_matches(virt
 
     model = load_model("gpt2-xl")
     plan = estimate(model, load_cluster("fasop-8xA10"), tp=1, dp=4, pp=8, mbs=1,
-                    placement=["A10"] * 8, layers=[6] * 8, recompute="full", virtual_stages=virtual_stages)
+                    placement=["A10"] * 8, layers_per_stage=[6] * 8, recompute="full", virtual_stages=virtual_stages)
     times = plan_op_times(plan, "plan")
     assert float(times.makespan_s[0]) == pytest.approx(plan.pipeline_time_s, rel=1e-9)
     redone = times.recompute_end_s[0] - times.start_s[0]

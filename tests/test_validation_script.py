@@ -73,10 +73,10 @@ def test_the_runs_settings_reach_the_estimate(vp, runs, monkeypatch):
     monkeypatch.setattr(vp, "estimate", lambda *args, **kwargs: seen.update(kwargs))
     run = runs["175B, selective recomputation + sequence parallelism"]
     vp.predict(run, vp.load_model(str(vp.DATA / run.model_file)), vp.load_cluster(str(vp.CLUSTER)))
-    assert {key: seen[key] for key in ("recompute", "sequence_parallel", "virtual_stages", "overlap",
-                                       "distributed_optimizer", "layers")} == {
-        "recompute": "selective", "sequence_parallel": True, "virtual_stages": 3, "overlap": False,
-        "distributed_optimizer": False, "layers": [12] * 8}
+    assert {key: seen[key] for key in ("recompute", "sequence_parallel", "virtual_stages", "overlap_grad_reduce",
+                                       "distributed_optimizer", "layers_per_stage")} == {
+        "recompute": "selective", "sequence_parallel": True, "virtual_stages": 3, "overlap_grad_reduce": False,
+        "distributed_optimizer": False, "layers_per_stage": [12] * 8}
 
 
 def test_doc_tables_are_the_scripts_output_and_rewriting_is_deterministic(vp, tmp_path, capsys):

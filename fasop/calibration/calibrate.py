@@ -3,7 +3,8 @@
 The factors, each with bounds:
 
 - `compute_time_scale.<gpu>`: a multiplier on every time of that GPU type's profile (1.3: the GPU takes 30%
-  longer than profiled, e.g. a profile measured on a faster part, or a synthetic one). Bounds 0.25 to 4.
+  longer than profiled, e.g. a profile measured on a faster part, or a synthetic one), and on its optimizer step
+  (its node types' memory bandwidth is divided by it). Bounds 0.25 to 4.
 - `bandwidth_scale.intra_node` / `bandwidth_scale.inter_node`: the fraction of the cluster file's (already
   derated) bandwidth that transfers inside a node / between nodes achieve; pipeline sends and all-reduces
   alike. Bounds 0.1 to 10. Written as derating: each `[cluster.derating]` field of that link kind is divided
@@ -12,7 +13,7 @@ The factors, each with bounds:
 The fit is robust least squares (scipy.optimize.least_squares, soft-L1 loss with a 5% scale, so one odd run
 cannot drag the factors) on log(estimate / measurement), over the logarithms of the factors. A factor that no
 run depends on (no run crosses nodes, say) is not fitted and stays 1. Every evaluation is a full estimate of
-each run with scaled profiles and derating, so the fit and the estimate cannot drift apart.
+each run with scaled profiles, memory bandwidths and derating, so the fit and the estimate cannot drift apart.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 from fasop import files
 from fasop.calibration.measured import MeasuredRun
 from fasop.calibration.validate import Setting, mape_pct, predict_step_s
+from fasop.inputs.bandwidth import MAX_BANDWIDTH_BYTES_PER_S, MIN_BANDWIDTH_BYTES_PER_S, bandwidth_bytes_per_s
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.csvfile import csv_rows
@@ -84,12 +86,18 @@ class Calibration:
         self.factors = factors_of(setting)
         self.measured_s = np.array([r.measured_step_s for r in runs])
 
-    def predict(self, values: dict[Factor, float], runs: list[int] | None = None) -> np.ndarray:
+    def inputs(self, values: dict[Factor, float]) -> tuple[Cluster, dict[str, GpuProfile]]:
+        """The cluster and profiles that `values` make: each GPU type's profile times and optimizer step scaled by
+        its compute factor, each link kind's bandwidth by its bandwidth factor."""
         s = self.setting
-        profiles = {g: scaled_profile(p, values[Factor("compute", g)]) for g, p in s.profiles.items()}
+        scales = {g: values[Factor("compute", g)] for g in s.profiles}
         cluster = derated(s.cluster, values[Factor("bandwidth", "intra_node")], values[Factor("bandwidth", "inter_node")])
+        return cluster.with_memory_time_scales(scales), {g: scaled_profile(p, scales[g]) for g, p in s.profiles.items()}
+
+    def predict(self, values: dict[Factor, float], runs: list[int] | None = None) -> np.ndarray:
+        cluster, profiles = self.inputs(values)
         chosen = range(len(self.runs)) if runs is None else runs
-        return np.array([predict_step_s(self.runs[i], s.model, cluster, profiles) for i in chosen])
+        return np.array([predict_step_s(self.runs[i], self.setting.model, cluster, profiles) for i in chosen])
 
     def unit(self) -> dict[Factor, float]:
         return dict.fromkeys(self.factors, 1.0)
@@ -224,8 +232,9 @@ def _toml_tables(path: str, table: dict, lines: list[str]) -> None:
 
 def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, date: str) -> tuple[list[dict], list[str]]:
     """A [[gpu]] table for each GPU type with a fitted compute_time_scale and a spec in the catalogue (bundled,
-    then the cluster file's own), its matmul_efficiency divided by the scale so that `fasop profile synth` reads
-    the calibrated figure; and a comment line for each GPU whose efficiency would leave (0, 1]."""
+    then the cluster file's own), its matmul_efficiency and memory_bandwidth_gb_per_s divided by the scale so that
+    `fasop profile synth` reads the calibrated figures; and a comment line for each GPU whose efficiency would
+    leave (0, 1]."""
     specs = merged_specs(own=cluster.gpus)
     tables, notes = [], []
     for factor in outcome.free:
@@ -242,22 +251,47 @@ def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, dat
         origin = spec.file + (f" ({spec.source})" if spec.source else "")
         tables.append({
             "name": spec.name, "dense_fp16_tflops": spec.dense_fp16_tflops, "dense_bf16_tflops": spec.dense_bf16_tflops,
-            "memory_gib": spec.memory_gib, "memory_bandwidth_gb_per_s": spec.memory_bandwidth_gb_per_s,
+            "memory_gib": spec.memory_gib, "memory_bandwidth_gb_per_s": spec.memory_bandwidth_gb_per_s / scale,
             "intra_node_link": spec.intra_node_link, "matmul_efficiency": efficiency,
             "kernel_launch_us": spec.kernel_launch_us,
-            "source": f"fasop calibrate on {measured}: matmul_efficiency {spec.matmul_efficiency:g} / {factor.name} "
-                      f"{scale:.6g}; the other figures from {origin}",
+            "source": f"fasop calibrate on {measured}: matmul_efficiency {spec.matmul_efficiency:g} and "
+                      f"memory_bandwidth_gb_per_s {spec.memory_bandwidth_gb_per_s:g} / {factor.name} {scale:.6g}; "
+                      f"the other figures from {origin}",
             "date": date,
         })
     return tables, notes
 
 
+def calibrate_node_types(node_types: list[dict], cluster: Cluster, outcome: Outcome) -> list[str]:
+    """Writes into each [[node_type]] table whose GPU type has a fitted compute_time_scale its memory bandwidth
+    (its own, else its GPU's spec's) divided by the scale, so that the optimizer step scales as in the fit; returns
+    a comment line for each whose divided bandwidth is out of the range a cluster file takes (the table kept)."""
+    specs = merged_specs(own=cluster.gpus)
+    notes = []
+    for table in node_types:
+        factor = Factor("compute", table["gpu"])
+        scale = outcome.values.get(factor, 1.0)
+        if factor not in outcome.free or scale == 1.0:
+            continue
+        given = table.get("gpu_memory_bandwidth")
+        bandwidth = bandwidth_bytes_per_s(given) if given else specs[table["gpu"]].memory_bytes_per_s
+        if not MIN_BANDWIDTH_BYTES_PER_S <= bandwidth / scale <= MAX_BANDWIDTH_BYTES_PER_S:
+            notes.append(f"node_type {table['name']} keeps its gpu_memory_bandwidth: {bandwidth / 1e9:g} GB/s / "
+                         f"{factor.name} {scale:.4f} is outside 1 kB/s to 1 PB/s, so its optimizer step is not "
+                         "calibrated.")
+            continue
+        table["gpu_memory_bandwidth"] = f"{bandwidth / scale / 1e9!r} GB/s"
+    return notes
+
+
 def calibrated_cluster_text(cluster_path: Path, cluster: Cluster, outcome: Outcome, comments: list[str],
                             measured: str, date: str) -> str:
-    """The input cluster file with its derating divided by the fitted bandwidth scales, calibrated [[gpu]] tables
+    """The input cluster file with its derating divided by the fitted bandwidth scales, its node types' memory
+    bandwidths divided by the compute scales (calibrate_node_types), calibrated [[gpu]] tables
     (calibrated_gpu_tables) replacing or added to its own, and `comments` on top."""
     raw = read_toml(cluster_path)
     gpus, notes = calibrated_gpu_tables(cluster, outcome, measured, date)
+    notes += calibrate_node_types(raw["node_type"], cluster, outcome)
     if gpus:
         replaced = {g["name"] for g in gpus}
         raw["gpu"] = [g for g in raw.get("gpu", []) if g.get("name") not in replaced] + gpus

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
-from fasop.errors import InputError
-from fasop.files import CSV_LIMIT_BYTES, LOG_LIMIT_BYTES, PLANS_LIMIT_BYTES, read_json, read_text
+from fasop.errors import ArgumentError, InputError
+from fasop.files import CSV_LIMIT_BYTES, LOG_LIMIT_BYTES, PLANS_LIMIT_BYTES, beside, read_json, read_text
 from fasop.inputs.csvfile import csv_rows
-from fasop.plans import DATA_PARALLEL_KINDS, Plan, PlanShape, read_plan
+from fasop.plans import DATA_PARALLEL_KINDS, Plan, read_plan
 from fasop.runtime import check_plan
 
 WARMUP_ITERS = 3  # iterations of each log whose timings are left out by default
@@ -32,6 +32,9 @@ LOG_SUFFIXES = (".out", ".log", ".txt")  # files beside plan.json read as traini
 REQUIRED_COLUMNS = ("tp", "dp", "pp", "mbs", "gbs", "placement", "layers_per_stage", "measured_step_s")
 # Range of a measured step time: a normal float far from both ends, so that errors relative to it stay finite.
 MIN_STEP_S, MAX_STEP_S = 1e-6, 1e6
+SPEC_FIELDS = ("tp", "dp", "pp", "mbs", "gbs", "placement", "layers_per_stage", "distributed_optimizer", "virtual_stages",
+               "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel", "overlap_grad_reduce",
+               "overlap_param_gather")
 
 # Megatron-LM's training_log prints, on the last rank, every --log-interval iterations:
 #  [2024-05-01 12:00:03] iteration       10/      50 | consumed samples:          640 | elapsed time per
@@ -43,16 +46,30 @@ _ELAPSED = re.compile(re.escape(ELAPSED_MARK) + r"\s*([^\s|/]*)")
 
 
 @dataclass(frozen=True)
-class MeasuredRun(PlanShape):
-    """One plan and the step time measured for it."""
+class MeasuredRun:
+    """One plan and the step time measured for it: the plan's fields as its file gives them, checked against
+    its model and cluster when it is estimated (fasop.search.spec.plan_spec; None: fasop's default)."""
 
     label: str  # how reports name the run: "row 3" of a CSV, or the log's path inside the folder
     where: str  # file (and row) for messages
     model: str  # model name or file, as load_model takes it
     cluster: str
     measured_step_s: float
+    tp: int
+    dp: int
+    pp: int
+    mbs: int
+    gbs: int
+    placement: tuple[str, ...]
+    layers_per_stage: tuple[int, ...]
+    distributed_optimizer: bool = True
     virtual_stages: int = 1
-    overlap: bool = True  # Megatron's --overlap-grad-reduce (and --overlap-param-gather)
+    recompute: str = "none"
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    sequence_parallel: bool | None = None
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
     kind: str = "3d"
     # data-parallel kinds: the batch split of the plan.json, as fasop.search.dataparallel.plan_row takes it
     batch_split: str | None = None
@@ -64,14 +81,11 @@ class MeasuredRun(PlanShape):
         """What the run measured: every field but its name, place and measurement."""
         return tuple(getattr(self, f.name) for f in fields(self) if f.name not in ("label", "where", "measured_step_s"))
 
-
-def _resolve(value: str, base: Path) -> str:
-    """A model or cluster file named in a run: as given if it exists, else beside the run's file, else as
-    given (a bundled name)."""
-    if Path(value).exists():
-        return value
-    beside = base / value
-    return str(beside) if beside.exists() else value
+    @property
+    def spec_fields(self) -> dict[str, Any]:
+        """A 3D run's plan as fasop.search.spec.plan_spec takes it."""
+        shape = {name: getattr(self, name) for name in SPEC_FIELDS}
+        return {name: value for name, value in shape.items() if value is not None}
 
 
 def _positive_int(value: Any, where: str, key: str) -> int:
@@ -144,8 +158,8 @@ def run_from_plan(plan: dict, measured_step_s: float, label: str, where: str, ba
     for kind, override in (("model", model), ("cluster", cluster)):
         value = plan.get(f"{kind}_file") or plan.get(kind)
         if override is None and not (isinstance(value, str) and value.strip()):
-            raise InputError(where, f"names no {kind}_file or {kind} (or pass --{kind})")
-        refs[kind] = override or _resolve(str(value).strip(), base)
+            raise ArgumentError(kind, f"{where} names no {kind}_file or {kind}")
+        refs[kind] = override or beside(str(value).strip(), base)
     missing = [key for key in REQUIRED_COLUMNS if key != "measured_step_s" and key not in plan]
     if missing:
         raise InputError(where, f"lacks {', '.join(missing)}")
@@ -160,9 +174,9 @@ def run_from_plan(plan: dict, measured_step_s: float, label: str, where: str, ba
         dataparallel = {"batch_split": split.batch_split, "gpus_per_node": split.gpus_per_node,
                         "samples_per_gpu": tuple((t.node_type, t.samples_per_gpu) for t in split.per_type or [])}
     method, layers = _optional(plan, "recompute_method"), _optional(plan, "recompute_num_layers")
-    sequence_parallel = _optional(plan, "sequence_parallel")
-    overlaps = [_flag(v, where, key) for key in ("overlap_grad_reduce", "overlap_param_gather")
-                if (v := _optional(plan, key)) is not None]
+    def flag(key: str) -> bool | None:
+        return None if (value := _optional(plan, key)) is None else _flag(value, where, key)
+
     return MeasuredRun(
         label=label, where=where, model=refs["model"], cluster=refs["cluster"],
         tp=tp, dp=_positive_int(plan["dp"], where, "dp"),
@@ -176,10 +190,8 @@ def run_from_plan(plan: dict, measured_step_s: float, label: str, where: str, ba
         recompute=_choice(_optional(plan, "recompute") or "none", where, "recompute", RECOMPUTE_MODES),
         recompute_method=None if method is None else _choice(method, where, "recompute_method", RECOMPUTE_METHODS),
         recompute_num_layers=None if layers is None else _positive_int(layers, where, "recompute_num_layers"),
-        # as fasop estimate: on when tp > 1 unless the plan says
-        sequence_parallel=tp > 1 if sequence_parallel is None else _flag(sequence_parallel, where, "sequence_parallel"),
-        overlap=any(overlaps) or not overlaps,
-        kind=kind, **dataparallel,
+        sequence_parallel=flag("sequence_parallel"), overlap_grad_reduce=flag("overlap_grad_reduce"),
+        overlap_param_gather=flag("overlap_param_gather"), kind=kind, **dataparallel,
     )
 
 
@@ -282,7 +294,7 @@ def read_measured(path: Path, warmup_iters: int = WARMUP_ITERS, model: str | Non
     if path.is_dir():
         return read_runs_logs(path, warmup_iters, model, cluster)
     if not path.exists():
-        raise InputError(f"--measured {path}", "no such file or folder")
+        raise ArgumentError("measured", "no such file or folder", path)
     return read_runs_csv(path, model, cluster)
 
 

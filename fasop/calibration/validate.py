@@ -66,14 +66,9 @@ def predict_step_s(run: MeasuredRun, model: Model, cluster: Cluster, profiles: d
         if run.kind != "3d":
             _check_whole_cluster(run, cluster)
             plan = plan_row(model, cluster, profiles, run.kind, run.gbs, run.batch_split == "even",
-                            dict(run.samples_per_gpu), overlap=run.overlap)
+                            dict(run.samples_per_gpu), overlap=run.overlap_grad_reduce is not False)
         else:
-            plan = estimate(model, cluster, tp=run.tp, dp=run.dp, pp=run.pp, mbs=run.mbs,
-                            placement=list(run.placement), layers=list(run.layers_per_stage), gbs=run.gbs,
-                            distributed_optimizer=run.distributed_optimizer, profiles=profiles, overlap=run.overlap,
-                            virtual_stages=run.virtual_stages, recompute=run.recompute,
-                            recompute_method=run.recompute_method, recompute_num_layers=run.recompute_num_layers,
-                            sequence_parallel=run.sequence_parallel)
+            plan = estimate(model, cluster, profiles=profiles, **run.spec_fields)
     except (InputError, NoPlan) as err:
         raise InputError(run.where, f"cannot be estimated with model {model.name} and cluster {cluster.name} ({err})") from None
     assert plan.step_time_s is not None  # an estimate states every figure

@@ -80,7 +80,7 @@ def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, cha
     if chart is not None:
         from fasop.plot import plot_validation
 
-        plot_validation(comparison.labels, comparison.predicted_s, comparison.measured_s, chart)
+        plot_validation(comparison.labels, comparison.predicted_s, comparison.measured_s, chart, argument="chart")
         click.echo(f"chart written to {chart}")
 
 

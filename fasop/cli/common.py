@@ -15,7 +15,8 @@ from pathlib import Path
 import click
 
 from fasop import files
-from fasop.errors import InputError
+from fasop.cost import price
+from fasop.errors import ArgumentError, InputError
 from fasop.inputs import bundled
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.names import NAME, NAME_RULE
@@ -32,10 +33,36 @@ def reports_input_errors(command):
         try:
             return command(*args, **kwargs)
         except InputError as err:
-            click.echo(f"Error: {err}", err=True)
+            click.echo(f"Error: {_as_given(err)}", err=True)
             raise click.exceptions.Exit(2) from None
 
     return wrapper
+
+
+def _as_given(err: InputError) -> str:
+    """The error in the words of the command line: a bad argument of a library function is named by the option
+    that gave it (`--train-tokens 1e+30: ...` for `train_tokens=1e+30: ...`); one that no option gives stays as
+    the library wrote it."""
+    where = err.where
+    if isinstance(err, ArgumentError) and (option := _option_of(err.argument)) is not None:
+        where = option if err.value is None else f"{option} {err.value}"
+    remedy = err.remedy and (_option_of(err.remedy) or err.remedy)
+    return f"{where}: {err.problem}" + (f" ({remedy})" if remedy else "")
+
+
+def _option_of(argument: str) -> str | None:
+    """The option of the running command, or of a group above it, whose parameter is named `argument` (--model
+    gives model_name) or whose long name is spelled like it (--train-tokens gives train_tokens)."""
+    ctx = click.get_current_context(silent=True)
+    while ctx is not None:
+        for param in ctx.command.params:
+            if not isinstance(param, click.Option):
+                continue
+            long_options = [opt for opt in param.opts if opt.startswith("--")]
+            if argument == param.name or argument in (opt[2:].replace("-", "_") for opt in long_options):
+                return (long_options or param.opts)[0]
+        ctx = ctx.parent
+    return None
 
 
 model_option = click.option("--model", "model_name", required=True, metavar="NAME|FILE",
@@ -72,6 +99,13 @@ class FiniteRange(click.FloatRange):
         return number
 
 
+def check_run_length(train_steps: int | None, train_tokens: float | None) -> None:
+    """fasop.cost.price.check_run_length, the two options given together refused in their own words."""
+    if train_steps is not None and train_tokens is not None:
+        raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
+    price.check_run_length(train_steps, train_tokens)
+
+
 def check_outputs(outputs: list[tuple[Path, str]], inputs: list[Path], force: bool) -> None:
     """Refuse outputs (path, option) that would replace an input of the run (with or without --force), that
     cannot be written, or that exist already (without --force)."""
@@ -93,8 +127,8 @@ def profile_options(gpu_help: str, tp_default: str, tp_help: str, mbs_help: str)
     """--gpu, --tp and --mbs: the GPU type and the sizes a profile command writes a profile of."""
     options = [
         click.option("--gpu", required=True, metavar="NAME", callback=_gpu_name, help=gpu_help),
-        click.option("--tp", "tp_text", default=tp_default, show_default=True, metavar="N,N,...", help=tp_help),
-        click.option("--mbs", "mbs_text", default="1,2,4,8", show_default=True, metavar="N,N,...", help=mbs_help),
+        click.option("--tp", "tps", default=tp_default, show_default=True, metavar="N,N,...", help=tp_help),
+        click.option("--mbs", "mbss", default="1,2,4,8", show_default=True, metavar="N,N,...", help=mbs_help),
     ]
 
     def decorate(command):
@@ -165,7 +199,7 @@ def int_list(option: str, text: str) -> list[int]:
 
 def catalogue_options(command):
     """--catalogue FILE and --cluster FILE, for commands that read GPU figures."""
-    command = click.option("--cluster", "gpus_cluster", default=None, metavar="NAME|FILE",
+    command = click.option("--cluster", "cluster_name", default=None, metavar="NAME|FILE",
                            help="A cluster file whose [[gpu]] tables add or replace GPUs (over --catalogue).")(command)
     return click.option("--catalogue", type=click.Path(dir_okay=False, path_type=Path), default=None,
                         metavar="FILE", help="Your own [[gpu]] tables (clusters/catalogue/gpus.toml's format), merged over "

@@ -62,7 +62,7 @@ def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch,
                 raise InputError(f"--plans-out {plans_out}", "no strategy has a plan to write")
             stack.enter_context(pending_write(plans_out, plans_text(plans, plans_out, "--plans-out"), f"--plans-out {plans_out}"))
         if chart is not None:
-            plot_comparison(families, chart, f"{model.name} on {cluster.name}, global batch {batch}", "--chart")
+            plot_comparison(families, chart, f"{model.name} on {cluster.name}, global batch {batch}", "chart")
     for path, what in ((output, "comparison"), (plans_out, f"{len(plans)} plans"), (chart, "chart")):
         if path is not None:
             click.echo(f"{what} written to {path}")

@@ -10,12 +10,13 @@ import click
 
 from fasop.cli import common
 from fasop.cli.tables import front_table
-from fasop.cost.price import check_run_length, run_steps
+from fasop.cost.price import run_steps
 from fasop.errors import InputError
 from fasop.files import pending_write
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.plans import Plan, load_plans, select_plan
+from fasop.timeline import MAX_OPERATIONS
 
 
 def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
@@ -40,8 +41,9 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
 @common.gbs_option
 @click.option("--train-steps", type=int, default=None, help="Steps of the whole run (default 10,000 without --train-tokens).")
 @click.option("--train-tokens", type=float, default=None, help="Tokens of the whole run (instead of --train-steps).")
-@click.option("--budget", type=float, default=None, metavar="USD", help="Report the fastest run that costs at most this.")
-@click.option("--deadline", type=float, default=None, metavar="HOURS",
+@click.option("--budget", "budget_usd", type=float, default=None, metavar="USD",
+              help="Report the fastest run that costs at most this.")
+@click.option("--deadline", "deadline_hours", type=float, default=None, metavar="HOURS",
               help="Report the cheapest run that ends within this (with --budget: the cheapest meeting both).")
 @click.option("--max-nodes", multiple=True, metavar="TYPE=N", help="Sweep at most N nodes of TYPE (repeatable).")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -55,16 +57,16 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
 @common.mismatch_option
 @common.optimizer_option
 @common.reports_input_errors
-def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, deadline, max_nodes, output, chart, x_axis,
-           force, profiles_dir, allow_profile_mismatch, distributed_optimizer):
+def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd, deadline_hours, max_nodes, output, chart,
+           x_axis, force, profiles_dir, allow_profile_mismatch, distributed_optimizer):
     """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
     the Pareto front; with --budget or --deadline, which mix to rent."""
     from fasop.market.pareto import check_limits, compositions
 
-    check_limits(budget, deadline)
-    check_run_length(train_steps, train_tokens)
-    if (budget is not None or deadline is not None) and train_steps is None and train_tokens is None:
-        raise InputError("--budget" if budget is not None else "--deadline",
+    check_limits(budget_usd, deadline_hours)
+    common.check_run_length(train_steps, train_tokens)
+    if (budget_usd is not None or deadline_hours is not None) and train_steps is None and train_tokens is None:
+        raise InputError("--budget" if budget_usd is not None else "--deadline",
                          "a budget or deadline needs the length of the run: give --train-steps or --train-tokens")
     if output is not None and output.suffix != ".csv":
         raise InputError(f"--output {output}", "expected a file name ending in .csv")
@@ -93,10 +95,10 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget, dea
     feasible = sum(r["feasible"] for r in records)
     click.echo(f"{len(records)} compositions swept in {elapsed:.2f} s, {sum(r['plans_evaluated'] for r in records):,} plans "
                f"evaluated; {on_front} on the Pareto front (*), {len(records) - feasible} without a plan that fits.")
-    chosen, message = choose(records, budget, deadline)
+    chosen, message = choose(records, budget_usd, deadline_hours)
     if message:
         click.echo(message)
-    _write_front(records, output, chart, x_axis, budget, deadline, chosen)
+    _write_front(records, output, chart, x_axis, budget_usd, deadline_hours, chosen)
     if output is not None:
         click.echo(f"{len(records)} compositions written to {output}")
     if chart is not None and feasible:
@@ -120,7 +122,7 @@ def _run_length(batch: int, model, train_steps: int | None, train_tokens: float 
     return length
 
 
-def _write_front(records, output, chart, x_axis, budget, deadline, chosen) -> None:
+def _write_front(records, output, chart, x_axis, budget_usd, deadline_hours, chosen) -> None:
     """The front file and the chart; the front file is moved into place only once the chart is written."""
     from fasop.market.frontfile import front_as_csv
 
@@ -128,8 +130,8 @@ def _write_front(records, output, chart, x_axis, budget, deadline, chosen) -> No
         if chart is not None and any(r["feasible"] for r in records):
             from fasop.plot import plot_front
 
-            plot_front(records, chart, x=x_axis or "throughput", budget=budget, deadline=deadline, chosen=chosen,
-                       option="--chart")
+            plot_front(records, chart, x=x_axis or "throughput", budget=budget_usd, deadline=deadline_hours,
+                       chosen=chosen, argument="chart")
 
 
 def _load_plan(plan_file: Path, rank: int) -> Plan:
@@ -155,7 +157,7 @@ def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
         raise InputError(f"{where}: num_microbatches", f"{m} micro-batches: a timeline draws at most "
                                                        f"{TIMELINE_MICROBATCHES}")
     times = plan_op_times(plan, where)
-    drawn = plot_timeline(times, out, inputs=[plan_file],
+    drawn = plot_timeline(times, out, inputs=[plan_file], argument="timeline",
                           title=f"plan {plan.rank}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}"
                                 + (f" vp={v}" if v > 1 else "") + ", "
                                 f"{m} micro-batches, pipeline {float(times.makespan_s[0]):.4g} s")
@@ -166,34 +168,35 @@ def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
 
 @click.command()
 @click.argument("front_file", required=False, type=click.Path(dir_okay=False, path_type=Path), metavar="[FRONT.csv]")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="chart.png or chart.svg")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="chart.png or chart.svg")
 @click.option("--x", "x_axis", type=click.Choice(["throughput", "time"]), default=None,
               help="Horizontal axis of a front chart: throughput (default) or time to train.")
-@click.option("--budget", type=float, default=None, metavar="USD",
+@click.option("--budget", "budget_usd", type=float, default=None, metavar="USD",
               help="Draw the budget and highlight the fastest run within it.")
-@click.option("--deadline", type=float, default=None, metavar="HOURS",
+@click.option("--deadline", "deadline_hours", type=float, default=None, metavar="HOURS",
               help="Draw the deadline and highlight the cheapest run within it.")
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Instead of a front: chart the stages of one plan of a fasop search --output plans.json file.")
 @click.option("--rank", type=click.IntRange(min=1), default=None, help="Which plan of --plan (default 1, the best).")
 @click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="With --plan, instead of --out: the plan's pipeline schedule as a Gantt chart (png or svg); "
-                   "at most 32768 forwards and backwards (2 x stages x model chunks x micro-batches).")
+                   f"at most {MAX_OPERATIONS:,} forwards and backwards (2 x stages x model chunks x micro-batches).")
 @common.force_option
 @common.reports_input_errors
-def plot(front_file, out, x_axis, budget, deadline, plan_file, rank, timeline, force):
+def plot(front_file, out_path, x_axis, budget_usd, deadline_hours, plan_file, rank, timeline, force):
     """Chart a front file of fasop pareto (cost against throughput), or with --plan the compute,
     communication and idle time of each pipeline stage of one plan (--out), or its schedule (--timeline)."""
     if (front_file is None) == (plan_file is None):
         raise InputError("fasop plot", "give either a front file (FRONT.csv from fasop pareto --output) or --plan plans.json")
-    if (out is None) == (timeline is None) or (timeline is not None and plan_file is None):
+    if (out_path is None) == (timeline is None) or (timeline is not None and plan_file is None):
         raise InputError("fasop plot", "give --out chart.png, or with --plan either --out or --timeline schedule.png")
-    if out is not None and out.suffix.lower() not in (".png", ".svg"):
-        raise InputError(f"--out {out}", "expected a file name ending in .png or .svg")
-    common.check_outputs([(out, "--out") if out is not None else (timeline, "--timeline")], [plan_file or front_file],
-                         force)
+    if out_path is not None and out_path.suffix.lower() not in (".png", ".svg"):
+        raise InputError(f"--out {out_path}", "expected a file name ending in .png or .svg")
+    common.check_outputs([(out_path, "--out") if out_path is not None else (timeline, "--timeline")],
+                         [plan_file or front_file], force)
     if plan_file is not None:
-        if budget is not None or deadline is not None or x_axis is not None:
+        if budget_usd is not None or deadline_hours is not None or x_axis is not None:
             raise InputError("--plan", "--budget, --deadline and --x apply to a front chart, not to a plan's stages")
         plan = _load_plan(plan_file, 1 if rank is None else rank)
         if timeline is not None:
@@ -201,8 +204,8 @@ def plot(front_file, out, x_axis, budget, deadline, plan_file, rank, timeline, f
             return
         from fasop.plot import plot_stages
 
-        plot_stages(plan, out)
-        click.echo(f"stages of plan {plan.rank} ({plan.pp} stages) written to {out}")
+        plot_stages(plan, out_path)
+        click.echo(f"stages of plan {plan.rank} ({plan.pp} stages) written to {out_path}")
         return
     if rank is not None:
         raise InputError("--rank", "applies to --plan only")
@@ -210,11 +213,12 @@ def plot(front_file, out, x_axis, budget, deadline, plan_file, rank, timeline, f
     from fasop.market.pareto import check_limits, choose
     from fasop.plot import plot_front
 
-    check_limits(budget, deadline)
+    check_limits(budget_usd, deadline_hours)
     records = read_front_csv(front_file)
-    chosen, message = choose(records, budget, deadline)
-    counts = plot_front(records, out, x=x_axis or "throughput", budget=budget, deadline=deadline, chosen=chosen)
+    chosen, message = choose(records, budget_usd, deadline_hours)
+    counts = plot_front(records, out_path, x=x_axis or "throughput", budget=budget_usd, deadline=deadline_hours,
+                        chosen=chosen)
     if message:
         click.echo(message)
     series = ", ".join(f"{n} {k}" for k, n in counts.items() if k not in ("front", "chosen", "not shown"))
-    click.echo(f"chart of {len(records)} compositions ({series}; {counts['front']} on the front) written to {out}")
+    click.echo(f"chart of {len(records)} compositions ({series}; {counts['front']} on the front) written to {out_path}")

@@ -41,7 +41,7 @@ def profile():
 @click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
 @catalogue_options
 @reports_input_errors
-def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, force, catalogue, gpus_cluster):
+def synth(model_name, gpu, tps, mbss, efficiency, link_bandwidth, out, force, catalogue, cluster_name):
     """Estimate a profile of MODEL on GPU from FLOPs, bytes and the GPU spec table, for GPU types not yet
     measured.
 
@@ -54,16 +54,14 @@ def synth(model_name, gpu, tp_text, mbs_text, efficiency, link_bandwidth, out, f
     from fasop.profile import synth as synthesis
 
     model = load_model(model_name)
-    spec = synthesis.load_gpu_spec(gpu, catalogue, load_cluster(gpus_cluster).gpus if gpus_cluster else None)
-    tps = synthesis.parse_sizes("--tp", tp_text)
-    mbss = synthesis.parse_sizes("--mbs", mbs_text)
-    tps, mbss = synthesis.check_degrees(model, tps, mbss)
+    spec = synthesis.load_gpu_spec(gpu, catalogue, load_cluster(cluster_name).gpus if cluster_name else None)
+    tps, mbss = synthesis.check_degrees(model, synthesis.parse_sizes("tps", tps), synthesis.parse_sizes("mbss", mbss))
     if link_bandwidth is not None and max(tps) == 1:
         raise InputError("--link-bandwidth", "sets the link of the tensor-parallel collectives, and --tp 1 has "
                                              "none; give tensor degrees above 1 as well")
     read = [bundled.resolve("models", model_name, ".toml"), gpu_table_path()]
     read += [Path(catalogue)] if catalogue else []
-    read += [bundled.resolve("clusters", gpus_cluster, ".toml")] if gpus_cluster else []
+    read += [bundled.resolve("clusters", cluster_name, ".toml")] if cluster_name else []
     check_outputs([(out, "--out")], read, force)
     rows = synthesis.synthesize(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
     lines = synthesis.header_lines(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)

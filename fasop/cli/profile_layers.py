@@ -57,7 +57,7 @@ def _check_device(device: str, tps: tuple[int, ...]) -> None:
               help="CSV to write (profiles/<model>/<gpu>.csv, or <gpu>.csv in a `--profiles DIR`).")
 @click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
 @reports_input_errors
-def layers(model_name, gpu, tp_text, mbs_text, device, repeat, warmup, out, force):
+def layers(model_name, gpu, tps, mbss, device, repeat, warmup, out, force):
     """Measure a profile of MODEL: time its embedding, transformer layer and head in PyTorch, forward and
     backward apart, at each tensor degree and micro-batch size, and write them in the profile format.
 
@@ -66,7 +66,7 @@ def layers(model_name, gpu, tp_text, mbs_text, device, repeat, warmup, out, forc
     memory. See fasop/profile/measure.py for how the times are taken.
     """
     model = load_model(model_name)
-    tps, mbss = check_degrees(model, parse_sizes("--tp", tp_text), parse_sizes("--mbs", mbs_text))
+    tps, mbss = check_degrees(model, parse_sizes("tps", tps), parse_sizes("mbss", mbss))
     check_outputs([(out, "--out")], [bundled.resolve("models", model_name, ".toml")], force)
     measure = _import_measure()
     _check_device(device, tps)

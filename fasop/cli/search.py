@@ -1,8 +1,7 @@
-"""`fasop search` and `fasop estimate`: rank every plan of a model on a cluster, or break down one plan."""
+"""`fasop search`: rank every plan of a model on a cluster."""
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -10,9 +9,8 @@ from pathlib import Path
 import click
 
 from fasop.cli import common
-from fasop.cli.tables import format_estimate, format_table, noise_report
-from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
-from fasop.cost.price import check_run_length
+from fasop.cli.tables import format_table, noise_report
+from fasop.cost.config import RECOMPUTE_MODES
 from fasop.errors import InputError
 from fasop.files import check_finite, pending_write
 from fasop.inputs.cluster import load_cluster
@@ -87,7 +85,7 @@ def search(model_name, cluster_name, gbs, top, sort, output, force, train_steps,
     for value, option in ((trials, "--trials"), (seed, "--seed")):
         if value is not None and noise is None:
             raise InputError(option, "applies to the --noise trials only; give --noise F as well")
-    check_run_length(train_steps, train_tokens)
+    common.check_run_length(train_steps, train_tokens)
     if output is not None and output.suffix not in (".json", ".csv"):
         raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
     model, cluster = load_model(model_name), load_cluster(cluster_name)
@@ -96,7 +94,7 @@ def search(model_name, cluster_name, gbs, top, sort, output, force, train_steps,
     if emit_dir is not None:
         from fasop.launch.write import check_out_dir  # the launch code is loaded only for --emit
 
-        check_out_dir(emit_dir, force, "--emit")
+        check_out_dir(emit_dir, force, "emit_dir")
     common.check_outputs(outputs, inputs, force)
     profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
     started = time.perf_counter()
@@ -164,52 +162,4 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> 
         if emit_dir is not None:
             # force: whether its files may be replaced was settled before the search, and the plan list's
             # temporary file may be there now
-            write_files(emit_dir, emitted, force=True, option="--emit")
-
-
-@click.command()
-@common.model_option
-@common.cluster_option
-@click.option("--tp", type=click.IntRange(min=1), required=True, help="Tensor-parallel degree.")
-@click.option("--dp", type=click.IntRange(min=1), required=True, help="Data-parallel degree.")
-@click.option("--pp", type=click.IntRange(min=1), required=True, help="Pipeline-parallel degree.")
-@click.option("--mbs", type=click.IntRange(min=1), required=True, help="Micro-batch size.")
-@click.option("--placement", required=True, metavar="TYPE,TYPE,...", help="Node types in node-rank order.")
-@click.option("--layers", required=True, metavar="N,N,...",
-              help="Transformer layers per stage (embedding on the first stage, head on the last).")
-@common.gbs_option
-@common.profiles_option
-@common.mismatch_option
-@common.optimizer_option
-@common.overlap_option
-@click.option("--virtual-stages", type=click.IntRange(min=1, max=1024), default=1, show_default=True,
-              help="Model chunks per pipeline rank (interleaved 1F1B when > 1); layers split evenly over them.")
-@click.option("--recompute", type=click.Choice(RECOMPUTE_MODES), default="none", show_default=True,
-              help="Activation recomputation (Megatron's --recompute-granularity).")
-@click.option("--recompute-method", type=click.Choice(RECOMPUTE_METHODS), default=None,
-              help="With --recompute full: uniform (every layer) or block (the first N layers of each stage).")
-@click.option("--recompute-num-layers", type=click.IntRange(min=1), default=None,
-              help="With --recompute full: 1 for uniform, N for block.")
-@click.option("--sequence-parallel/--no-sequence-parallel", default=None,
-              help="Megatron's --sequence-parallel [default: on when tp > 1].")
-@click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
-@common.reports_input_errors
-def estimate(model_name, cluster_name, tp, dp, pp, mbs, placement, layers, gbs, profiles_dir, allow_profile_mismatch,
-             distributed_optimizer, overlap, virtual_stages, recompute, recompute_method, recompute_num_layers,
-             sequence_parallel, as_json):
-    """Break down the step time, memory and price of one explicit plan."""
-    from fasop.search import estimate as run_estimate
-
-    model, cluster = load_model(model_name), load_cluster(cluster_name)
-    profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
-    plan = run_estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=[p.strip() for p in placement.split(",")],
-                       layers=common.int_list("--layers", layers), gbs=gbs, profiles_dir=profiles_dir,
-                       distributed_optimizer=distributed_optimizer, profiles=profiles, overlap=overlap,
-                       virtual_stages=virtual_stages, recompute=recompute, recompute_method=recompute_method,
-                       recompute_num_layers=recompute_num_layers, sequence_parallel=sequence_parallel)
-    if as_json:
-        record = plan.record()
-        check_finite(record, "estimate")
-        click.echo(json.dumps(record, indent=1, allow_nan=False))
-        return
-    click.echo(format_estimate(plan, model.name, cluster.name, cluster.memory_margin))
+            write_files(emit_dir, emitted, force=True, argument="emit_dir")

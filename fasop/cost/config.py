@@ -51,6 +51,19 @@ class Config:
         return float(self.blocked_layers) if self.blocked_layers else math.inf
 
 
+def param_gather_overlaps(overlap_grad_reduce: bool, distributed_optimizer: bool, asked: bool | None = None) -> bool:
+    """Whether parameters are gathered during the next forward (--overlap-param-gather): Megatron-LM does so only
+    with the distributed optimizer and the gradient reduction overlapped; `asked`: a plan's own choice (None: on
+    wherever it can be)."""
+    return asked is not False and distributed_optimizer and overlap_grad_reduce
+
+
+def sequence_parallel_on(tp: int, asked: bool | None = None) -> bool:
+    """Whether a plan runs Megatron-LM's --sequence-parallel: as `asked`, else whenever tensor parallelism splits
+    the layers (tp > 1), where it only saves memory and time."""
+    return tp > 1 if asked is None else asked
+
+
 def with_recompute(config: Config, mode: str) -> Config:
     """`config` under recompute mode `mode`, full recomputation as the search takes it: uniform, one layer per
     checkpoint (every layer recomputed, the least memory)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 
@@ -30,14 +30,13 @@ def cost_per_step_usd(hourly_price_usd: float, step_time_s: float) -> float:
 def check_run_length(train_steps: int | None, train_tokens: float | None) -> None:
     """A run is given in steps or in tokens, not both, and is positive and finite."""
     if train_steps is not None and train_tokens is not None:
-        raise InputError("--train-tokens", "give either --train-steps or --train-tokens, not both")
+        raise ArgumentError("train_tokens", "give either train_steps or train_tokens, not both")
     if train_steps is not None and not 1 <= train_steps <= MAX_TRAIN_STEPS:
-        raise InputError("--train-steps", f"expected 1 to 2^53 steps, got {train_steps}")
+        raise ArgumentError("train_steps", "expected 1 to 2^53 steps", train_steps)
     if train_tokens is not None and not math.isfinite(train_tokens):
-        raise InputError("--train-tokens", f"expected a finite number of tokens, got {train_tokens}")
+        raise ArgumentError("train_tokens", "expected a finite number of tokens", train_tokens)
     if train_tokens is not None and not 0 < train_tokens <= MAX_TRAIN_TOKENS:
-        raise InputError("--train-tokens", f"expected a positive number of tokens up to 2^53, "
-                                           f"got {train_tokens:g}")
+        raise ArgumentError("train_tokens", "expected a positive number of tokens up to 2^53", train_tokens)
 
 
 def run_steps(gbs: int, model: Model, train_tokens: float) -> int:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError
 
 # Units a bandwidth may be written in, as bytes per second per unit. "Gb/s" and "Gbps" are refused: one
 # capital letter apart from "GB/s", they are the classic way to be wrong by 8x.
@@ -32,12 +32,12 @@ def bandwidth_bytes_per_s(text: Any) -> float:
     return value
 
 
-def parse_bandwidth(text: Any, where: str) -> float:
-    """'40 Gbit/s' -> 5e9 (bytes per second); anything else is an InputError at `where`."""
+def parse_bandwidth(text: Any, argument: str) -> float:
+    """'40 Gbit/s' -> 5e9 (bytes per second), the value of `argument`; anything else is an ArgumentError naming it."""
     try:
         return bandwidth_bytes_per_s(text)
     except ValueError as err:
-        raise InputError(where, str(err)) from None
+        raise ArgumentError(argument, str(err)) from None
 
 
 Bandwidth = Annotated[float, BeforeValidator(bandwidth_bytes_per_s)]

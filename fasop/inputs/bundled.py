@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError
 
 
 def data_dir(kind: str) -> Path:
@@ -28,13 +28,14 @@ def resolve(kind: str, name_or_path: str, suffix: str) -> Path:
     return data_dir(kind) / f"{name_or_path}{suffix}"
 
 
-def locate(kind: str, name_or_path: str, suffix: str, option: str) -> tuple[Path, bool]:
-    """(path, is_bundled) of a file given by path or by bundled name; an unknown name lists the known ones."""
+def locate(kind: str, name_or_path: str, suffix: str, argument: str) -> tuple[Path, bool]:
+    """(path, is_bundled) of a file given by path or by bundled name, the value of `argument`; an unknown name
+    lists the known ones."""
     path = resolve(kind, name_or_path, suffix)
     is_bundled = path.parent == data_dir(kind)
     if is_bundled and not path.exists():
         known = ", ".join(names(kind, suffix))
-        raise InputError(f"{option} {name_or_path}", f"no such file or bundled {kind[:-1]} (bundled: {known})")
+        raise ArgumentError(argument, f"no such file or bundled {kind[:-1]} (bundled: {known})", name_or_path)
     return path, is_bundled
 
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.inputs import bundled
 from fasop.inputs.bandwidth import bandwidth_bytes_per_s
 from fasop.inputs.names import Name
@@ -53,7 +53,7 @@ class GpuSpec:
                              "precision fp32: the GPU table gives only fp16 and bf16 tensor-core peaks")
         tflops = self.dense_bf16_tflops if precision == "bf16" else self.dense_fp16_tflops
         if tflops <= 0:
-            raise InputError(f"--gpu {self.name}",
+            raise InputError(f"gpu {self.name}",
                              f"has no {precision} peak in {self.file} (dense_{precision}_tflops = 0); "
                              f"model {model_name} trains in {precision}")
         return tflops * 1e12
@@ -150,15 +150,15 @@ def merged_specs(catalogue: Path | None = None, own: dict[str, GpuSpec] | None =
     return specs
 
 
-def load_gpu_spec(name: str, catalogue: Path | None = None, own: dict[str, GpuSpec] | None = None) -> GpuSpec:
-    """The spec of GPU `name`; an unknown name is refused with the list of known ones."""
+def load_gpu_spec(gpu: str, catalogue: Path | None = None, own: dict[str, GpuSpec] | None = None) -> GpuSpec:
+    """The spec of the GPU named `gpu`; an unknown name is refused with the list of known ones."""
     specs = merged_specs(catalogue, own)
-    if name not in specs:
-        hint = [known for known in specs if known.lower() == name.lower()]
+    if gpu not in specs:
+        hint = [known for known in specs if known.lower() == gpu.lower()]
         did_you_mean = f"; did you mean {hint[0]}?" if hint else ""
         where = f"the bundled {GPU_TABLE}" + (f", {catalogue}" if catalogue else "") + \
                 (" or the cluster file" if own else "")
-        raise InputError(f"--gpu {name}", f"not in {where} (known: {', '.join(specs)}){did_you_mean}")
-    return specs[name]
+        raise ArgumentError("gpu", f"not in {where} (known: {', '.join(specs)}){did_you_mean}", gpu)
+    return specs[gpu]
 
 

@@ -94,6 +94,14 @@ class Cluster:
         types = {n: replace(t, count=counts[n]) for n, t in self.node_types.items() if counts.get(n, 0) > 0}
         return replace(self, node_types=types)
 
+    def with_memory_time_scales(self, scales: dict[str, float]) -> Cluster:
+        """The same cluster with the memory bandwidth of each GPU type in `scales` divided by its scale: the
+        optimizer step, a memory-bound pass, takes that many times as long, as the GPU's scaled profile times do
+        (noise trials, calibration)."""
+        types = {n: replace(t, gpu_memory_bytes_per_s=t.gpu_memory_bytes_per_s / scales.get(t.gpu, 1.0))
+                 for n, t in self.node_types.items()}
+        return replace(self, node_types=types)
+
 
 # Ranges of the numbers of a cluster file (docs/formats.md): generous, but finite products of them stay finite.
 MAX_GPUS_PER_NODE = 1024
@@ -186,9 +194,9 @@ def _node_type(table: NodeTypeTable, file: str, catalogue: Callable[[], dict[str
     )
 
 
-def load_cluster(name_or_path: str) -> Cluster:
+def load_cluster(cluster_name: str) -> Cluster:
     """Load a cluster from a TOML file, or a bundled cluster by name (`fasop-1xA100-7xA10`, ...)."""
-    path, is_bundled = bundled.locate("clusters", name_or_path, ".toml", "--cluster")
+    path, is_bundled = bundled.locate("clusters", cluster_name, ".toml", "cluster_name")
     file = str(path)
     cluster = validated(ClusterFile, read_toml(path), file)
     gpus = gpu_tables(cluster.gpu, file) if cluster.gpu is not None else {}
@@ -216,6 +224,6 @@ def load_cluster(name_or_path: str) -> Cluster:
         gpu_memory_overhead_gib=head.gpu_memory_overhead_gib,
         description=head.description,
         launch=cluster.launch,
-        file=name_or_path if is_bundled else file,
+        file=cluster_name if is_bundled else file,
         gpus=gpus,
     )

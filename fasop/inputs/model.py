@@ -219,9 +219,9 @@ def _segments(table: ModelTable, where: str) -> tuple[int, int, int, int]:
     return 0, given["num_layers"], 0, given["seq_length"]
 
 
-def load_model(name_or_path: str) -> Model:
+def load_model(model_name: str) -> Model:
     """Load a model by bundled name (`gpt2-xl`, `bert`, `t5`, ...) or from a TOML file."""
-    path, is_bundled = bundled.locate("models", name_or_path, ".toml", "--model")
+    path, is_bundled = bundled.locate("models", model_name, ".toml", "model_name")
     table = validated(ModelFile, read_toml(path), str(path)).model
     where = f"{path}: model"
     enc_layers, dec_layers, enc_seq, dec_seq = _segments(table, where)
@@ -250,5 +250,5 @@ def load_model(name_or_path: str) -> Model:
         global_batch_size=table.global_batch_size,
         make_vocab_size_divisible_by=table.make_vocab_size_divisible_by,
         source=table.source,
-        file=name_or_path if is_bundled else str(path),
+        file=model_name if is_bundled else str(path),
     )

@@ -8,7 +8,7 @@ beyond the smallest and the largest. For a GPU type without a spec, times are in
 profiled sizes and the nearest profiled time is scaled per sample beyond them.
 
 A GPU type with no bundled profile of the model gets one synthesised from the roofline on its spec, as
-`fasop profile synth` writes it (synthesised_profile); a `--profiles` folder must hold every GPU type's.
+`fasop profile synth` writes it (synthesised_profile); a profile folder given must hold every GPU type's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from fasop.cost.roofline import Rates, attention_core_share, unit_attention_core_share, unit_seconds
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.files import CSV_LIMIT_BYTES, read_text
 from fasop.inputs import bundled
 from fasop.inputs.catalogue import GPU_TABLE, GpuSpec, load_gpu_specs
@@ -126,7 +126,7 @@ class GpuProfile:
     gpu: str
     file: str
     curves: dict[tuple[int, str], Curve]
-    folder: str | None = None  # the --profiles folder as given; None: bundled or synthesised
+    folder: str | None = None  # profiles_dir as given; None: bundled or synthesised
     synthesised: bool = False  # made from the roofline, not read from a file (`file` then says so)
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -185,13 +185,13 @@ def _identity(line: str, where: str) -> dict[str, str]:
     return fields
 
 
-def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = False,
+def read_profile(path: Path, model: Model, gpu: str, allow_profile_mismatch: bool = False,
                  spec: GpuSpec | None = None) -> GpuProfile:
     """The profile of `model` on `gpu`; a header line naming another model or GPU is refused unless
-    `allow_mismatch`. With `spec`, times at sizes not profiled follow the roofline shape on that GPU."""
+    `allow_profile_mismatch`. With `spec`, times at sizes not profiled follow the roofline shape on that GPU."""
     file = str(path)
     text = read_text(path, CSV_LIMIT_BYTES, missing=f"no profile for GPU type {gpu} of model {model.name}")
-    numbered = csv_rows(_data_lines(text, file, {"model": model.name, "gpu": gpu}, allow_mismatch), file)
+    numbered = csv_rows(_data_lines(text, file, {"model": model.name, "gpu": gpu}, allow_profile_mismatch), file)
     header = numbered[0][1] if numbered else []
     if tuple(header) not in (COLUMNS, COLUMNS + (MEMORY_COLUMN,)):
         raise InputError(file, f"expected the header {','.join(COLUMNS)}[,{MEMORY_COLUMN}], got {','.join(header)}")
@@ -203,7 +203,7 @@ def read_profile(path: Path, model: Model, gpu: str, allow_mismatch: bool = Fals
     return GpuProfile(gpu, file, _curves(rows, file, kinds, model, spec))
 
 
-def _data_lines(text: str, file: str, wanted: dict[str, str], allow_mismatch: bool) -> list[tuple[int, str]]:
+def _data_lines(text: str, file: str, wanted: dict[str, str], allow_profile_mismatch: bool) -> list[tuple[int, str]]:
     """(line number, text) of the CSV lines, after checking the identity line against the `wanted` model and
     GPU; comments and blank lines left out."""
     numbered = []
@@ -211,10 +211,10 @@ def _data_lines(text: str, file: str, wanted: dict[str, str], allow_mismatch: bo
         if line.startswith(IDENTITY_PREFIX):
             made_for = _identity(line, f"{file}: line {number}")
             for key in ("model", "gpu"):
-                if made_for[key] != wanted[key] and not allow_mismatch:
-                    raise InputError(f"{file}: line {number}: {key}",
-                                     f"the profile was made for {key} {made_for[key]}, not {wanted[key]} "
-                                     "(pass --allow-profile-mismatch to use it anyway)")
+                if made_for[key] != wanted[key] and not allow_profile_mismatch:
+                    raise InputError(f"{file}: line {number}: {key}", f"the profile was made for {key} {made_for[key]}, "
+                                     f"not {wanted[key]}; allow the mismatch to use it anyway",
+                                     remedy="allow_profile_mismatch")
         elif line.strip() and not line.lstrip().startswith("#"):
             numbered.append((number, line))
     return numbered
@@ -268,32 +268,37 @@ def _curves(rows: dict[tuple[int, str], list[tuple[int, float, float]]], file: s
     return curves
 
 
-def profile_paths(model: Model, gpus, directory: str | None = None) -> dict[str, Path]:
-    """The profile files of `model` to read, by GPU type: every <gpu>.csv of `directory`, or by default those
+def profile_paths(model: Model, gpus, profiles_dir: str | None = None) -> dict[str, Path]:
+    """The profile files of `model` to read, by GPU type: every <gpu>.csv of `profiles_dir`, or by default those
     the bundled profiles/<model> holds (the other GPU types get synthesised profiles)."""
-    if not directory:
+    if not profiles_dir:
         folder = bundled.data_dir("profiles") / model.name
         return {gpu: folder / f"{gpu}.csv" for gpu in sorted(set(gpus)) if (folder / f"{gpu}.csv").exists()}
-    folder = Path(directory)
+    folder = Path(profiles_dir)
     if not folder.is_dir():
-        raise InputError(f"--profiles {directory}", f"no profile directory {folder} (expected one <gpu>.csv per GPU type)")
+        raise ArgumentError("profiles_dir", "no such folder (expected one <gpu>.csv per GPU type)", profiles_dir)
     return {gpu: folder / f"{gpu}.csv" for gpu in sorted(set(gpus))}
 
 
+def _measure_command(model: Model, gpu: str, out: str) -> str:
+    """The command that measures a profile of `model` on `gpu` into `out`."""
+    return f"`fasop profile layers --model {shlex.quote(model.file or model.name)} --gpu {gpu} --out {shlex.quote(out)}`"
+
+
 def _how_to_profile(model: Model, gpu: str, out: str) -> str:
-    model_arg = shlex.quote(model.file or model.name)
-    return (f"measure one with `fasop profile layers --model {model_arg} --gpu {gpu} --out {shlex.quote(out)}`, "
+    return (f"measure one with {_measure_command(model, gpu, out)}, "
             "or estimate one with `fasop profile synth` and the same options")
 
 
-def load_profiles(model: Model, gpus: list[str], directory: str | None = None, allow_mismatch: bool = False,
+def load_profiles(model: Model, gpus: list[str], profiles_dir: str | None = None, allow_profile_mismatch: bool = False,
                   specs: dict[str, GpuSpec] | None = None) -> dict[str, GpuProfile]:
-    """Profiles of `model` for each GPU type: from `directory`, which must hold each, or by default from the
+    """Profiles of `model` for each GPU type: from `profiles_dir`, which must hold each, or by default from the
     bundled profiles/<model>, a GPU type without one there synthesised from its spec (measured profiles and
     the user's folder always win over the roofline). A GPU type of `specs` (default: the bundled
-    clusters/catalogue/gpus.toml) scales its times with its roofline shape."""
+    clusters/catalogue/gpus.toml) scales its times with its roofline shape. `allow_profile_mismatch`: read a profile made
+    for another model or GPU (refused otherwise)."""
     specs = load_gpu_specs() if specs is None else specs
-    paths = profile_paths(model, gpus, directory)
+    paths = profile_paths(model, gpus, profiles_dir)
     profiles = {}
     for gpu in sorted(set(gpus)):
         path = paths.get(gpu)
@@ -303,8 +308,8 @@ def load_profiles(model: Model, gpus: list[str], directory: str | None = None, a
         if not path.exists():
             raise InputError(str(path), f"no profile of model {model.name} for GPU type {gpu}: "
                                         + _how_to_profile(model, gpu, str(path)))
-        read = read_profile(path, model, gpu, allow_mismatch, specs.get(gpu))
-        profiles[gpu] = GpuProfile(gpu, read.file, read.curves, folder=directory)
+        read = read_profile(path, model, gpu, allow_profile_mismatch, specs.get(gpu))
+        profiles[gpu] = GpuProfile(gpu, read.file, read.curves, folder=profiles_dir)
     return profiles
 
 
@@ -314,11 +319,10 @@ def synthesised_profile(model: Model, gpu: str, spec: GpuSpec | None) -> GpuProf
     where = f"model {model.name}"
     missing = f"no profile for GPU type {gpu}"
     if spec is None:
-        model_arg = shlex.quote(model.file or model.name)
-        raise InputError(where, f"{missing}, and no spec of {gpu} to synthesise one from: add a [[gpu]] table of {gpu} "
-                                f"({GPU_TABLE}'s format) to the cluster file, or measure one with `fasop profile layers "
-                                f"--model {model_arg} --gpu {gpu} --out DIR/{gpu}.csv` and pass --profiles DIR holding "
-                                "every GPU type's profile")
+        raise InputError(where, f"{missing}, and no spec of {gpu} to synthesise one from: add a [[gpu]] table of "
+                                f"{gpu} ({GPU_TABLE}'s format) to the cluster file, or measure one with "
+                                f"{_measure_command(model, gpu, f'DIR/{gpu}.csv')} into a profile folder that "
+                                "holds every GPU type's profile", remedy="profiles_dir")
     try:
         rates = Rates.of(spec, model)
     except InputError as err:  # fp32 models, bf16 on GPUs without it

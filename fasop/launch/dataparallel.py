@@ -9,11 +9,10 @@ import json
 from collections import Counter
 from typing import Any
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.files import comment_line
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.profiles import load_profiles
-from fasop.launch.checked import LaunchPlan
 from fasop.launch.options import LaunchOptions, check_options
 from fasop.launch.restate import disagreements
 from fasop.launch.shell import group_flags, quote
@@ -60,23 +59,23 @@ def restate_dp_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | No
     key, was, value = stale[0]
     message = f"stale plan: {key} is {was!r} in the plan file but {value!r} estimated afresh"
     if not force:
-        raise InputError(where, f"{message}; compare again (with the same --profiles), or pass --force to emit it "
+        raise InputError(where, f"{message}; compare again with the same profiles, or force it out with the fresh "
                                 "with the fresh figures")
-    return Plan.trusted({**given, **figures}), f"warning: {where}: {message}; emitted with the fresh figures (--force)"
+    return Plan.trusted({**given, **figures}), f"warning: {where}: {message}; emitted with the fresh figures (forced)"
 
 
-def _run_inter(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions) -> str:
+def _run_inter(plan: Plan, model: Any, cluster: Any, gpus_per_node: int, opts: LaunchOptions) -> str:
     entry = f'"$RUN_DIR"/{quote(DEFAULT_ENTRY_SCRIPT)}' if opts.entry_script is None else quote(opts.entry_script)
     split = ", ".join(f"{t.node_type} {t.samples_per_gpu} samples per GPU" for t in plan.per_type or [])
     lines = [
         "#!/usr/bin/env bash",
-        comment_line(f"fasop plan {p.rank}: {model.name} on {cluster.name}, {plan.kind} over {p.dp} GPUs, "
-                     f"global batch {p.gbs}: {split}."),
+        comment_line(f"fasop plan {plan.rank or 1}: {model.name} on {cluster.name}, {plan.kind} over {plan.dp} GPUs, "
+                     f"global batch {plan.gbs}: {split}."),
         "# Per-node launcher, started once per node by sbatch.sh; by hand: NODE_RANK=r MASTER_ADDR=host bash run_inter.sh",
         "set -euo pipefail",
         "",
         'RUN_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
-        *startup_lines(p.placement, [cluster.node_types[name].gpu for name in p.placement], p.gpus_per_node,
+        *startup_lines(plan.placement, [cluster.node_types[name].gpu for name in plan.placement], gpus_per_node,
                        opts.master_port),
         f"ENTRY_SCRIPT={entry}",
         "",
@@ -94,13 +93,10 @@ def render_dp_plan(plan: Plan, model: Any, cluster: Any, options: LaunchOptions 
     where = where or f"plan {plan.rank or '?'}"
     gpus_per_node = _checked(plan, cluster, where)
     if opts.gpus_per_node not in (None, gpus_per_node):
-        raise InputError("--gpus-per-node", f"the plan splits its batch over {gpus_per_node} GPUs per node")
-    world = len(plan.placement) * gpus_per_node
-    p = LaunchPlan(tp=1, dp=world, pp=1, mbs=plan.mbs, gbs=plan.gbs, placement=tuple(plan.placement),
-                   layers_per_stage=(model.num_layers,), distributed_optimizer=plan.kind != "ddp",
-                   rank=plan.rank or 1, encoder_stages=0, gpus_per_node=gpus_per_node)
+        raise ArgumentError("gpus_per_node", f"the plan splits its batch over {gpus_per_node} GPUs per node",
+                            opts.gpus_per_node)
     return {
-        "sbatch.sh": sbatch_script(plan, model, cluster, p, opts),
-        "run_inter.sh": _run_inter(plan, model, cluster, p, opts),
+        "sbatch.sh": sbatch_script(plan, model, cluster, gpus_per_node, opts),
+        "run_inter.sh": _run_inter(plan, model, cluster, gpus_per_node, opts),
         "plan.json": json.dumps(plan.record(), indent=2, sort_keys=True) + "\n",
     }

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from fasop.errors import InputError
-from fasop.launch.checked import LaunchPlan
 from fasop.launch.options import LaunchOptions
+from fasop.search.spec import PlanSpec
 
 ENTRY_SCRIPTS = {"decoder": "pretrain_gpt.py", "encoder": "pretrain_bert.py", "encoder-decoder": "pretrain_t5.py"}
 
@@ -90,7 +90,7 @@ def fasop_units_to_layers(units: Sequence[int], architecture: str, encoder_stage
     return layers
 
 
-def _interleaved_flags(p: LaunchPlan, opts: LaunchOptions) -> list[tuple[str, ...]]:
+def _interleaved_flags(p: PlanSpec, opts: LaunchOptions) -> list[tuple[str, ...]]:
     """An interleaved plan's layers: `--num-virtual-stages-per-pipeline-rank` when every virtual stage holds the
     same layers, else the layout with one entry per virtual stage (which implies the virtual size); never both."""
     if opts.megatron_flavor == "fasop-fork":
@@ -102,7 +102,7 @@ def _interleaved_flags(p: LaunchPlan, opts: LaunchOptions) -> list[tuple[str, ..
     return [("--pipeline-model-parallel-layout", pipeline_layout(chunks))]
 
 
-def _encoder_decoder_flags(p: LaunchPlan, opts: LaunchOptions, where: str) -> list[tuple[str, ...]]:
+def _encoder_decoder_flags(p: PlanSpec, opts: LaunchOptions, where: str) -> list[tuple[str, ...]]:
     """Stock Megatron-LM's split of an encoder-decoder model: the encoder stages, each side split evenly."""
     if opts.pipeline_split != "auto":
         raise InputError("--pipeline-split", f"{opts.pipeline_split} applies to decoder and encoder models only; "
@@ -118,7 +118,7 @@ def _encoder_decoder_flags(p: LaunchPlan, opts: LaunchOptions, where: str) -> li
     return [("--pipeline-model-parallel-split-rank", str(p.encoder_stages))]
 
 
-def split_layer_flags(p: LaunchPlan, model: Any, opts: LaunchOptions, where: str) -> list[tuple[str, ...]]:
+def split_layer_flags(p: PlanSpec, model: Any, opts: LaunchOptions, where: str) -> list[tuple[str, ...]]:
     """The flags that tell Megatron-LM how many layers each pipeline stage holds."""
     if p.pp == 1:
         return []
@@ -151,7 +151,7 @@ def split_layer_flags(p: LaunchPlan, model: Any, opts: LaunchOptions, where: str
     return [("--pipeline-model-parallel-layout", pipeline_layout(layers))]
 
 
-def recompute_flags(p: LaunchPlan) -> list[tuple[str, ...]]:
+def recompute_flags(p: PlanSpec) -> list[tuple[str, ...]]:
     """Activation recomputation: `--recompute-granularity`, and for full recomputation its method and layers."""
     if p.recompute == "none":
         return []

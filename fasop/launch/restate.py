@@ -6,8 +6,6 @@ import math
 from typing import Any
 
 from fasop.errors import InputError
-from fasop.launch.checked import check_plan
-from fasop.launch.options import LaunchOptions
 from fasop.plans import Plan
 
 FIGURE_TOLERANCE = 1e-6  # relative; a plan written by fasop search re-estimates to within rounding noise
@@ -42,16 +40,12 @@ def restate_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | None 
     """
     from fasop.cost.price import add_training_run
     from fasop.search import estimate  # the search modules load only when a plan is checked
+    from fasop.search.spec import spec_of
 
     where = where or f"plan {plan.rank or '?'}"
-    p = check_plan(plan, model, cluster, LaunchOptions(), where)
+    spec = spec_of(plan, model, cluster, where)
     try:
-        fresh = estimate(model, cluster, tp=p.tp, dp=p.dp, pp=p.pp, mbs=p.mbs, placement=list(p.placement),
-                         layers=list(p.layers_per_stage), gbs=p.gbs, profiles_dir=profiles_dir,
-                         distributed_optimizer=p.distributed_optimizer,
-                         overlap=p.overlap_grad_reduce or p.overlap_param_gather, virtual_stages=p.virtual_stages,
-                         recompute=p.recompute, recompute_method=p.recompute_method,
-                         recompute_num_layers=p.recompute_num_layers, sequence_parallel=p.sequence_parallel)
+        fresh = estimate(model, cluster, spec, profiles_dir=profiles_dir)
     except InputError as err:
         raise InputError(where, f"cannot be estimated afresh from model {model.name} and cluster {cluster.name} "
                                 f"({err})") from None
@@ -74,6 +68,6 @@ def restate_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | None 
         return Plan.trusted({**figures, **given}), None
     message = "stale plan: " + "; ".join(problems)
     if not force:
-        raise InputError(where, f"{message}; search again (with the same --profiles), or pass --force to emit "
-                                "it with the fresh figures")
-    return Plan.trusted({**given, **figures}), f"warning: {where}: {message}; emitted with the fresh figures (--force)"
+        raise InputError(where, f"{message}; search again with the same profiles, or force it out with the fresh "
+                                "figures", remedy="force")
+    return Plan.trusted({**given, **figures}), f"warning: {where}: {message}; emitted with the fresh figures (forced)"

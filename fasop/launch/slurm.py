@@ -14,7 +14,6 @@ from typing import Any
 
 from fasop.errors import InputError
 from fasop.files import comment_line
-from fasop.launch.checked import LaunchPlan
 from fasop.launch.options import SLURM_LIST, SLURM_NAME, LaunchOptions
 from fasop.launch.shell import quote
 from fasop.plans import Plan, placement_runs
@@ -42,27 +41,29 @@ def _partition(node_type: Any, opts: LaunchOptions) -> str | None:
     return part
 
 
-def describe_plan(plan: Plan, model: Any, cluster: Any, p: LaunchPlan) -> str:
-    return comment_line(f"fasop plan {p.rank}: {model.name} on {cluster.name}, tp={p.tp} dp={p.dp} pp={p.pp} "
-                        f"mbs={p.mbs} gbs={p.gbs}, layers per stage {'-'.join(str(n) for n in p.layers_per_stage)}.")
+def describe_plan(plan: Plan, model: Any, cluster: Any) -> str:
+    return comment_line(f"fasop plan {plan.rank or 1}: {model.name} on {cluster.name}, tp={plan.tp} dp={plan.dp} "
+                        f"pp={plan.pp} mbs={plan.mbs} gbs={plan.gbs}, layers per stage "
+                        f"{'-'.join(str(n) for n in plan.layers_per_stage)}.")
 
 
-def sbatch_script(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions) -> str:
-    runs = placement_runs(p.placement)
+def sbatch_script(plan: Plan, model: Any, cluster: Any, gpus_per_node: int, opts: LaunchOptions) -> str:
+    """One Slurm job for the plan: a heterogeneous one when its nodes are of several types."""
+    runs = placement_runs(plan.placement)
     het = len(runs) > 1
     lines = [
         "#!/usr/bin/env bash",
-        describe_plan(plan, model, cluster, p),
-        comment_line(f"Node ranks 0-{len(p.placement) - 1} in placement order: {' '.join(p.placement)}."),
+        describe_plan(plan, model, cluster),
+        comment_line(f"Node ranks 0-{len(plan.placement) - 1} in placement order: {' '.join(plan.placement)}."),
     ]
     if het:
         lines.append("# One heterogeneous-job component per run of nodes of one type, in that order.")
     lines.append("# Submit from this directory: sbatch sbatch.sh (or: sbatch --chdir=DIR DIR/sbatch.sh).")
-    lines += _directives(runs, model, cluster, p, opts)
+    lines += _directives(runs, model, cluster, gpus_per_node, opts)
     return "\n".join(lines + _job_lines(len(runs), opts))
 
 
-def _directives(runs: list[tuple[str, int]], model: Any, cluster: Any, p: LaunchPlan,
+def _directives(runs: list[tuple[str, int]], model: Any, cluster: Any, gpus_per_node: int,
                 opts: LaunchOptions) -> list[str]:
     """The #SBATCH lines of each component: one per run of nodes of one type."""
     job_name = opts.job_name or re.sub(r"[^A-Za-z0-9_.+-]", "_", f"fasop-{model.name}")
@@ -80,7 +81,7 @@ def _directives(runs: list[tuple[str, int]], model: Any, cluster: Any, p: Launch
         if partition:
             lines.append(f"#SBATCH --partition={partition}")
         lines += [f"#SBATCH --nodes={count}", "#SBATCH --ntasks-per-node=1",
-                  f"#SBATCH --gres=gpu:{gres + ':' if gres else ''}{p.gpus_per_node}"]
+                  f"#SBATCH --gres=gpu:{gres + ':' if gres else ''}{gpus_per_node}"]
         if opts.cpus_per_task:
             lines.append(f"#SBATCH --cpus-per-task={opts.cpus_per_task}")
         if opts.exclusive:

@@ -5,16 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fasop.launch.checked import LaunchPlan
 from fasop.launch.megatron import ENTRY_SCRIPTS, data_flags, model_flags, recompute_flags, split_layer_flags, training_flags
 from fasop.launch.options import LaunchOptions
 from fasop.launch.shell import group_flags, quote
 from fasop.launch.slurm import describe_plan
 from fasop.launch.startup import startup_lines, torchrun_lines
 from fasop.plans import Plan
+from fasop.search.spec import PlanSpec
 
 
-def run_inter_script(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: LaunchOptions, where: str) -> str:
+def run_inter_script(plan: Plan, model: Any, cluster: Any, p: PlanSpec, opts: LaunchOptions, where: str) -> str:
     entry = opts.entry_script or ENTRY_SCRIPTS[model.architecture]
     entry_value = quote(entry) if os.path.isabs(entry) else f'"$MEGATRON_PATH"/{quote(entry)}'
     parallel: list[tuple[str, ...]] = [("--tensor-model-parallel-size", str(p.tp)), ("--pipeline-model-parallel-size", str(p.pp))]
@@ -31,7 +31,7 @@ def run_inter_script(plan: Plan, model: Any, cluster: Any, p: LaunchPlan, opts: 
     parallel += [("--micro-batch-size", str(p.mbs)), ("--global-batch-size", str(p.gbs))]
     lines = [
         "#!/usr/bin/env bash",
-        describe_plan(plan, model, cluster, p),
+        describe_plan(plan, model, cluster),
         "# Per-node launcher, started once per node by sbatch.sh, launch.sh or the lines of commands.txt; by hand: "
         "NODE_RANK=r MASTER_ADDR=host bash run_inter.sh",
         "set -euo pipefail",

@@ -16,22 +16,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fasop.errors import InputError
-from fasop.launch.checked import check_plan
+from fasop.errors import ArgumentError
 from fasop.launch.options import LaunchOptions, check_options
 from fasop.launch.slurm import sbatch_script
 from fasop.launch.torchrun import run_inter_script
 from fasop.plans import Plan
+from fasop.search.spec import spec_of
 
 OUTPUT_FILES = ("sbatch.sh", "run_inter.sh", "plan.json")
 
 
-def check_out_dir(out_dir: Path, force: bool, option: str = "--out") -> None:
-    """Refuse an output path that is a file, or a directory holding files unless `force`; errors name `option`."""
+def check_out_dir(out_dir: Path, force: bool, argument: str = "out_dir") -> None:
+    """Refuse an output path that is a file, or a directory holding files unless `force`; errors name `argument`."""
     if out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"{option} {out_dir}", "exists and is not a directory")
+        raise ArgumentError(argument, "exists and is not a directory", out_dir)
     if out_dir.is_dir() and not force and any(out_dir.iterdir()):
-        raise InputError(f"{option} {out_dir}", "the directory holds files already; pass --force to overwrite them")
+        raise ArgumentError(argument, "the directory holds files already; force replaces them", out_dir,
+                            remedy="force")
 
 
 def render_plan(plan: Plan, model: Any, cluster: Any, options: LaunchOptions | None = None,
@@ -40,9 +41,9 @@ def render_plan(plan: Plan, model: Any, cluster: Any, options: LaunchOptions | N
     opts = options or LaunchOptions()
     check_options(opts, "--")
     where = where or f"plan {plan.rank or '?'}"
-    p = check_plan(plan, model, cluster, opts, where)
+    p = spec_of(plan, model, cluster, where, opts.gpus_per_node)
     return {
-        "sbatch.sh": sbatch_script(plan, model, cluster, p, opts),
+        "sbatch.sh": sbatch_script(plan, model, cluster, p.gpus_per_node, opts),
         "run_inter.sh": run_inter_script(plan, model, cluster, p, opts, where),
         "plan.json": json.dumps(plan.record(), indent=2, sort_keys=True) + "\n",
     }
@@ -54,18 +55,18 @@ def _umask() -> int:
     return mask
 
 
-def write_files(out_dir: Path, files: Mapping[str, str], force: bool = False, option: str = "--out") -> list[Path]:
+def write_files(out_dir: Path, files: Mapping[str, str], force: bool = False, argument: str = "out_dir") -> list[Path]:
     """Write `files` into `out_dir` through a temporary sibling, so a failure leaves no half-written output;
-    errors name `option`."""
+    errors name `argument`."""
     out_dir = Path(out_dir)
-    check_out_dir(out_dir, force, option)
+    check_out_dir(out_dir, force, argument)
     parent = out_dir.absolute().parent
     mask = _umask()
     try:
         parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=parent))
     except OSError as err:
-        raise InputError(f"{option} {out_dir}", f"cannot create a directory beside it ({err.strerror})") from None
+        raise ArgumentError(argument, f"cannot create a directory beside it ({err.strerror})", out_dir) from None
     try:
         for name, text in files.items():
             path = tmp / name
@@ -80,7 +81,7 @@ def write_files(out_dir: Path, files: Mapping[str, str], force: bool = False, op
             os.rename(tmp, out_dir)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise InputError(f"{option} {out_dir}", f"cannot write ({err.strerror or err})") from None
+        raise ArgumentError(argument, f"cannot write ({err.strerror or err})", out_dir) from None
     return [out_dir / name for name in files]
 
 

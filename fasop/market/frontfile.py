@@ -70,7 +70,7 @@ def front_as_csv(records: list[dict]) -> str:
 
 def write_front_csv(records: list[dict], path) -> None:
     """Write the front file whole or not at all."""
-    write_atomically(Path(path), front_as_csv(records), f"--output {path}")
+    write_atomically(Path(path), front_as_csv(records))
 
 
 def _parse(value: str, column: str, where: str):
@@ -106,7 +106,7 @@ def read_front_csv(path) -> list[dict]:
     if not any(h.startswith(NODES_PREFIX) for h in header):
         missing.insert(0, f"{NODES_PREFIX}<type>")
     if missing:
-        raise InputError(file, f"not a fasop front file (from fasop pareto --output): missing column "
+        raise InputError(file, f"not a fasop front file (as fasop pareto writes them): missing column "
                                f"{', '.join(missing)}")
     records = []
     for number, cells in rows[1:]:

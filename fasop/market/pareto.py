@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fasop.cost.price import check_run_length
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.market.frontfile import NODES_PREFIX, TAIL_COLUMNS
@@ -46,20 +46,19 @@ def compositions(cluster: Cluster, max_nodes: dict[str, int] | None = None) -> l
     caps = {name: t.count for name, t in cluster.node_types.items()}
     for name, cap in (max_nodes or {}).items():
         if name not in caps:
-            raise InputError(f"--max-nodes {name}={cap}",
-                             f"unknown node type {name!r} (cluster {cluster.name} has {', '.join(caps)})")
+            raise ArgumentError("max_nodes", f"unknown node type {name!r} (cluster {cluster.name} has {', '.join(caps)})")
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
-            raise InputError(f"--max-nodes {name}={cap}", "expected a node count >= 0")
+            raise ArgumentError("max_nodes", f"expected a node count >= 0 for {name}, got {cap!r}")
         caps[name] = min(caps[name], cap)
     names = list(caps)
     count = math.prod(caps[n] + 1 for n in names) - 1
     if count > MAX_COMPOSITIONS:
-        raise InputError("--max-nodes", f"{count:,} compositions to sweep, more than the limit of {MAX_COMPOSITIONS:,} "
-                                        f"(each is a whole search); cap node counts with --max-nodes TYPE=N")
+        raise ArgumentError("max_nodes", f"{count:,} compositions to sweep, more than the limit of {MAX_COMPOSITIONS:,} "
+                                         "(each is a whole search); cap the node counts of some types")
     result = [dict(zip(names, counts)) for counts in itertools.product(*(range(caps[n] + 1) for n in names))
               if any(counts)]
     if not result:
-        raise InputError("--max-nodes", "every node type is capped at 0 nodes: nothing to sweep")
+        raise ArgumentError("max_nodes", "every node type is capped at 0 nodes: nothing to sweep")
     return result
 
 
@@ -248,12 +247,12 @@ def _describe(record: dict) -> str:
 
 def check_limits(budget_usd: float | None = None, deadline_hours: float | None = None) -> None:
     """A budget and a deadline, when given, must be positive finite numbers."""
-    for value, option, unit in ((budget_usd, "--budget", "dollars"), (deadline_hours, "--deadline", "hours")):
+    for value, argument, unit in ((budget_usd, "budget_usd", "dollars"), (deadline_hours, "deadline_hours", "hours")):
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise InputError(option, f"expected a positive number of {unit}, got {value:g}"
-                             if isinstance(value, (int, float)) else f"expected a positive number of {unit}, got {value!r}")
+            raise ArgumentError(argument, f"expected a positive number of {unit}, got {value:g}"
+                                if isinstance(value, (int, float)) else f"expected a positive number of {unit}, got {value!r}")
 
 
 def _hours(record: dict) -> float:

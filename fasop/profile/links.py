@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.files import comment_line
 
 KINDS = ("p2p_intra_node", "p2p_inter_node", "allreduce_intra_node", "allreduce_inter_node")
@@ -37,18 +37,18 @@ _SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 FLOAT32_BYTES = 4
 
 
-def parse_message_sizes(text: str) -> tuple[int, ...]:
+def parse_message_sizes(sizes_text: str) -> tuple[int, ...]:
     """'8K,1M' -> (8192, 1048576): bytes, with binary K, M, G suffixes; sorted, distinct, multiples of 4."""
     sizes = []
-    for part in text.split(","):
+    for part in sizes_text.split(","):
         match = _SIZE.match(part.strip())
         size = int(match.group(1)) * _SIZE_UNITS[match.group(2)] if match else 0
         if size < FLOAT32_BYTES or size % FLOAT32_BYTES:
-            raise InputError(f"--sizes {text}", f"expected comma-separated message sizes in bytes, multiples of 4, "
-                                                f"with optional K, M or G (binary) suffixes, such as 8K,1M; got {part!r}")
+            raise ArgumentError("sizes_text", "expected comma-separated message sizes in bytes, multiples of 4, with "
+                                              f"optional K, M or G (binary) suffixes, such as 8K,1M; got {part!r}", sizes_text)
         sizes.append(size)
     if len(set(sizes)) < 2:
-        raise InputError(f"--sizes {text}", "expected at least two different message sizes (two points fix a line)")
+        raise ArgumentError("sizes_text", "expected at least two different message sizes (two points fix a line)", sizes_text)
     return tuple(sorted(set(sizes)))
 
 
@@ -139,7 +139,7 @@ def fit_alpha_beta(link_bytes_: np.ndarray, times_s: np.ndarray, where: str = "f
     weight = 1.0 / t
     (alpha, per_byte), _ = nnls(np.column_stack([np.ones_like(x), x]) * weight[:, None], t * weight)
     if per_byte <= 0:
-        raise InputError(where, "times do not grow with message size; measure larger messages (--sizes)")
+        raise InputError(where, "times do not grow with message size; measure larger messages")
     residual = (alpha + x * per_byte - t) / t
     return Fit(float(alpha), float(1.0 / per_byte), float(math.sqrt(np.mean(residual**2))))
 

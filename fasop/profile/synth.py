@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from fasop.cost.roofline import Rates, unit_times, unit_work
-from fasop.errors import InputError
+from fasop.errors import ArgumentError
 from fasop.files import comment_line, write_atomically
 from fasop.inputs.bandwidth import parse_bandwidth
 from fasop.inputs.catalogue import GpuSpec, load_gpu_spec
@@ -63,26 +63,26 @@ def check_degrees(model: Model, tps, mbss) -> tuple[tuple[int, ...], tuple[int, 
     """Sorted, distinct tensor degrees and micro-batch sizes; degrees must split heads, groups and FFN."""
     tps, mbss = tuple(sorted(set(tps))), tuple(sorted(set(mbss)))
     if not tps or tps[0] < 1:
-        raise InputError("--tp", f"expected tensor-parallel degrees >= 1, got {','.join(map(str, tps))}")
+        raise ArgumentError("tps", f"expected tensor-parallel degrees >= 1, got {','.join(map(str, tps))}")
     if not mbss or mbss[0] < 1:
-        raise InputError("--mbs", f"expected micro-batch sizes >= 1, got {','.join(map(str, mbss))}")
+        raise ArgumentError("mbss", f"expected micro-batch sizes >= 1, got {','.join(map(str, mbss))}")
     for tp in tps:
         for what, value in (("num_attention_heads", model.num_attention_heads),
                             ("num_query_groups", model.num_query_groups),
                             ("ffn_hidden_size", model.ffn_hidden_size)):
             if value % tp:
-                raise InputError(f"--tp {tp}", f"must divide the model's {what} ({value}), as Megatron-LM requires")
+                raise ArgumentError("tps", f"must divide the model's {what} ({value}), as Megatron-LM requires", tp)
     return tps, mbss
 
 
-def parse_sizes(option: str, text: str) -> tuple[int, ...]:
-    """'1,2,4,8' -> (1, 2, 4, 8); positive integers only."""
+def parse_sizes(argument: str, text: str) -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8), the value of `argument` (tps or mbss); positive integers only."""
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise InputError(option, f"expected comma-separated positive integers, got {text!r}") from None
+        raise ArgumentError(argument, f"expected comma-separated positive integers, got {text!r}") from None
     if any(v < 1 for v in values):
-        raise InputError(option, f"expected comma-separated positive integers, got {text!r}")
+        raise ArgumentError(argument, f"expected comma-separated positive integers, got {text!r}")
     return values
 
 
@@ -90,7 +90,7 @@ def check_efficiency(efficiency: float | None, spec: GpuSpec) -> float:
     if efficiency is None:
         return spec.matmul_efficiency
     if not 0 < efficiency <= 1:
-        raise InputError("--efficiency", f"expected a fraction of peak in (0, 1], got {efficiency}")
+        raise ArgumentError("efficiency", "expected a fraction of peak in (0, 1]", efficiency)
     return float(efficiency)
 
 
@@ -102,7 +102,7 @@ def synthesize(model: Model, gpu_spec: GpuSpec | str, tps=DEFAULT_DEGREES, mbss=
     """
     spec = load_gpu_spec(gpu_spec) if isinstance(gpu_spec, str) else gpu_spec
     tps, mbss = check_degrees(model, tps, mbss)
-    link = None if link_bandwidth is None else parse_bandwidth(link_bandwidth, "--link-bandwidth")
+    link = None if link_bandwidth is None else parse_bandwidth(link_bandwidth, "link_bandwidth")
     rates = Rates.of(spec, model, check_efficiency(efficiency, spec), link)
     rows = []
     for tp in tps:
@@ -170,8 +170,8 @@ def write_profile(path, rows, header_comment_lines, force: bool = False) -> Path
     """Write the profile CSV (whole or not at all); an existing file is kept unless `force`."""
     path = Path(path)
     if path.exists() and not force:
-        raise InputError(str(path), "already exists (pass --force to overwrite it)")
+        raise ArgumentError("path", "already exists (pass force=True to overwrite it)", path)
     if path.exists() and path.is_dir():
-        raise InputError(str(path), "is a directory; expected a .csv file name")
+        raise ArgumentError("path", "is a directory; expected a .csv file name", path)
     write_atomically(path, format_profile(rows, header_comment_lines))
     return path

@@ -2,11 +2,13 @@
 
     search_plans(model, cluster, ...)  -> SearchResult (plans as records, best first)
     search(model, cluster, ...)        -> the same plans as a pandas DataFrame
-    estimate(model, cluster, tp=..., ...) -> the record of one explicit plan
+    plan_spec(model, cluster, tp=..., ...) -> PlanSpec, one explicit plan checked
+    estimate(model, cluster, spec)       -> its record (or estimate(model, cluster, tp=..., ...))
 """
 
 from fasop.search.engine import SearchResult, search_plans
 from fasop.search.estimate import estimate
 from fasop.search.frame import search
+from fasop.search.spec import PlanSpec, plan_spec
 
-__all__ = ["SearchResult", "estimate", "search", "search_plans"]
+__all__ = ["PlanSpec", "SearchResult", "estimate", "plan_spec", "search", "search_plans"]

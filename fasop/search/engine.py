@@ -13,7 +13,7 @@ import numpy as np
 
 from fasop.cost.config import RECOMPUTE_MODES, Config
 from fasop.cost.price import add_training_run
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
@@ -175,9 +175,9 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                                      f"heads and the query groups is profiled for every GPU type {profiled}")
     combos = combinations(inputs)
     if not combos:
-        raise InputError("--gbs", f"no plan can use a global batch size of {inputs.gbs} on {cluster.num_gpus} GPUs "
-                                  "(data-parallel degree must divide it and pipeline stages must not exceed "
-                                  f"{max_stages(model)})")
+        raise ArgumentError("gbs", f"no plan can use a global batch size of {inputs.gbs} on {cluster.num_gpus} GPUs "
+                                   "(data-parallel degree must divide it and pipeline stages must not exceed "
+                                   f"{max_stages(model)})")
     if workers is None:
         workers = (os.cpu_count() or 1) if cluster.num_nodes >= PARALLEL_NODES else 1
     workers = max(1, min(workers, len(combos)))

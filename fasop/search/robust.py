@@ -1,11 +1,13 @@
 """Plans under profiling error: `fasop search --noise F --trials N --seed S`.
 
-Every measured input of the cost model is uncertain: the profile times and the link bandwidths. Each trial
-draws one multiplicative factor, uniform in [1 - F, 1 + F], for
+Every measured input of the cost model is uncertain: the profile times, the GPUs' memory bandwidths and the link
+bandwidths. Each trial draws one multiplicative factor, uniform in [1 - F, 1 + F], for
 
   - every (GPU type, unit kind): all profile times of that unit on that GPU type, at every tensor degree and
     micro-batch size, forward and backward alike (a profile error is mostly systematic: a clock, a kernel
-    choice, a different software stack), and
+    choice, a different software stack),
+  - every GPU type: its memory bandwidth, which paces the optimizer step (the bandwidth is divided by the factor,
+    so the step takes that many times as long, as a unit's times do), and
   - every (node type, link): the transfer times over its intra-node and over its inter-node link (the
     bandwidth is divided by the factor),
 
@@ -31,7 +33,7 @@ import numpy as np
 
 from fasop.cost.price import cost_per_step_usd, price_per_hour_usd
 from fasop.cost.step import breakdown
-from fasop.errors import InputError
+from fasop.errors import ArgumentError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile, required_kinds
@@ -56,32 +58,35 @@ class Robustness:
 
 def check_noise(noise: float, trials: int, seed: int = 0) -> None:
     if not (math.isfinite(noise) and 0 < noise < 1):
-        raise InputError(f"--noise {noise}", "expected a fraction in (0, 1), such as 0.2 for +-20%")
+        raise ArgumentError("noise", "expected a fraction in (0, 1), such as 0.2 for +-20%", noise)
     if not 1 <= trials <= MAX_TRIALS:
-        raise InputError(f"--trials {trials}", f"expected 1 to {MAX_TRIALS:,} trials")
+        raise ArgumentError("trials", f"expected 1 to {MAX_TRIALS:,} trials", trials)
     if not 0 <= seed <= MAX_SEED:
-        raise InputError(f"--seed {seed}", f"expected a seed from 0 to {MAX_SEED}")
+        raise ArgumentError("seed", f"expected a seed from 0 to {MAX_SEED}", seed)
 
 
 def factor_keys(cluster: Cluster, model: Model) -> list[tuple[str, str, str]]:
     """What each trial's factors apply to, in the order they are drawn."""
     gpus = sorted({t.gpu for t in cluster.node_types.values()})
     units = [("unit", gpu, kind) for gpu in gpus for kind in required_kinds(model)]
-    return units + [("link", name, link) for name in sorted(cluster.node_types) for link in ("intra", "inter")]
+    memory = [("memory", gpu, "optimizer") for gpu in gpus]
+    return units + memory + [("link", name, link) for name in sorted(cluster.node_types) for link in ("intra", "inter")]
 
 
 def perturbed(cluster: Cluster, profiles: dict[str, GpuProfile], factors: dict[tuple, float]):
-    """(cluster, profiles) with every unit time and link time multiplied by its factor."""
+    """(cluster, profiles) with every unit time, optimizer step and link time multiplied by its factor."""
     scaled = {
         gpu: GpuProfile(gpu, profile.file, {
             (tp, kind): c.scaled(factors["unit", gpu, kind])
             for (tp, kind), c in profile.curves.items()})
         for gpu, profile in profiles.items()
     }
+    slowed = cluster.with_memory_time_scales({t.gpu: factors["memory", t.gpu, "optimizer"]
+                                              for t in cluster.node_types.values()})
     types = {name: replace(t, intra_node_bytes_per_s=t.intra_node_bytes_per_s / factors["link", name, "intra"],
                            inter_node_bytes_per_s=t.inter_node_bytes_per_s / factors["link", name, "inter"])
-             for name, t in cluster.node_types.items()}
-    return replace(cluster, node_types=types), scaled
+             for name, t in slowed.node_types.items()}
+    return replace(slowed, node_types=types), scaled
 
 
 def plan_metric(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plan: Plan, sort: str) -> float:

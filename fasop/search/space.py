@@ -10,9 +10,16 @@ from functools import lru_cache
 import numpy as np
 
 from fasop.cost.communication import Geometry, geometry, with_embedding_groups
-from fasop.cost.config import RECOMPUTE_MODES, Config, embedding_stages, with_recompute
+from fasop.cost.config import (
+    RECOMPUTE_MODES,
+    Config,
+    embedding_stages,
+    param_gather_overlaps,
+    sequence_parallel_on,
+    with_recompute,
+)
 from fasop.cost.memory import head_fits
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -56,8 +63,8 @@ def divisors(n: int) -> list[int]:
 
 def check_global_batch(gbs: int) -> int:
     if not 1 <= gbs <= MAX_GLOBAL_BATCH:
-        raise InputError("--gbs", f"expected a global batch size from 1 to {MAX_GLOBAL_BATCH:,} samples (2^53: "
-                                  f"sample and token counts stay exact in double precision), got {gbs}")
+        raise ArgumentError("gbs", f"expected a global batch size from 1 to {MAX_GLOBAL_BATCH:,} samples (2^53: "
+                                   f"sample and token counts stay exact in double precision), got {gbs}")
     return gbs
 
 
@@ -88,8 +95,8 @@ def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir
                                     "(fasop's limit; a placement's rank geometry takes memory in proportion)")
     unknown = [mode for mode in recompute if mode not in RECOMPUTE_MODES]
     if unknown or not recompute:
-        raise InputError("--recompute", f"expected a comma-separated list of {', '.join(RECOMPUTE_MODES)}, "
-                                        f"got {','.join(recompute)!r}")
+        raise ArgumentError("recompute", f"expected one or more of {', '.join(RECOMPUTE_MODES)}, "
+                                         f"got {','.join(recompute)!r}")
     gpus = sorted({t.gpu for t in cluster.node_types.values()})
     if profiles is None:  # the cluster's own [[gpu]] tables over the catalogue, as the command line reads them
         profiles = load_profiles(model, gpus, profiles_dir, specs=merged_specs(own=cluster.gpus))
@@ -150,7 +157,7 @@ def micro_batch_sizes(inputs: Inputs, tp: int, dp: int) -> tuple[list[int], int]
     fits no stage (the last stage holds them, and memory only grows with the size), so it is counted out of
     memory without being built: their number grows with the divisors of the batch, not with the answer."""
     sizes = divisors(inputs.gbs // dp)
-    sequence_parallel = inputs.sequence_parallel and tp > 1
+    sequence_parallel = inputs.sequence_parallel and sequence_parallel_on(tp)
     kept = [b for b in sizes if b == 1 or head_fits(inputs.model, inputs.cluster, tp, b, sequence_parallel)]
     return kept, len(sizes) - len(kept)
 
@@ -166,8 +173,9 @@ def groups(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int =
         signatures = [_signature(geo) for geo in geos]
         configs = [Config(tp, dp, pp, 1, inputs.gbs, split, inputs.distributed_optimizer,
                           overlap_grad_reduce=inputs.overlap,
-                          overlap_param_gather=inputs.overlap and inputs.distributed_optimizer,
-                          sequence_parallel=inputs.sequence_parallel and tp > 1) for split in encoder_splits(model, pp)]
+                          overlap_param_gather=param_gather_overlaps(inputs.overlap, inputs.distributed_optimizer),
+                          sequence_parallel=inputs.sequence_parallel and sequence_parallel_on(tp))
+                   for split in encoder_splits(model, pp)]
         stage_sets = [embedding_stages(model, config) for config in configs]
         embedded = [with_embedding_groups(cluster, geo, stage_sets) for geo in geos]  # [placement][split]
         for j, config in enumerate(configs):

@@ -1,0 +1,115 @@
+"""`fasop estimate`: the step time, memory and price of one plan, given by its options or read from a plan file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from fasop.cli import common
+from fasop.cli.tables import format_estimate
+from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
+from fasop.errors import InputError
+from fasop.files import beside, check_finite
+from fasop.inputs.cluster import load_cluster
+from fasop.inputs.model import load_model
+from fasop.plans import Plan, read_plan_file
+
+# The options that give a plan's shape: required without --plan, refused with it (the plan file gives them).
+SHAPE_OPTIONS = ("tp", "dp", "pp", "mbs", "placement", "layers_per_stage", "gbs", "distributed_optimizer", "overlap",
+                 "virtual_stages", "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel")
+REQUIRED_WITHOUT_PLAN = ("model_name", "cluster_name", "tp", "dp", "pp", "mbs", "placement", "layers_per_stage")
+
+
+@click.command()
+@click.option("--plan", "plan_file", default=None, metavar="FILE",
+              help="Estimate a plan of a plan file (fasop search --output plans.json, or the plan.json of fasop emit) "
+                   "with the model, cluster and profiles it names, instead of the plan options below.")
+@click.option("--rank", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --plan: which plan of the list (1 = best).")
+@click.option("--model", "model_name", default=None, metavar="NAME|FILE",
+              help="A bundled model or a model TOML file (with --plan: instead of the plan's).")
+@click.option("--cluster", "cluster_name", default=None, metavar="NAME|FILE",
+              help="A bundled cluster or a cluster TOML file (with --plan: instead of the plan's).")
+@click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel degree.")
+@click.option("--dp", type=click.IntRange(min=1), default=None, help="Data-parallel degree.")
+@click.option("--pp", type=click.IntRange(min=1), default=None, help="Pipeline-parallel degree.")
+@click.option("--mbs", type=click.IntRange(min=1), default=None, help="Micro-batch size.")
+@click.option("--placement", default=None, metavar="TYPE,TYPE,...", help="Node types in node-rank order.")
+@click.option("--layers", "layers_per_stage", default=None, metavar="N,N,...",
+              help="Transformer layers per stage (embedding on the first stage, head on the last).")
+@common.gbs_option
+@common.profiles_option
+@common.mismatch_option
+@common.optimizer_option
+@common.overlap_option
+@click.option("--virtual-stages", type=click.IntRange(min=1, max=1024), default=1, show_default=True,
+              help="Model chunks per pipeline rank (interleaved 1F1B when > 1); layers split evenly over them.")
+@click.option("--recompute", type=click.Choice(RECOMPUTE_MODES), default="none", show_default=True,
+              help="Activation recomputation (Megatron's --recompute-granularity).")
+@click.option("--recompute-method", type=click.Choice(RECOMPUTE_METHODS), default=None,
+              help="With --recompute full: uniform (every layer) or block (the first N layers of each stage).")
+@click.option("--recompute-num-layers", type=click.IntRange(min=1), default=None,
+              help="With --recompute full: 1 for uniform, N for block.")
+@click.option("--sequence-parallel/--no-sequence-parallel", default=None,
+              help="Megatron's --sequence-parallel [default: on when tp > 1].")
+@click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
+@common.reports_input_errors
+def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_profile_mismatch, as_json, **shape):
+    """Break down the step time, memory and price of one plan: given by --tp, --dp, --pp, --mbs, --placement and
+    --layers, or read from a plan file with --plan."""
+    from fasop.search import estimate as run_estimate
+    from fasop.search.spec import spec_of
+
+    ctx = click.get_current_context()
+    given = [name for name in ctx.params if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
+    if plan_file is None:
+        if "rank" in given:
+            raise InputError("--rank", "applies to a plan file: give --plan")
+        missing = [name for name in REQUIRED_WITHOUT_PLAN if ctx.params[name] is None]
+        if missing:
+            raise InputError(_option(ctx, missing[0]), "missing: give the plan's options, or a plan file with --plan")
+        model, cluster = load_model(model_name), load_cluster(cluster_name)
+        shape["placement"] = [name.strip() for name in shape["placement"].split(",")]
+        shape["layers_per_stage"] = common.int_list("--layers", shape["layers_per_stage"])
+        shape["overlap_grad_reduce"] = shape.pop("overlap")
+        spec = None
+    else:
+        refused = [name for name in SHAPE_OPTIONS if name in given]
+        if refused:
+            raise InputError(_option(ctx, refused[0]), "the plan file gives the plan; leave it out with --plan")
+        plan, where = read_plan_file(plan_file, rank), f"{plan_file}: plan {rank}"
+        if plan.is_data_parallel:
+            raise InputError(where, f"a {plan.kind} plan: fasop estimate takes 3D plans (fasop emit re-estimates "
+                                    "data-parallel ones)")
+        model, cluster, profiles_dir = _plan_inputs(plan, Path(plan_file), model_name, cluster_name, profiles_dir, where)
+        spec, shape = spec_of(plan, model, cluster, where), {}
+    profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
+    plan = run_estimate(model, cluster, spec, profiles_dir=profiles_dir, profiles=profiles, **shape)
+    if as_json:
+        record = plan.record()
+        check_finite(record, "estimate")
+        click.echo(json.dumps(record, indent=1, allow_nan=False))
+        return
+    click.echo(format_estimate(plan, model.name, cluster.name, cluster.memory_margin))
+
+
+def _option(ctx: click.Context, name: str) -> str:
+    return next(param.opts[0] for param in ctx.command.params if param.name == name)
+
+
+def _plan_inputs(plan: Plan, path: Path, model_name: str | None, cluster_name: str | None, profiles_dir: str | None,
+                 where: str):
+    """The model, cluster and profile folder of a plan file: the options given, else those the plan names
+    (a relative file beside the plan file)."""
+    named = {}
+    for kind, option, recorded in (("model", model_name, plan.model_file or plan.model),
+                                   ("cluster", cluster_name, plan.cluster_file or plan.cluster)):
+        if option is None and recorded is None:
+            raise InputError(where, f"names no {kind}_file or {kind}; give --{kind}")
+        named[kind] = option or beside(str(recorded), path.parent)
+    if profiles_dir is None and plan.profiles is not None:  # the folder the plan was made with
+        profiles_dir = beside(plan.profiles, path.parent)
+    return load_model(named["model"]), load_cluster(named["cluster"]), profiles_dir
