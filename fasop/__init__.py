@@ -1,16 +1,43 @@
 """fasop: plans for training Transformers with Megatron-LM on clusters that mix GPU types.
 
     import fasop
-    plans = fasop.search(fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-1xA100-7xA10"))
+    model, cluster = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-1xA100-7xA10")
+    plans = fasop.search(model, cluster)
 
-returns a pandas DataFrame of every plan that fits memory, best first.
+returns a pandas DataFrame of every plan that fits memory, best first. The commands' work, without their printing:
+
+    fasop.search_plans(model, cluster)     fasop search: the plans as Plan records (a SearchResult)
+    fasop.estimate(model, cluster, ...)    fasop estimate: one plan's full breakdown
+    fasop.pareto(model, cluster, ...)      fasop pareto: each composition's best plan and the Pareto front (a DataFrame)
+    fasop.compare(model, cluster)          fasop compare: the strategy families side by side (a list of Family)
+    fasop.emit(plan, model, cluster, dir)  fasop emit: the plan estimated afresh, its launch scripts written
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster, load_cluster
 from fasop.inputs.model import Model, load_model
 from fasop.search import PlanSpec, estimate, plan_spec, search, search_plans
 
-__all__ = ["Cluster", "InputError", "Model", "PlanSpec", "estimate", "load_cluster", "load_model", "plan_spec", "search",
-           "search_plans"]
+if TYPE_CHECKING:
+    from fasop.launch.write import emit
+    from fasop.market.pareto import pareto
+    from fasop.search.compare import compare
+
+__all__ = ["Cluster", "InputError", "Model", "PlanSpec", "compare", "emit", "estimate", "load_cluster", "load_model",
+           "pareto", "plan_spec", "search", "search_plans"]
 __version__ = "0.1.0"
+
+# Every command imports this package when it starts: the sweep, the strategy families and the launch scripts
+# (with pandas, for pareto's DataFrame, only when called) load when first named here, not on each start.
+_LAZY = {"pareto": "fasop.market.pareto", "compare": "fasop.search.compare", "emit": "fasop.launch.write"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fasop' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

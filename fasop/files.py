@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 
 MIB = 2**20
 # Largest input fasop reads, by kind (docs/formats.md): far above any real file, far below a memory problem.
@@ -169,11 +169,11 @@ def comment_line(text: str) -> str:
     return "# " + "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-def printable(text: str, where: str, what: str) -> str:
+def printable(text: str, argument: str, what: str) -> str:
     """`text` when every character is printable, for a path written on a line that must stay one command
-    (commands.txt); else an InputError naming `where` and `what` the text is."""
+    (commands.txt); else an ArgumentError naming the argument that gave it and `what` the text is."""
     if not text.isprintable():
         bad = next(c for c in text if not c.isprintable())
-        raise InputError(where, f"{what} {text!r} holds {bad!r}; expected printable characters (a newline or "
-                                "control character would split the command that names it)")
+        raise ArgumentError(argument, f"{what} {text!r} holds {bad!r}; expected printable characters (a newline or "
+                                      "control character would split the command that names it)")
     return text

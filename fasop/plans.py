@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 
 from fasop.errors import ArgumentError, InputError
 from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_json, write_atomically
+from fasop.inputs.names import NAME, NAME_RULE
 from fasop.inputs.tomlfile import Range, Table, expected, validated
 
 MAX_PLAN_INT = 2**53  # ranks, degrees, batch sizes and layer counts of a plan file: exact in any JSON reader
@@ -25,6 +26,10 @@ CSV_LISTS = ("synthesised_profiles", "placement", "layers_per_stage", "layers_pe
 # Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.inputs.names),
 # so every node-type name reads back whole ("-" is inside it).
 CSV_LIST_SEPARATOR = " "
+# Nodes a placement text may expand to (`A10*N`), as many as the GPUs a searched plan may span
+# (fasop.search.space.MAX_PLAN_GPUS): reading one then takes work and memory bounded by the placement it gives,
+# not by the counts written in it.
+MAX_PLACEMENT_NODES = 2**18
 
 Count = Annotated[int, Range(1, MAX_PLAN_INT)]
 Index = Annotated[int, Range(0, MAX_PLAN_INT)]
@@ -185,6 +190,32 @@ def placement_runs(placement: Sequence[str]) -> list[tuple[str, int]]:
 def compress_placement(placement: Sequence) -> str:
     """['A100', 'A10', 'A10'] -> 'A100,A10*2' (runs of one node type; numbers are joined as they are)."""
     return ",".join(str(name) if count == 1 else f"{name}*{count}" for name, count in placement_runs(placement))
+
+
+def expand_placement(text: str, where: str) -> list[str]:
+    """'A100,A10*2' -> ['A100', 'A10', 'A10'], the inverse of compress_placement: comma-separated items, each a
+    node-type name or NAME*N (N nodes of that type in a row), spaces around names and counts ignored. An error
+    names `where` and the item."""
+    runs = []
+    total = 0
+    for number, item in enumerate(text.split(","), start=1):
+        if not item.strip():
+            raise InputError(where, f"item {number} is empty: expected NAME or NAME*N items separated by commas")
+        shown = f"item {number} ({item.strip()!r})"
+        name, star, digits = (part.strip() for part in item.partition("*"))
+        if not NAME.fullmatch(name):
+            raise InputError(where, f"{shown}: expected NAME or NAME*N, where NAME is {NAME_RULE}")
+        if star and not (digits.isascii() and digits.isdigit() and digits.strip("0")):
+            raise InputError(where, f"{shown}: expected a positive integer after '*', got {digits!r}")
+        too_many = f"{shown}: more than {MAX_PLACEMENT_NODES:,} nodes in all"
+        if len(digits.lstrip("0")) > len(str(MAX_PLACEMENT_NODES)):  # over the bound: never int() a long number
+            raise InputError(where, too_many)
+        count = int(digits) if star else 1
+        total += count
+        if total > MAX_PLACEMENT_NODES:
+            raise InputError(where, too_many)
+        runs.append((name, count))
+    return [name for name, count in runs for _ in range(count)]
 
 
 def plans_as_json(records: list[dict]) -> str:

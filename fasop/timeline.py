@@ -1,4 +1,5 @@
-"""The pipeline schedule of one plan as a Gantt chart: one row per stage, time across.
+"""The pipeline schedule of one plan as a Gantt chart: one row per stage, time across; or as a Chrome trace that
+Perfetto and chrome://tracing open, to lay beside a measured torch.profiler trace (write_trace).
 
 Forwards, backwards, recomputed forwards, blocking sends and idle time each have their own colour (and hatch,
 for readers of a grey print); bars wide enough carry their micro-batch (and model chunk, when interleaved).
@@ -13,14 +14,16 @@ the 1024 micro-batches fasop plot allows. A larger plan is refused in one line, 
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from fasop.cost.schedule import OpTimes, op_times
-from fasop.errors import InputError
-from fasop.files import check_outputs
+from fasop.errors import ArgumentError, InputError
+from fasop.files import check_outputs, write_atomically
 from fasop.plans import Plan
 from fasop.plot import MAX_SECONDS, _as_argument, _check_out, _figure, _save
 
@@ -102,6 +105,12 @@ def _segments(times: OpTimes, plan: int) -> dict[str, list[tuple[int, float, flo
     return found
 
 
+def _drawn(found: dict[str, list[tuple[int, float, float, int]]]) -> dict[str, dict]:
+    """How many segments of each kind, and their total seconds."""
+    return {kind: {"segments": len(segments), "seconds": sum(b - a for _, a, b, _ in segments)}
+            for kind, segments in found.items()}
+
+
 def plot_timeline(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0, title: str | None = None,
                   inputs: Iterable[str | os.PathLike] = (), argument: str = "out_path") -> dict[str, dict]:
     """Draw the schedule of plan `plan` of `times` to out_path (.png or .svg), refusing to write over any of
@@ -142,5 +151,33 @@ def plot_timeline(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0,
                           f"pipeline time {makespan:.4g} s", fontsize=10)
     fig.legend(loc="outside lower center", ncols=len(STYLE), fontsize=8, frameon=False)
     _save(fig, path, argument)
-    return {kind: {"segments": len(segments), "seconds": sum(b - a for _, a, b, _ in segments)}
-            for kind, segments in found.items()}
+    return _drawn(found)
+
+
+def write_trace(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0, stage_names: Sequence[str] = (),
+                inputs: Iterable[str | os.PathLike] = (), argument: str = "out_path") -> dict[str, dict]:
+    """Write the schedule of plan `plan` of `times` to out_path (.json) in the Chrome trace event format: one
+    thread per stage (named by `stage_names`), one complete event per forward, recomputed forward, backward and
+    blocking send, times in microseconds from the step's start; idle time is what lies between them. Returns
+    what plot_timeline returns."""
+    path = Path(out_path)
+    if path.suffix.lower() != ".json":
+        raise ArgumentError(argument, "expected a trace file name ending in .json", out_path)
+    with _as_argument(argument, out_path):
+        check_outputs([(path, argument)], inputs)
+    prog = times.program
+    check_drawable(prog.stages, prog.virtual_stages, prog.num_microbatches, "times")
+    found = _segments(times, plan)
+    events: list[dict] = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": stage,
+                           "args": {"name": stage_names[stage] if stage < len(stage_names) else f"stage {stage}"}}
+                          for stage in range(prog.stages)]
+    for kind in ("forward", "recompute", "backward", "send"):
+        for stage, a, b, i in found[kind]:
+            chunk = f" chunk {prog.chunk[i]}" if prog.virtual_stages > 1 else ""
+            events.append({"name": f"{STYLE[kind][0]} {prog.microbatch[i]}{chunk}", "cat": kind, "ph": "X", "pid": 0,
+                           "tid": stage, "ts": a * 1e6, "dur": (b - a) * 1e6})
+    events.sort(key=lambda event: (event["ph"] != "M", event.get("ts", 0.0), event["tid"]))
+    text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=0, allow_nan=False) + "\n"
+    with _as_argument(argument, out_path):
+        write_atomically(path, text, str(path))
+    return _drawn(found)

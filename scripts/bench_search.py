@@ -43,10 +43,13 @@ def main() -> None:
             elapsed, out = run(model, cluster)
             times.append(elapsed)
         plans, partitions = re.search(r"(\d+) plans evaluated.*?\((\d+) layer partitions", out).groups()
-        best = next(line.split() for line in out.splitlines() if line.split()[:1] == ["1"])  # the table's first row
+        lines = out.splitlines()
+        header = next(line.split() for line in lines if line.split()[:1] == ["rank"])
+        best = dict(zip(header, next(line.split() for line in lines if line.split()[:1] == ["1"])))  # the first row
         print(f"{model:8} {cluster:20} {min(times):7.2f} {plans:>6} {partitions:>10}  "
-              f"mbs={best[1]} tp={best[2]} dp={best[3]} pp={best[4]} vp={best[5]} recompute={best[6]} sp={best[7]} "
-              f"{best[8]} layers {best[9]} step {best[10]} s")
+              f"mbs={best['mbs']} tp={best['tp']} dp={best['dp']} pp={best['pp']} vp={best['vp']} "
+              f"recompute={best['recompute']} sp={best['sp']} {best['placement']} layers {best['layers/stage']} "
+              f"step {best['step']} s")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ def test_bundled_search_prints_ranked_table(bert_search):
     folder, results = bert_search
     header, rows = table_lines(results["plans.json"].stdout)
     lowered = header.lower()
-    for column in ("mbs", "tp", "dp", "pp", "vp", "placement", "layers", "step", "mem", "$/step"):
+    for column in ("mbs", "tp", "dp", "pp", "vp", "placement", "layers", "plans", "step", "tokens/s", "used/cap",
+                   "$/step"):
         assert column in lowered, f"{column!r} missing from {header!r}"
     assert "step s: Megatron-LM's 1F1B schedule timed exactly" in results["plans.json"].stdout
     assert "throughput" in lowered or "samples/s" in lowered
@@ -145,11 +146,11 @@ def test_bundled_search_json(bert_search):
     assert times == sorted(times)
     for plan in plans:
         assert set(REQUIRED_KEYS) <= set(plan)
-        assert len(plan["placement"]) == cluster.num_nodes
+        # every node of each node type it uses (plans may leave whole node types idle)
         assert set(plan["placement"]) <= set(cluster.node_types)
         for name in set(plan["placement"]):
-            assert plan["placement"].count(name) <= cluster.node_types[name].count
-        assert plan["tp"] * plan["dp"] * plan["pp"] == cluster.num_gpus
+            assert plan["placement"].count(name) == cluster.node_types[name].count
+        assert plan["tp"] * plan["dp"] * plan["pp"] == len(plan["placement"]) * cluster.gpus_per_node
         assert len(plan["layers_per_stage"]) == plan["pp"]
         assert sum(plan["layers_per_stage"]) == model.num_layers
         assert plan["peak_memory_gib"] * cluster.memory_margin <= plan["memory_capacity_gib"] * (1 + 1e-12)
@@ -299,6 +300,30 @@ def test_estimate_text_prints_a_stage_table(runner):
     assert [line.split()[1] for line in stages] == ["A100", "A10", "A10", "A10"]
     assert [int(line.split()[2]) for line in stages] == [12, 5, 5, 2]
     assert "step time" in result.stdout
+    assert result.stderr == ""
+
+
+def test_estimate_of_a_plan_over_memory_exits_3(runner):
+    """The breakdown all the same (text or JSON), then one line on stderr naming the stage over its usable memory
+    and status 3 (bad input is 2). Stage 1 (A10) is over; stage 0 (A100) holds more, and fits."""
+    plan = ["--tp", "1", "--dp", "4", "--pp", "4", "--mbs", "16", "--placement", "A100,A10*3", "--layers", "11,11,1,1"]
+    text, as_json = (invoke(runner, ["estimate", *BERT_ARGS, *plan, *extra]) for extra in ([], ["--json"]))
+    cluster = load_cluster("fasop-1xA100-3xA10")
+
+    def usable(stage: dict) -> float:
+        return (stage["memory_capacity_gib"] - cluster.gpu_memory_overhead_gib) / cluster.memory_margin
+
+    row = json.loads(as_json.stdout)
+    assert row["fits_memory"] is False
+    first, over = row["stages"][:2]
+    assert usable(first) >= first["memory_gib"] > over["memory_gib"] > usable(over)
+    assert "(does NOT fit with margin 1.1)" in text.stdout and "price" in text.stdout
+    said = (f"Error: the plan does not fit GPU memory: stage 1 (A10) peaks at {over['memory_gib']:.2f} GiB, "
+            f"{usable(over):.2f} GiB usable of {over['memory_capacity_gib']:.2f} GiB (less "
+            f"{cluster.gpu_memory_overhead_gib:g} GiB overhead, over memory margin {cluster.memory_margin:g})")
+    for result in (text, as_json):
+        assert result.exit_code == 3, result.output
+        assert result.stderr.splitlines() == [said]
 
 
 def test_best_tiny_plan_beats_every_other_layer_split(runner, tiny):
@@ -588,10 +613,15 @@ def test_search_gbs_negative(runner, tiny):
 def test_gbs_no_plan_can_use(runner, tiny):
     """One layer (at most 3 stages), only tp=1 profiled, 4 GPUs, gbs 3: dp divides 3 and 4 so dp=1, pp=4 > 3."""
     setup = tiny(model={"num_layers": 1, "global_batch_size": 3}, tps=(1,))
-    result, output = search_error(runner, setup)
+    result, output = search_error(runner, setup, "--use-all")
     assert_input_error(result, "--gbs", "3", output=output)
-    result, output = search_error(runner, tiny("other", tps=(1,), model={"num_layers": 1}), "--gbs", "3")
+    result, output = search_error(runner, tiny("other", tps=(1,), model={"num_layers": 1}), "--gbs", "3", "--use-all")
     assert_input_error(result, "--gbs", output=output)
+    # one node type alone (2 GPUs: dp 1, pp 2) can: the plans leave the other idle, and say so
+    result, output = search_error(runner, setup)
+    ok(result)
+    assert {len(plan["placement"]) for plan in json.loads(output.read_text())} == {1}
+    assert "note: no plan uses every node; the best leaves " in result.stdout
 
 
 def test_nothing_fits_in_memory_says_how_far(runner, tiny):

@@ -255,7 +255,7 @@ def test_fork_flavor_for_t5_keeps_the_split_rank(cluster):
 
 
 def test_fork_flavor_refuses_what_the_fork_cannot_run(gpt2, cluster, tmp_path):
-    with pytest.raises(InputError, match="--data-path"):
+    with pytest.raises(InputError, match="^megatron_flavor=fasop-fork: needs a data path"):
         render_plan(launchable(), gpt2, cluster, LaunchOptions(megatron_flavor="fasop-fork"))
     (tmp_path / "llama.toml").write_text(LLAMA_TOML)
     llama = load_model(str(tmp_path / "llama.toml"))
@@ -421,7 +421,7 @@ def test_launch_table_errors():
         launch_options({"time_limit": "one hour"}, "c.toml: launch")
     with pytest.raises(InputError, match=r"launch.megatron_flavor"):
         launch_options({"megatron_flavor": "nemo"}, "c.toml: launch")
-    with pytest.raises(InputError, match=r"--master-port"):
+    with pytest.raises(InputError, match=r"^master_port: expected a port number"):
         launch_options({}, master_port=70000)
 
 

@@ -21,8 +21,7 @@ from fasop.profile.synth import synthesize
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fasop"
 # The launch script renderers: Megatron-LM, Slurm and torchrun flags are what they write
-RENDERERS = {"launch/megatron.py", "launch/slurm.py", "launch/torchrun.py", "launch/launchers.py", "launch/shell.py",
-             "launch/startup.py"}
+RENDERERS = {"launch/megatron.py", "launch/slurm.py", "launch/torchrun.py", "launch/shell.py", "launch/startup.py"}
 FLAG = re.compile(r"--[A-Za-z]")
 
 

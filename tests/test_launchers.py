@@ -130,12 +130,14 @@ def test_read_hosts_skips_comments_and_keeps_users(tmp_path):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--rendezvous", "file"], "applies to --launcher ssh or manual"),
-    (["--hosts", "h"], "applies to --launcher ssh or manual"),
-    (["--launcher", "ssh", "--rendezvous", "file"], "needs --rendezvous-file"),
-    (["--launcher", "ssh", "--rendezvous", "file", "--rendezvous-file", "shared/x"], "expected an absolute path"),
-    (["--launcher", "ssh", "--rendezvous-file", "/shared/x"], "applies to --rendezvous file only"),
-    (["--launcher", "manual"], "a TCP rendezvous needs the first node's address"),
+    (["--rendezvous", "file"], "--rendezvous file: applies to the ssh and manual launchers"),
+    (["--hosts", "h"], "--hosts: applies to the ssh and manual launchers (--launcher)"),
+    (["--launcher", "ssh", "--rendezvous", "file"], "--rendezvous file: needs the path of a file on a file system "
+                                                    "every node sees (--rendezvous-file)"),
+    (["--launcher", "ssh", "--rendezvous", "file", "--rendezvous-file", "shared/x"],
+     "--rendezvous-file: expected an absolute path"),
+    (["--launcher", "ssh", "--rendezvous-file", "/shared/x"], "--rendezvous-file: applies to a file rendezvous only"),
+    (["--launcher", "manual"], "--launcher manual: a TCP rendezvous needs the first node's address"),
 ])
 def test_launcher_options_that_do_not_go_together(plans, args, fragment):
     result = emit(plans, *args)

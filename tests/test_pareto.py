@@ -150,14 +150,14 @@ HAND = [record(0, 1, 20.0, 100.0), record(0, 2, 11.0, 110.0), record(1, 0, 9.0, 
 def test_budget_gives_the_fastest_within_it():
     best, message = choose(HAND, budget_usd=260)
     assert best is HAND[3]
-    assert "1 A100 + 1 A10" in message and "fastest" in message
+    assert "1 A100 node + 1 A10 node (" in message and "fastest" in message
     assert choose(HAND, budget_usd=400)[0] is HAND[4]  # a cost equal to the budget meets it
 
 
 def test_deadline_gives_the_cheapest_within_it():
     best, message = choose(HAND, deadline_hours=10)
     assert best is HAND[3]  # 9 h at $300, 6 h at $250 and 4 h at $400 meet it: $250 is the cheapest
-    assert "cheapest" in message and "1 A100 + 1 A10" in message
+    assert "cheapest" in message and "1 A100 node + 1 A10 node (" in message
     assert choose(HAND, deadline_hours=11)[0] is HAND[1]  # the deadline itself counts as met
 
 
@@ -170,21 +170,21 @@ def test_budget_and_deadline_give_the_cheapest_meeting_both():
 def test_unmet_budget_names_the_cheapest_and_the_miss():
     best, message = choose(HAND, budget_usd=80)
     assert best is None
-    assert "0 A10" not in message and "1 A10" in message  # the cheapest composition, 1 A10 node
+    assert "0 A10" not in message and "cheapest, 1 A10 node (" in message
     assert "$20.00" in message and "25.0%" in message
 
 
 def test_unmet_deadline_names_the_fastest_and_the_miss():
     best, message = choose(HAND, deadline_hours=3)
     assert best is None
-    assert "2 A100 + 2 A10" in message and "1.00 h" in message and "33.3%" in message
+    assert "2 A100 nodes + 2 A10 nodes (" in message and "1.00 h" in message and "33.3%" in message
 
 
 def test_unmet_budget_and_deadline_name_the_closest():
     best, message = choose(HAND, budget_usd=200, deadline_hours=5)
     assert best is None
     # overshoots: 1 A100 + 1 A10 is 25% over budget and 20% late; 2 A100 + 2 A10 is 100% over budget
-    assert "closest, 1 A100 + 1 A10" in message
+    assert "closest, 1 A100 node + 1 A10 node (" in message
     assert "$50.00 (25.0%) over budget" in message and "1.00 h (20.0%) late" in message
 
 
@@ -435,7 +435,7 @@ def test_pareto_command(cluster_file, folder):
                  "--max-nodes", "A100=1", "--output", front, "--chart", chart)
     assert result.exit_code == 0, result.output
     assert "5 compositions swept" in result.output and "plans evaluated" in result.output
-    assert "fastest within the budget of $300.00: 1 A100 + 2 A10" in result.output
+    assert "fastest within the budget of $300.00: 1 A100 node + 2 A10 nodes (" in result.output
     assert len(read_front_csv(front)) == 5
     assert chart.read_bytes()[:8] == PNG_MAGIC
     replot = folder / "cli-replot.svg"
@@ -469,6 +469,16 @@ def test_plot_timeline_command(cluster_file, folder):
     result = run("plot", "--plan", plans, "--rank", interleaved.rank, "--timeline", drawn)
     assert result.exit_code == 0, result.output
     assert drawn.read_bytes()[:8] == PNG_MAGIC
+    trace = folder / "timeline.json"  # the same schedule as a Chrome trace, its stages named
+    result = run("plot", "--plan", plans, "--rank", plan.rank, "--timeline", trace)
+    assert result.exit_code == 0, result.output
+    events = json.loads(trace.read_text())["traceEvents"]
+    stage = plan.stages[0]
+    assert {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0,
+            "args": {"name": f"stage 0: {stage.gpu}, {stage.layers} layers"}} in events
+    spans = [e for e in events if e["ph"] == "X"]
+    assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(plan.pipeline_time_s * 1e6, rel=1e-9)
+    assert sum(e["cat"] == "forward" for e in spans) == plan.pp * plan.num_microbatches
     one_line_error(run("plot", "--plan", plans, "--rank", 9999, "--timeline", folder / "t.png"), "--rank 9999")
     one_line_error(run("plot", "--plan", plans, "--rank", plan.rank, "--timeline", folder / "t.pdf"), "--timeline")
     one_line_error(run("plot", "--plan", plans, "--timeline", folder / "t.png", "--out", folder / "s.png"), "--timeline")

@@ -3,6 +3,7 @@ tables, and its Gantt chart (fasop/timeline.py)."""
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -15,7 +16,7 @@ from simulate import simulate_1f1b, simulate_interleaved_1f1b
 import fasop.cost.schedule as schedule
 from fasop.cost.schedule import interleaving_error, makespan_s, op_times, stage_program
 from fasop.errors import InputError
-from fasop.timeline import plot_timeline
+from fasop.timeline import plot_timeline, write_trace
 
 seconds = st.floats(1.0, 3.0)  # stage times spread 3x
 sends = st.one_of(st.just(0.0), st.floats(0.0, 1.0))
@@ -262,6 +263,33 @@ def test_timeline_refuses_to_overwrite_an_input_and_odd_suffixes(tmp_path):
     with pytest.raises(InputError, match="^out_path=.*plans.json: expected a file name ending in .png or .svg"):
         plot_timeline(times, plans)
     assert plans.read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["plans.json"]
+
+
+def test_the_trace_holds_the_chart_s_segments_in_microseconds(tmp_path):
+    """Chrome trace events: one named thread per stage, one complete event per forward, recomputed forward,
+    backward and blocking send, each where the schedule puts it; idle time is the gaps."""
+    p, m = 3, 4
+    forward = np.array([[1.0, 2.0, 1.5]])
+    times = op_times(forward, 2 * forward, np.array([[0.2, 0.0]]), m, recompute_s=forward)
+    out = tmp_path / "schedule.json"
+    drawn = write_trace(times, out, stage_names=["stage 0: A100", "stage 1: A10"])
+    assert drawn == plot_timeline(times, tmp_path / "schedule.png")
+    trace = json.loads(out.read_text())
+    events = trace["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert names == {0: "stage 0: A100", 1: "stage 1: A10", 2: "stage 2"}
+    spans = [e for e in events if e["ph"] == "X"]
+    for kind in ("forward", "recompute", "backward", "send"):
+        of_kind = [e for e in spans if e["cat"] == kind]
+        assert len(of_kind) == drawn[kind]["segments"]
+        assert sum(e["dur"] for e in of_kind) == pytest.approx(drawn[kind]["seconds"] * 1e6)
+    for stage in range(p):  # a stage runs one thing at a time, in the schedule's order
+        row = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == stage)
+        assert all(end <= start * (1 + 1e-12) for (_, end), (start, _) in zip(row, row[1:]))
+    assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(float(times.makespan_s[0]) * 1e6)
+    assert {e["name"] for e in spans if e["tid"] == 0 and e["cat"] == "forward"} == {f"forward {i}" for i in range(m)}
+    with pytest.raises(InputError, match="^out_path=.*schedule.png: expected a trace file name ending in .json"):
+        write_trace(times, tmp_path / "schedule.png")
 
 
 def test_long_schedules_are_extrapolated_from_their_steady_state(monkeypatch):

@@ -176,7 +176,7 @@ def test_scripts_with_hostile_names_pass_shellcheck(tmp_path):
     (dict(job_name="job\n"), "job.name"),
     (dict(account="acct\n"), "account"),
     (dict(partition="gpu\n"), "partition"),
-    (dict(gres_types={"big": "h100\n"}), "gres.type.big"),
+    (dict(gres_types={"big": "h100\n"}), "gres.types: big"),
     (dict(time_limit="\u0661:00"), "time.limit"),  # an Arabic-Indic digit is a digit to \d, not to Slurm
 ])
 def test_slurm_values_with_a_trailing_newline_are_refused(tmp_path, options, field):

@@ -62,7 +62,8 @@ def test_every_bundled_model_searches_on_every_bundled_cluster(runner, tmp_path,
         assert not notes
     if result.exit_code == 0:
         plan = json.loads(output.read_text())[0]
-        assert plan.get("synthesised_profiles") == (synthesised or None)
+        used = {node.gpu for name, node in load_cluster(cluster).node_types.items() if name in plan["placement"]}
+        assert plan.get("synthesised_profiles") == (sorted(used - bundled_profile_gpus(model)) or None)  # its own GPUs
         assert "profiles" not in plan  # the bundled ones and those synthesised
         return
     # a 70B model on 16 or 32 A10s: no plan fits, said in one line as by any search
@@ -118,12 +119,14 @@ def test_a_gpu_table_in_the_cluster_file_is_enough_to_synthesise_from(runner, ti
                                   "--output", str(output)])
     assert result.exit_code == 0, result.output
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"{NOTE}tiny for fast, slow: synthesised")
-    assert {json.dumps(plan["synthesised_profiles"]) for plan in json.loads(output.read_text())} == {'["fast", "slow"]'}
+    plans = json.loads(output.read_text())
+    assert all(plan["synthesised_profiles"] == sorted(set(plan["placement"])) for plan in plans)  # its own GPUs
+    assert any(plan["synthesised_profiles"] == ["fast", "slow"] for plan in plans)
     csv_output = tmp_path / "plans.csv"
     assert runner.invoke(main, ["search", "--model", str(setup.model), "--cluster", str(setup.cluster),
                                 "--output", str(csv_output)]).exit_code == 0
-    header, first = csv_output.read_text().splitlines()[:2]
-    assert "synthesised_profiles" in header.split(",") and ",fast slow," in first
+    header, *rows = csv_output.read_text().splitlines()
+    assert "synthesised_profiles" in header.split(",") and any(",fast slow," in row for row in rows)
 
 
 def test_a_precision_without_a_tensor_core_peak_cannot_be_synthesised(runner, tiny):
@@ -162,7 +165,8 @@ def test_a_plan_made_with_synthesised_profiles_emits_without_more_options(runner
     emitted = runner.invoke(main, ["emit", "--plans", str(plans), "--out", str(tmp_path / "run")])
     assert emitted.exit_code == 0, emitted.output
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
-    assert plan["synthesised_profiles"] == ["A100", "A10G", "H100"]
+    gpus = {t.name: t.gpu for t in load_cluster("pareto-h100-a100-a10g").node_types.values()}
+    assert plan["synthesised_profiles"] == sorted({gpus[name] for name in plan["placement"]})
 
 
 def test_calibrate_writes_synthesised_profiles_scaled(runner, tmp_path):

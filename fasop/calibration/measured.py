@@ -24,7 +24,7 @@ from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
 from fasop.errors import ArgumentError, InputError
 from fasop.files import CSV_LIMIT_BYTES, LOG_LIMIT_BYTES, PLANS_LIMIT_BYTES, beside, read_json, read_text
 from fasop.inputs.csvfile import csv_rows
-from fasop.plans import DATA_PARALLEL_KINDS, Plan, read_plan
+from fasop.plans import DATA_PARALLEL_KINDS, Plan, expand_placement, read_plan
 from fasop.runtime import check_plan
 
 WARMUP_ITERS = 3  # iterations of each log whose timings are left out by default
@@ -107,11 +107,14 @@ def _int_list(value: Any, where: str, key: str, minimum: int) -> tuple[int, ...]
     return tuple(int(v) for v in numbers)  # checked to be ints above
 
 
-def _name_list(value: Any, where: str, key: str) -> tuple[str, ...]:
-    items = re.split(r"[\s,]+", value.strip()) if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not items or not all(isinstance(v, str) and v for v in items):
-        raise InputError(f"{where}: {key}", f"expected node-type names, got {value!r}")
-    return tuple(items)
+def _placement(value: Any, where: str) -> tuple[str, ...]:
+    """A placement: a plan.json's list of names, or a CSV cell of NAME or NAME*N items separated by spaces (as
+    plan CSVs write them) or commas."""
+    if isinstance(value, str):
+        return tuple(expand_placement(",".join(re.split(r"[\s,]+", value.strip())), f"{where}: placement"))
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
+        raise InputError(f"{where}: placement", f"expected node-type names, got {value!r}")
+    return tuple(value)
 
 
 def _flag(value: Any, where: str, key: str) -> bool:
@@ -182,7 +185,7 @@ def run_from_plan(plan: dict, measured_step_s: float, label: str, where: str, ba
         tp=tp, dp=_positive_int(plan["dp"], where, "dp"),
         pp=_positive_int(plan["pp"], where, "pp"), mbs=_positive_int(plan["mbs"], where, "mbs"),
         gbs=_positive_int(plan["gbs"], where, "gbs"),
-        placement=_name_list(plan["placement"], where, "placement"),
+        placement=_placement(plan["placement"], where),
         layers_per_stage=_int_list(plan["layers_per_stage"], where, "layers_per_stage", 0),
         distributed_optimizer=_flag(plan.get("distributed_optimizer", True), where, "distributed_optimizer"),
         measured_step_s=measured_step_s,

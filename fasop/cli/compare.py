@@ -48,7 +48,7 @@ def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch,
     outputs = [(path, option) for path, option, _ in checks if path is not None]
     common.check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir), force)
     profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
-    families = run_compare(model, cluster, profiles, gbs, distributed_optimizer, overlap)
+    families = run_compare(model, cluster, profiles, gbs, distributed_optimizer=distributed_optimizer, overlap=overlap)
     batch = gbs or model.global_batch_size
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {batch}")
     click.echo(table(families))

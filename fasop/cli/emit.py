@@ -9,15 +9,11 @@ import click
 
 from fasop.cli.common import profiles_option, reports_input_errors
 from fasop.errors import InputError
-from fasop.files import check_outputs
-from fasop.inputs import bundled
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.launch.dataparallel import render_dp_plan, restate_dp_plan
-from fasop.launch.launchers import LAUNCHERS, RENDEZVOUS, launcher_files, launcher_hint, launcher_inputs
-from fasop.launch.options import FLAVORS, LAUNCH_KEYS, PIPELINE_SPLITS, launch_options, split_flags
-from fasop.launch.restate import restate_plan
-from fasop.launch.write import check_out_dir, render_plan, write_files
+from fasop.launch import write
+from fasop.launch.launchers import LAUNCHERS, RENDEZVOUS, launcher_hint
+from fasop.launch.options import FLAVORS, PIPELINE_SPLITS, split_flags
 from fasop.plans import load_plans, select_plan
 
 
@@ -165,39 +161,16 @@ def emit(plans_file: str, rank: int, out_dir: str, force: bool, model_name: str 
 def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions, gres_types, extra_flags,
           profiles_dir, site):
     plans_path = Path(plans_file)
-    plans = load_plans(plans_path)
-    plan = select_plan(plans, rank, plans_file)
-    out = Path(out_dir)
-    check_out_dir(out, force)
+    plan = select_plan(load_plans(plans_path), rank, plans_file)
     where = f"{plans_file}: plan {rank}"
     model_file = _input_file(model_name, plan.model_file, "model", where, plans_path)
     cluster_file = _input_file(cluster_name, plan.cluster_file, "cluster", where, plans_path)
     model, cluster = load_model(model_file), load_cluster(cluster_file)
-    if profiles_dir is None and plan.profiles is not None:  # the folder the plan was made with
+    if profiles_dir is None and plan.profiles is not None:  # the folder the plan was made with, or beside the list
         profiles_dir = _input_file(None, plan.profiles, "profiles", where, plans_path)
-    data_parallel = plan.is_data_parallel  # kinds ddp and zero1-3 have their own estimate and launcher
-    plan, warning = (restate_dp_plan if data_parallel else restate_plan)(plan, model, cluster, profiles_dir, force, where)
-    # A plain NAME on the command line applies to every node type, over what the cluster file says.
     partition, partition_map = _type_map(partitions, "--partition")
     gres_type, gres_map = _type_map(gres_types, "--gres-type")
-    for default, mapping in ((partition, partition_map), (gres_type, gres_map)):
-        for node_type in cluster.node_types.values():
-            if default is not None and node_type.name not in mapping and node_type.gpu not in mapping:
-                mapping[node_type.name] = default
-    flags: list[str] = []
-    for value in extra_flags:
-        flags += split_flags(value, "--extra-flags")
-    overrides = {key: value for key, value in site.items() if key in LAUNCH_KEYS}
-    options = launch_options(
-        getattr(cluster, "launch", {}), f"{getattr(cluster, 'file', '') or cluster.name}: launch",
-        partition=partition, partitions=partition_map, gres_type=gres_type, gres_types=gres_map,
-        extra_flags=tuple(flags), **overrides)
-    files = (render_dp_plan if data_parallel else render_plan)(plan, model, cluster, options, where)
-    files = launcher_files(files, plan, out, options.master_port, site)
-    inputs = [plans_path, bundled.resolve("models", model_file, ".toml"), bundled.resolve("clusters", cluster_file, ".toml")]
-    inputs += launcher_inputs(site)
-    check_outputs([(out / name, "--out") for name in files], inputs)
-    written = write_files(out, files, force)
-    if warning:
-        click.echo(warning, err=True)
-    return written
+    flags = tuple(flag for value in extra_flags for flag in split_flags(value, "--extra-flags"))
+    return write.emit(plan, model, cluster, out_dir, force=force, profiles_dir=profiles_dir, inputs=[plans_path],
+                      where=where, warn=lambda warning: click.echo(warning, err=True), partition=partition,
+                      partitions=partition_map, gres_type=gres_type, gres_types=gres_map, extra_flags=flags, **site)

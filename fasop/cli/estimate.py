@@ -11,16 +11,18 @@ from click.core import ParameterSource
 from fasop.cli import common
 from fasop.cli.tables import format_estimate
 from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
+from fasop.cost.memory import usable_gib
 from fasop.errors import InputError
 from fasop.files import beside, check_finite
-from fasop.inputs.cluster import load_cluster
+from fasop.inputs.cluster import Cluster, load_cluster
 from fasop.inputs.model import load_model
-from fasop.plans import Plan, read_plan_file
+from fasop.plans import Plan, expand_placement, read_plan_file
 
 # The options that give a plan's shape: required without --plan, refused with it (the plan file gives them).
 SHAPE_OPTIONS = ("tp", "dp", "pp", "mbs", "placement", "layers_per_stage", "gbs", "distributed_optimizer", "overlap",
                  "virtual_stages", "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel")
 REQUIRED_WITHOUT_PLAN = ("model_name", "cluster_name", "tp", "dp", "pp", "mbs", "placement", "layers_per_stage")
+DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and it does not fit GPU memory
 
 
 @click.command()
@@ -37,7 +39,8 @@ REQUIRED_WITHOUT_PLAN = ("model_name", "cluster_name", "tp", "dp", "pp", "mbs", 
 @click.option("--dp", type=click.IntRange(min=1), default=None, help="Data-parallel degree.")
 @click.option("--pp", type=click.IntRange(min=1), default=None, help="Pipeline-parallel degree.")
 @click.option("--mbs", type=click.IntRange(min=1), default=None, help="Micro-batch size.")
-@click.option("--placement", default=None, metavar="TYPE,TYPE,...", help="Node types in node-rank order.")
+@click.option("--placement", default=None, metavar="TYPE,TYPE,...",
+              help="Node types in node-rank order; TYPE*N stands for N nodes of a type in a row (A100,A10*3).")
 @click.option("--layers", "layers_per_stage", default=None, metavar="N,N,...",
               help="Transformer layers per stage (embedding on the first stage, head on the last).")
 @common.gbs_option
@@ -59,7 +62,10 @@ REQUIRED_WITHOUT_PLAN = ("model_name", "cluster_name", "tp", "dp", "pp", "mbs", 
 @common.reports_input_errors
 def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_profile_mismatch, as_json, **shape):
     """Break down the step time, memory and price of one plan: given by --tp, --dp, --pp, --mbs, --placement and
-    --layers, or read from a plan file with --plan."""
+    --layers, or read from a plan file with --plan.
+
+    Exit status: 0 when the plan fits GPU memory; 3 when it does not (the breakdown is printed all the same, and
+    one line on stderr names the stage over its usable memory); 2 on bad input."""
     from fasop.search import estimate as run_estimate
     from fasop.search.spec import spec_of
 
@@ -72,7 +78,7 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
         if missing:
             raise InputError(_option(ctx, missing[0]), "missing: give the plan's options, or a plan file with --plan")
         model, cluster = load_model(model_name), load_cluster(cluster_name)
-        shape["placement"] = [name.strip() for name in shape["placement"].split(",")]
+        shape["placement"] = expand_placement(shape["placement"], "--placement")
         shape["layers_per_stage"] = common.int_list("--layers", shape["layers_per_stage"])
         shape["overlap_grad_reduce"] = shape.pop("overlap")
         spec = None
@@ -92,8 +98,20 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
         record = plan.record()
         check_finite(record, "estimate")
         click.echo(json.dumps(record, indent=1, allow_nan=False))
-        return
-    click.echo(format_estimate(plan, model.name, cluster.name, cluster.memory_margin))
+    else:
+        click.echo(format_estimate(plan, model.name, cluster.name, cluster.memory_margin))
+    if not plan.fits_memory:
+        click.echo(f"Error: {_over_memory(plan, cluster)}", err=True)
+        raise click.exceptions.Exit(DOES_NOT_FIT_STATUS)
+
+
+def _over_memory(plan: Plan, cluster: Cluster) -> str:
+    """Why the plan does not fit: the stage furthest over the memory usable on its GPUs (their memory less the
+    cluster's overhead, over its memory margin; the test of fasop.search.estimate)."""
+    stage = max(plan.stages or [], key=lambda s: s.memory_gib - usable_gib(cluster, s.memory_capacity_gib))
+    return (f"the plan does not fit GPU memory: stage {stage.stage} ({stage.gpu}) peaks at {stage.memory_gib:.2f} "
+            f"GiB, {usable_gib(cluster, stage.memory_capacity_gib):.2f} GiB usable of {stage.memory_capacity_gib:.2f} "
+            f"GiB (less {cluster.gpu_memory_overhead_gib:g} GiB overhead, over memory margin {cluster.memory_margin:g})")
 
 
 def _option(ctx: click.Context, name: str) -> str:

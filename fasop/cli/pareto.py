@@ -61,7 +61,7 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd,
            x_axis, force, profiles_dir, allow_profile_mismatch, distributed_optimizer):
     """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
     the Pareto front; with --budget or --deadline, which mix to rent."""
-    from fasop.market.pareto import check_limits, compositions
+    from fasop.market.pareto import check_limits, compositions, sweep_and_choose
 
     check_limits(budget_usd, deadline_hours)
     common.check_run_length(train_steps, train_tokens)
@@ -83,22 +83,21 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd,
     caps = ", ".join(f"0-{max(c[n] for c in todo)} {n}" for n in cluster.node_types)
     click.echo(f"{model.name} on {cluster.name}: {len(todo)} compositions of {caps} nodes ({cluster.gpus_per_node} GPUs each), "
                f"global batch {batch}, a run of {_run_length(batch, model, train_steps, train_tokens)}")
-    from fasop.market.pareto import choose, sweep
-
     started = time.perf_counter()
     with common.progress_bar("sweeping") as progress:
-        records = sweep(model, cluster, todo, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
-                        distributed_optimizer=distributed_optimizer, progress=progress, profiles=profiles)
+        result = sweep_and_choose(model, cluster, todo, budget_usd=budget_usd, deadline_hours=deadline_hours, gbs=gbs,
+                                  train_steps=train_steps, train_tokens=train_tokens,
+                                  distributed_optimizer=distributed_optimizer, progress=progress, profiles=profiles)
     elapsed = time.perf_counter() - started
+    records = result.records
     click.echo(front_table(records))
     on_front = sum(r["on_front"] for r in records)
     feasible = sum(r["feasible"] for r in records)
     click.echo(f"{len(records)} compositions swept in {elapsed:.2f} s, {sum(r['plans_evaluated'] for r in records):,} plans "
                f"evaluated; {on_front} on the Pareto front (*), {len(records) - feasible} without a plan that fits.")
-    chosen, message = choose(records, budget_usd, deadline_hours)
-    if message:
-        click.echo(message)
-    _write_front(records, output, chart, x_axis, budget_usd, deadline_hours, chosen)
+    if result.choice:
+        click.echo(result.choice)
+    _write_front(records, output, chart, x_axis, budget_usd, deadline_hours, result.chosen)
     if output is not None:
         click.echo(f"{len(records)} compositions written to {output}")
     if chart is not None and feasible:
@@ -148,7 +147,7 @@ TIMELINE_MICROBATCHES = 1024  # more bars than a chart can show
 
 def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
     """The exact schedule of `plan`, drawn from the times its plan file holds."""
-    from fasop.timeline import plan_op_times, plot_timeline
+    from fasop.timeline import plan_op_times, plot_timeline, write_trace
 
     where = f"{plan_file}: plan {plan.rank}"
     m, v = plan.num_microbatches, plan.virtual_stages or 1
@@ -157,10 +156,14 @@ def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
         raise InputError(f"{where}: num_microbatches", f"{m} micro-batches: a timeline draws at most "
                                                        f"{TIMELINE_MICROBATCHES}")
     times = plan_op_times(plan, where)
-    drawn = plot_timeline(times, out, inputs=[plan_file], argument="timeline",
-                          title=f"plan {plan.rank}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}"
-                                + (f" vp={v}" if v > 1 else "") + ", "
-                                f"{m} micro-batches, pipeline {float(times.makespan_s[0]):.4g} s")
+    if out.suffix.lower() == ".json":  # a Chrome trace, to open beside a measured one in Perfetto
+        names = [f"stage {s.stage}: {s.gpu}, {s.layers} layers" for s in plan.stages or []]
+        drawn = write_trace(times, out, stage_names=names, inputs=[plan_file], argument="timeline")
+    else:
+        drawn = plot_timeline(times, out, inputs=[plan_file], argument="timeline",
+                              title=f"plan {plan.rank}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}"
+                                    + (f" vp={v}" if v > 1 else "") + ", "
+                                    f"{m} micro-batches, pipeline {float(times.makespan_s[0]):.4g} s")
     idle = drawn["idle"]["seconds"] / (plan.pp * float(times.makespan_s[0]))
     click.echo(f"schedule of plan {plan.rank} ({plan.pp} stages, {m} micro-batches, "
                f"{idle:.0%} idle) written to {out}")
@@ -180,8 +183,9 @@ def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
               help="Instead of a front: chart the stages of one plan of a fasop search --output plans.json file.")
 @click.option("--rank", type=click.IntRange(min=1), default=None, help="Which plan of --plan (default 1, the best).")
 @click.option("--timeline", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="With --plan, instead of --out: the plan's pipeline schedule as a Gantt chart (png or svg); "
-                   f"at most {MAX_OPERATIONS:,} forwards and backwards (2 x stages x model chunks x micro-batches).")
+              help="With --plan, instead of --out: the plan's pipeline schedule as a Gantt chart (png or svg), or as "
+                   "a Chrome trace (json) that Perfetto and chrome://tracing open; at most "
+                   f"{MAX_OPERATIONS:,} forwards and backwards (2 x stages x model chunks x micro-batches).")
 @common.force_option
 @common.reports_input_errors
 def plot(front_file, out_path, x_axis, budget_usd, deadline_hours, plan_file, rank, timeline, force):

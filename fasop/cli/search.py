@@ -43,7 +43,11 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
 @common.model_option
 @common.cluster_option
 @common.gbs_option
-@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Plans to print.")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Rows to print: distinct plans, unless --all-placements.")
+@click.option("--all-placements", is_flag=True,
+              help="Print every plan: by default a plan that differs from a better-ranked one only in placement "
+                   "and layer order, with the same figures, is counted in that one's `plans` column instead.")
 @click.option("--sort", type=click.Choice(["time", "cost"]), default="time", show_default=True,
               help="Rank by step time or by dollars per step.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -72,11 +76,13 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
 @click.option("--no-sequence-parallel", "no_sequence_parallel", is_flag=True,
               help="Leave Megatron's --sequence-parallel off (by default on whenever tp > 1: the same traffic, "
                    "less activation memory).")
+@click.option("--use-all", is_flag=True,
+              help="Only plans on every node (by default plans that leave whole node types idle compete too).")
 @noise_options
 @common.reports_input_errors
-def search(model_name, cluster_name, gbs, top, sort, output, force, train_steps, train_tokens, prune, workers,
-           emit_dir, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, recompute_modes,
-           no_sequence_parallel, noise, trials, seed):
+def search(model_name, cluster_name, gbs, top, all_placements, sort, output, force, train_steps, train_tokens, prune,
+           workers, emit_dir, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, recompute_modes,
+           no_sequence_parallel, use_all, noise, trials, seed):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
     from fasop.search import search_plans
     from fasop.search.space import prepare
@@ -102,7 +108,7 @@ def search(model_name, cluster_name, gbs, top, sort, output, force, train_steps,
         result = search_plans(model, cluster, gbs, profiles_dir, distributed_optimizer=distributed_optimizer,
                               train_steps=train_steps, train_tokens=train_tokens, sort=sort, progress=progress,
                               keep=top if prune else None, workers=workers, profiles=profiles, overlap=overlap,
-                              recompute=recompute, sequence_parallel=not no_sequence_parallel)
+                              recompute=recompute, sequence_parallel=not no_sequence_parallel, use_all=use_all)
     elapsed = time.perf_counter() - started
     plans = result.plans
     if not plans:
@@ -123,8 +129,8 @@ def search(model_name, cluster_name, gbs, top, sort, output, force, train_steps,
                f"solved), {len(plans)} {'best kept' if prune else 'fit in memory'}, {result.out_of_memory} removed "
                f"as out of memory.")
     click.echo(TIMING_LEGEND)
-    click.echo(format_table(plans, top))
-    _echo_notes(result, top)
+    click.echo(format_table(plans, top, all_placements))
+    _echo_notes(result, top, cluster)
     if report is not None:
         click.echo(report)
     if output is not None:
@@ -133,8 +139,9 @@ def search(model_name, cluster_name, gbs, top, sort, output, force, train_steps,
         click.echo(f"launch scripts of plan 1 written to {emit_dir}; submit with: cd {emit_dir} && sbatch sbatch.sh")
 
 
-def _echo_notes(result, top) -> None:
-    """What the table does not show: the partitions skipped, and placements searched by a heuristic."""
+def _echo_notes(result, top, cluster) -> None:
+    """What the table does not show: the partitions skipped, placements searched by a heuristic, and node types
+    better left idle."""
     if result.pruned:
         click.echo(f"{result.pruned} layer partitions skipped: their lower bound cannot reach the best {top}.")
     if result.dominated:
@@ -143,6 +150,17 @@ def _echo_notes(result, top) -> None:
     if any(plan.placement_search != "exhaustive" for plan in result.plans[:top]):
         click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
                    "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
+    for choice in result.idle:
+        counts = {name: cluster.node_types[name].count for name in choice.idle}
+        idle = ", ".join(f"{name} ({n} node{'s' if n > 1 else ''})" for name, n in counts.items())
+        if choice.every_node is None:
+            click.echo(f"note: no plan uses every node; the best leaves {idle} idle.")
+            break
+        if choice.metric == "step_time_s":
+            gain = f"faster: {choice.value:.4f} s per step against {choice.every_node:.4f} s"
+        else:
+            gain = f"cheaper per sample: ${choice.value:.5f} per step against ${choice.every_node:.5f}"
+        click.echo(f"note: leaving {idle} idle is {gain} on every node (--use-all keeps every node).")
 
 
 def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from fasop.plans import Plan, compress_placement
 
 
@@ -11,36 +13,70 @@ def aligned(cells: list[list[str]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
-def format_table(plans: list[Plan], top: int) -> str:
-    """The ranked plans as a fixed-width table (vp: model chunks per pipeline rank, interleaved when > 1)."""
+def format_table(plans: list[Plan], top: int, all_placements: bool = False) -> str:
+    """The ranked plans as a fixed-width table (vp: model chunks per pipeline rank, interleaved when > 1).
+
+    Unless `all_placements`, a plan is left out when a better-ranked one differs from it only in placement and in
+    the order of its layers per stage, with the same figures as printed: the rotations of one plan over the nodes
+    would fill the table. The `plans` column counts the plans of `plans` each row stands for. Ranks are the plans'
+    own, as the plan file numbers them, so `fasop emit --rank K` names the row shown."""
     columns = [
         ("rank", "rank", "{}"), ("mbs", "mbs", "{}"), ("tp", "tp", "{}"), ("dp", "dp", "{}"), ("pp", "pp", "{}"),
         ("virtual_stages", "vp", "{}"), ("recompute", "recompute", ""), ("sequence_parallel", "sp", ""),
         ("placement", "placement", ""), ("layers_per_stage", "layers/stage", ""),
         ("step_time_s", "step s", "{:.4f}"), ("throughput_samples_per_s", "samples/s", "{:.1f}"),
-        ("peak_memory_gib", "mem GiB", "{:.1f}"), ("cost_per_step_usd", "$/step", "{:.5f}"),
+        ("tokens_per_s", "tokens/s", "{:,.0f}"), ("peak_memory_gib", "used/cap GiB", "{:.1f}"),
+        ("cost_per_step_usd", "$/step", "{:.5f}"),
     ]
     if plans[0].train_cost_usd is not None:
         columns += [("train_hours", "run h", "{:.1f}"), ("train_cost_usd", "run $", "{:,.0f}")]
     cells = [[title for _, title, _ in columns]]
-    for row in plans[:top]:
-        line = []
-        for key, _, fmt in columns:
-            value = getattr(row, key)
-            if key == "placement":
-                line.append(compress_placement(value))
-            elif key == "layers_per_stage":
-                line.append(",".join(map(str, value)))
-            elif key == "virtual_stages":
-                line.append(str(value or 1))
-            elif key == "recompute":
-                line.append(recompute_label(row))
-            elif key == "sequence_parallel":
-                line.append("on" if value else "-")
-            else:
-                line.append(fmt.format(value))
-        cells.append(line)
+    if all_placements:
+        cells += [[_cell(row, key, fmt) for key, _, fmt in columns] for row in plans[:top]]
+        return aligned(cells)
+    at = [key for key, _, _ in columns].index("layers_per_stage") + 1  # the count beside the placement it stands for
+    cells[0].insert(at, "plans")
+    for row, count in _distinct(plans, columns, top):
+        cells.append([_cell(row, key, fmt) for key, _, fmt in columns])
+        cells[-1].insert(at, str(count))
     return aligned(cells)
+
+
+def _cell(row: Plan, key: str, fmt: str) -> str:
+    """One column of one row of the ranked table."""
+    value = getattr(row, key)
+    if key == "placement":
+        return compress_placement(value)
+    if key == "layers_per_stage":
+        return ",".join(map(str, value))
+    if key == "virtual_stages":
+        return str(value or 1)
+    if key == "recompute":
+        return recompute_label(row)
+    if key == "sequence_parallel":
+        return "on" if value else "-"
+    if key == "peak_memory_gib":
+        return f"{fmt.format(value)}/{fmt.format(row.memory_capacity_gib)}"
+    return fmt.format(value)
+
+
+def _distinct(plans: list[Plan], columns: list[tuple[str, str, str]], top: int) -> list[tuple[Plan, int]]:
+    """The first `top` plans that no better-ranked plan equals up to placement, each with the number of plans
+    it stands for: those with the same cells but rank, placement and layers/stage, and the same layers per stage
+    once sorted (and encoder stages), which is the same plan on other nodes."""
+    shown = [(key, fmt) for key, _, fmt in columns if key not in ("rank", "placement", "layers_per_stage")]
+    # keys as strings, which the cyclic collector does not track: tuples kept for every plan of a large search
+    # would make it scan the plans' whole heap again and again
+    keys = [" ".join([*(_cell(row, key, fmt) for key, fmt in shown), *map(str, sorted(row.layers_per_stage)),
+                      f"encoder {row.encoder_stages}"]) for row in plans]
+    counts = Counter(keys)
+    first: dict[str, Plan] = {}
+    for row, key in zip(plans, keys):
+        if key not in first:
+            first[key] = row
+            if len(first) == top:
+                break
+    return [(row, counts[key]) for key, row in first.items()]
 
 
 def recompute_label(row: Plan) -> str:
@@ -97,7 +133,7 @@ def front_table(records: list[dict]) -> str:
     """One line per composition: node counts, best plan, speed, price, the run, and '*' on the front."""
     from fasop.market.pareto import node_counts
 
-    types = list(node_counts(records[0]))
+    types = [f"{name} nodes" for name in node_counts(records[0])]
     titles = [*types, "gpus", "mbs", "tp", "dp", "pp", "placement", "step s", "samples/s", "$/hour", "run h", "run $", "front"]
     cells = [titles]
     for r in records:

@@ -89,7 +89,7 @@ def render_dp_plan(plan: Plan, model: Any, cluster: Any, options: LaunchOptions 
                    where: str | None = None) -> dict[str, str]:
     """sbatch.sh, run_inter.sh and plan.json of a data-parallel plan, without writing anything."""
     opts = options or LaunchOptions()
-    check_options(opts, "--")
+    check_options(opts)
     where = where or f"plan {plan.rank or '?'}"
     gpus_per_node = _checked(plan, cluster, where)
     if opts.gpus_per_node not in (None, gpus_per_node):

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.files import TOML_LIMIT_BYTES, comment_line, printable, read_text
 from fasop.launch.shell import assignment, quote
 from fasop.plans import Plan
@@ -268,7 +268,7 @@ def _start_and_wait_lines() -> list[str]:
 def _commands_txt(plan: Plan, description: str, run_dir: Path, hosts: Sequence[str] | None,
                   master_port: int, rendezvous: str) -> str:
     placement = plan.placement
-    directory = printable(str(run_dir), "--out", "with --launcher manual, the run directory")
+    directory = printable(str(run_dir), "out_dir", "with the manual launcher, the run directory")
     lines = [description,
              comment_line("One command per node, in node-rank order: run each in a shell on a node of its type"
                           + (" (node rank 0 first)." if rendezvous != "tcp" else ".")),
@@ -286,14 +286,15 @@ def _commands_txt(plan: Plan, description: str, run_dir: Path, hosts: Sequence[s
 def _rendezvous(site: Mapping[str, Any]) -> str:
     if site["rendezvous"] == "tcp":
         if site["rendezvous_file"] is not None:
-            raise InputError("--rendezvous-file", "applies to --rendezvous file only")
+            raise ArgumentError("rendezvous_file", "applies to a file rendezvous only", remedy="rendezvous")
         return "tcp"
     path = site["rendezvous_file"]
     if path is None:
-        raise InputError("--rendezvous file", "needs --rendezvous-file PATH on a file system every node sees")
+        raise ArgumentError("rendezvous", "needs the path of a file on a file system every node sees", "file",
+                            remedy="rendezvous_file")
     if not path.startswith("/"):
-        raise InputError("--rendezvous-file", f"expected an absolute path, got {path!r}")
-    return "file://" + printable(path, "--rendezvous-file", "the path")
+        raise ArgumentError("rendezvous_file", f"expected an absolute path, got {path!r}")
+    return "file://" + printable(path, "rendezvous_file", "the path")
 
 
 def launcher_inputs(site: Mapping[str, Any]) -> list[Path]:
@@ -309,10 +310,10 @@ def launcher_files(files: Mapping[str, str], plan: Plan, out_dir: Path, master_p
     if launcher == "slurm":
         for key in ("hosts_file", "rendezvous_file"):
             if site[key] is not None:
-                raise InputError(f"--{key.split('_')[0]}", "applies to --launcher ssh or manual")
+                raise ArgumentError(key, "applies to the ssh and manual launchers", remedy="launcher")
         if site["rendezvous"] != "tcp":
-            raise InputError("--rendezvous file", "applies to --launcher ssh or manual (a Slurm job meets at its "
-                                                  "first node)")
+            raise ArgumentError("rendezvous", "applies to the ssh and manual launchers (a Slurm job meets at its "
+                                              "first node)", "file", remedy="launcher")
         return dict(files)
     rendezvous = _rendezvous(site)
     hosts = read_hosts(site["hosts_file"], plan.placement) if site["hosts_file"] else None
@@ -321,8 +322,8 @@ def launcher_files(files: Mapping[str, str], plan: Plan, out_dir: Path, master_p
     if launcher == "ssh":
         return {**kept, "hosts": hosts_text(plan, hosts), "launch.sh": _launch_sh(plan, description, master_port, rendezvous)}
     if hosts is None and rendezvous == "tcp":
-        raise InputError("--launcher manual", "a TCP rendezvous needs the first node's address: give --hosts FILE, "
-                                              "or use --rendezvous file")
+        raise ArgumentError("launcher", "a TCP rendezvous needs the first node's address: give a hosts file, or "
+                                        "meet through a file", "manual", remedy="hosts_file")
     return {**kept, "commands.txt": _commands_txt(plan, description, out_dir.absolute(), hosts, master_port, rendezvous)}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.launch.options import LaunchOptions
 from fasop.search.spec import PlanSpec
 
@@ -94,8 +94,8 @@ def _interleaved_flags(p: PlanSpec, opts: LaunchOptions) -> list[tuple[str, ...]
     """An interleaved plan's layers: `--num-virtual-stages-per-pipeline-rank` when every virtual stage holds the
     same layers, else the layout with one entry per virtual stage (which implies the virtual size); never both."""
     if opts.megatron_flavor == "fasop-fork":
-        raise InputError("--megatron-flavor fasop-fork", "runs no interleaved pipeline; emit this plan for stock "
-                                                         "Megatron-LM")
+        raise ArgumentError("megatron_flavor", "runs no interleaved pipeline; emit this plan for stock Megatron-LM",
+                            "fasop-fork")
     chunks = list(p.layers_per_virtual_stage)
     if len(set(chunks)) == 1 and opts.pipeline_split != "layout":
         return [("--num-virtual-stages-per-pipeline-rank", str(p.virtual_stages))]
@@ -105,8 +105,8 @@ def _interleaved_flags(p: PlanSpec, opts: LaunchOptions) -> list[tuple[str, ...]
 def _encoder_decoder_flags(p: PlanSpec, opts: LaunchOptions, where: str) -> list[tuple[str, ...]]:
     """Stock Megatron-LM's split of an encoder-decoder model: the encoder stages, each side split evenly."""
     if opts.pipeline_split != "auto":
-        raise InputError("--pipeline-split", f"{opts.pipeline_split} applies to decoder and encoder models only; "
-                         "encoder-decoder plans use --pipeline-model-parallel-split-rank")
+        raise ArgumentError("pipeline_split", "applies to decoder and encoder models only; encoder-decoder plans "
+                            "use Megatron-LM's --pipeline-model-parallel-split-rank", opts.pipeline_split)
     layers = list(p.layers_per_stage)
     encoder, decoder = layers[:p.encoder_stages], layers[p.encoder_stages:]
     if len(set(encoder)) > 1 or len(set(decoder)) > 1:
@@ -145,9 +145,8 @@ def split_layer_flags(p: PlanSpec, model: Any, opts: LaunchOptions, where: str) 
             flags.append(("--decoder-last-pipeline-num-layers", str(first_last[1])))
         return flags
     if opts.pipeline_split == "first-last":
-        raise InputError("--pipeline-split first-last",
-                         f"split {layers} does not have that form (equal middle stages, first/last stages of >= 1 layer); "
-                         "use --pipeline-split layout")
+        raise ArgumentError("pipeline_split", f"split {layers} does not have that form (equal middle stages, "
+                            "first/last stages of >= 1 layer); use the layout split", "first-last")
     return [("--pipeline-model-parallel-layout", pipeline_layout(layers))]
 
 
@@ -210,8 +209,8 @@ def model_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
     newer = _newer_model_flags(model)
     if newer and opts.megatron_flavor == "fasop-fork":
         names = ", ".join(f[0] for f in newer)
-        raise InputError("--megatron-flavor fasop-fork",
-                         f"model {model.name} needs {names}, which the FASOP fork (Megatron-LM of early 2023) lacks; use stock")
+        raise ArgumentError("megatron_flavor", f"model {model.name} needs {names}, which the FASOP fork (Megatron-LM "
+                                               "of early 2023) lacks; use stock", "fasop-fork")
     flags += newer
     if opts.megatron_flavor != "fasop-fork" and not getattr(model, "flash_attention", False):
         flags.append(("--attention-backend", "unfused"))
@@ -242,8 +241,8 @@ def training_flags(opts: LaunchOptions) -> list[tuple[str, ...]]:
 def data_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
     fork = opts.megatron_flavor == "fasop-fork"
     if fork and (opts.data_path is None or (opts.vocab_file is None and opts.tokenizer_model is None)):
-        raise InputError("--megatron-flavor fasop-fork",
-                         "needs --data-path and --vocab-file (that Megatron-LM has no mock data and no null tokenizer)")
+        raise ArgumentError("megatron_flavor", "needs a data path and a vocabulary file (that Megatron-LM has no mock "
+                                               "data and no null tokenizer)", "fasop-fork")
     flags: list[tuple[str, ...]] = []
     flags.append(("--data-path", opts.data_path) if opts.data_path else ("--mock-data",))
     tokenizer = opts.tokenizer_type

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 
 # Characters Slurm reads unquoted in "#SBATCH --key=value" lines; always applied with fullmatch (a pattern
 # ending in "$" would also accept a trailing newline, which ends the directive and starts a shell line).
@@ -75,9 +75,21 @@ def _check_slurm_names(opts: LaunchOptions, bad: Callable[[str, str], InputError
                 raise bad(f"{key[:-1]}.{name}", f"expected a Slurm name (letters, digits, _ . + -), got {value!r}")
 
 
-def check_options(opts: LaunchOptions, where: str) -> None:
+def _refusal(where: str | None) -> Callable[[str, str], InputError]:
+    """The error of a bad option `key`: naming `where` and the key (a cluster file's [launch] table), or without
+    `where` the argument that gave it (a per-node-type entry such as partition.A100 is one of `partitions`)."""
     def bad(key: str, problem: str) -> InputError:
-        return InputError(f"{where}{key.replace('_', '-') if where == '--' else key}", problem)
+        if where is None:
+            argument, _, entry = key.partition(".")
+            return ArgumentError(argument + ("s" if entry else ""), f"{entry}: {problem}" if entry else problem)
+        return InputError(f"{where}{key}", problem)
+
+    return bad
+
+
+def check_options(opts: LaunchOptions, where: str | None = None) -> None:
+    """The options checked; errors name `where` and the key, or the argument that gave it (_refusal)."""
+    bad = _refusal(where)
 
     if opts.megatron_flavor not in FLAVORS:
         raise bad("megatron_flavor", f"expected one of {', '.join(FLAVORS)}, got {opts.megatron_flavor!r}")
@@ -165,5 +177,5 @@ def launch_options(launch: Mapping[str, Any] | None = None, where: str = "[launc
         else:
             merged[key] = value
     opts = replace(opts, **merged)
-    check_options(opts, "--")
+    check_options(opts)
     return opts

@@ -4,6 +4,9 @@
 * `run_inter.sh`: the per-node launcher (fasop.launch.torchrun);
 * `plan.json`: the plan and its estimate, to compare the run with the prediction. `fasop emit` first estimates
   the plan afresh (fasop.launch.restate) and refuses a plan file whose figures disagree.
+
+`emit` is what `fasop emit` does (and fasop.emit in Python): the plan restated, then its files for a launcher
+(fasop.launch.launchers) written; `emit_plan` writes a plan's Slurm files as they stand.
 """
 
 from __future__ import annotations
@@ -12,12 +15,20 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fasop.errors import ArgumentError
-from fasop.launch.options import LaunchOptions, check_options
+from fasop.errors import ArgumentError, InputError
+from fasop.files import check_outputs
+from fasop.inputs import bundled
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.model import Model
+from fasop.launch.dataparallel import render_dp_plan, restate_dp_plan
+from fasop.launch.launchers import LAUNCHERS, RENDEZVOUS, launcher_files, launcher_inputs
+from fasop.launch.options import LaunchOptions, check_options, launch_options, split_flags
+from fasop.launch.restate import restate_plan
 from fasop.launch.slurm import sbatch_script
 from fasop.launch.torchrun import run_inter_script
 from fasop.plans import Plan
@@ -39,7 +50,7 @@ def render_plan(plan: Plan, model: Any, cluster: Any, options: LaunchOptions | N
                 where: str | None = None) -> dict[str, str]:
     """The emitted files, name -> text, without writing anything."""
     opts = options or LaunchOptions()
-    check_options(opts, "--")
+    check_options(opts)
     where = where or f"plan {plan.rank or '?'}"
     p = spec_of(plan, model, cluster, where, opts.gpus_per_node)
     return {
@@ -91,3 +102,70 @@ def emit_plan(plan: Plan, model: Any, cluster: Any, out_dir: Path, options: Laun
     check_out_dir(Path(out_dir), force)
     files = render_plan(plan, model, cluster, options, where)
     return write_files(Path(out_dir), files, force)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)  # at the line that called emit
+
+
+def emit(plan: Plan, model: Model, cluster: Cluster, out_dir: str | os.PathLike, *, force: bool = False,
+         profiles_dir: str | None = None, launcher: str = "slurm", hosts_file: str | None = None,
+         rendezvous: str = "tcp", rendezvous_file: str | None = None, inputs: Iterable[str | os.PathLike] = (),
+         where: str | None = None, warn: Callable[[str], None] = _warn, **site: Any) -> list[Path]:
+    """What `fasop emit` does: `plan` (3D or data-parallel) estimated afresh from `model`, `cluster` and the
+    profiles in `profiles_dir` (default: `plan.profiles`, the folder the plan was made with) and refused when a
+    figure it states disagrees; with `force` it is emitted with the fresh figures and `warn` (default: a
+    UserWarning) says so. Then its files for `launcher` are written into `out_dir`, which must hold no files
+    unless `force`: sbatch.sh, run_inter.sh and plan.json for slurm; run_inter.sh, plan.json, hosts (from
+    `hosts_file`) and launch.sh for ssh; run_inter.sh, plan.json and commands.txt for manual. Returns the paths
+    written.
+
+    `site`: launch options (fasop.launch.options.LaunchOptions: time_limit=..., partitions={"A100": "hgx"}, ...)
+    over the cluster file's [launch] table; a `partition` or `gres_type` names every node type, over the table's
+    per-type names. `extra_flags`: Megatron-LM arguments, or one string split as a shell would. `inputs`: files
+    besides the model, cluster and hosts files that no output may replace (the plan list).
+    """
+    for value, argument, known in ((launcher, "launcher", LAUNCHERS), (rendezvous, "rendezvous", RENDEZVOUS)):
+        if value not in known:
+            raise ArgumentError(argument, f"expected one of {', '.join(known)}", value)
+    out = Path(out_dir)
+    check_out_dir(out, force)
+    where = where or f"plan {plan.rank or '?'}"
+    restate, render = (restate_dp_plan, render_dp_plan) if plan.is_data_parallel else (restate_plan, render_plan)
+    plan, warning = restate(plan, model, cluster, plan.profiles if profiles_dir is None else profiles_dir, force, where)
+    options = launch_options(cluster.launch, f"{cluster.file or cluster.name}: launch", **_site_overrides(cluster, site))
+    launch = {"launcher": launcher, "hosts_file": hosts_file, "rendezvous": rendezvous, "rendezvous_file": rendezvous_file}
+    files = launcher_files(render(plan, model, cluster, options, where), plan, out, options.master_port, launch)
+    model_files = [bundled.resolve(kind, given.file, ".toml") for kind, given in (("models", model), ("clusters", cluster))
+                   if given.file]
+    _check_outputs(out, files, [*map(Path, inputs), *model_files, *launcher_inputs(launch)])
+    written = write_files(out, files, force)
+    if warning:
+        warn(warning)
+    return written
+
+
+def _site_overrides(cluster: Cluster, site: dict[str, Any]) -> dict[str, Any]:
+    """`site` as launch_options takes it: a `partition` or `gres_type` added to the per-type names (`partitions`,
+    `gres_types`) for every node type they do not name, so that it wins over the cluster file's per-type names;
+    `extra_flags` split."""
+    overrides = dict(site)
+    for key in ("partition", "gres_type"):
+        default, per_type = overrides.get(key), dict(overrides.get(f"{key}s") or {})
+        for node_type in cluster.node_types.values():
+            if default is not None and node_type.name not in per_type and node_type.gpu not in per_type:
+                per_type[node_type.name] = default
+        overrides[f"{key}s"] = per_type
+    if overrides.get("extra_flags") is not None:
+        overrides["extra_flags"] = split_flags(overrides["extra_flags"], "extra_flags")
+    return overrides
+
+
+def _check_outputs(out_dir: Path, names: Iterable[str], inputs: list[Path]) -> None:
+    """No file to be written into `out_dir` may replace an input (fasop.files.check_outputs); errors name out_dir
+    and the file."""
+    for name in names:
+        try:
+            check_outputs([(out_dir / name, "out_dir")], inputs)
+        except InputError as err:
+            raise ArgumentError("out_dir", err.problem, out_dir / name) from None

@@ -5,6 +5,9 @@ plan, and mark the Pareto front of time to train against the cost of the run.
     records = sweep(model, cluster, compositions(cluster), train_steps=10_000)
     best, message = choose(records, budget_usd=5_000)
 
+`sweep_and_choose` does both, as `fasop pareto` does; `pareto`, the Python API's `fasop.pareto`, returns its
+records as a pandas DataFrame.
+
 A composition is a number of nodes of each node type (`{"A100": 2, "A10": 4}`); the planner searches every
 plan that uses all of its GPUs and the composition keeps the fastest (within one composition the fastest
 plan is also the cheapest: every plan pays for the same nodes). A composition on which no plan fits in
@@ -26,7 +29,7 @@ from fasop.cost.price import check_run_length
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
-from fasop.market.frontfile import NODES_PREFIX, TAIL_COLUMNS
+from fasop.market.frontfile import INT_COLUMNS, NODES_PREFIX, TAIL_COLUMNS
 
 DEFAULT_TRAIN_STEPS = 10_000  # run length used when neither train_steps nor train_tokens is given
 PARALLEL_COMPOSITIONS = 8  # compositions per process: smaller sweeps stay in one process
@@ -65,9 +68,11 @@ def compositions(cluster: Cluster, max_nodes: dict[str, int] | None = None) -> l
 all_compositions = compositions  # the name `sweep` can reach under its parameter of the same name
 
 
-def composition_label(record: dict) -> str:
-    """'2 A100 + 4 A10' from the nodes_<type> fields of a record (types at 0 left out)."""
-    parts = [f"{n} {name}" for name, n in node_counts(record).items() if n]
+def composition_label(record: dict, unit: bool = False) -> str:
+    """'2 A100 + 4 A10' from the nodes_<type> fields of a record (types at 0 left out); with `unit`,
+    '2 A100 nodes + 4 A10 nodes' (a line of text, where '4 A100' could be read as four GPUs)."""
+    parts = [f"{n} {name}" + (f" node{'s' if n > 1 else ''}" if unit else "")
+             for name, n in node_counts(record).items() if n]
     return " + ".join(parts) if parts else "no nodes"
 
 
@@ -121,7 +126,7 @@ class _Composition:
             # only the fastest plan matters: sound lower bounds skip partitions that cannot beat it
             result = search_plans(model, cluster.with_counts(composition), self.gbs, profiles=self.profiles,
                                   distributed_optimizer=self.distributed_optimizer, train_steps=self.train_steps,
-                                  train_tokens=self.train_tokens, sort="time", keep=1, workers=1)
+                                  train_tokens=self.train_tokens, sort="time", keep=1, workers=1, use_all=True)
         except InputError as err:  # e.g. no data-parallel degree divides the batch size on these GPUs
             record["note"] = err.problem
             return record
@@ -241,8 +246,8 @@ def mark_front(records: list[dict]) -> None:
 # -- budget and deadline ----------------------------------------------------------------------------------
 
 def _describe(record: dict) -> str:
-    return (f"{composition_label(record)} (tp={record['tp']} dp={record['dp']} pp={record['pp']} mbs={record['mbs']}): "
-            f"{record['train_hours']:,.2f} h, ${record['train_cost_usd']:,.2f}")
+    return (f"{composition_label(record, unit=True)} (tp={record['tp']} dp={record['dp']} pp={record['pp']} "
+            f"mbs={record['mbs']}): {record['train_hours']:,.2f} h, ${record['train_cost_usd']:,.2f}")
 
 
 def check_limits(budget_usd: float | None = None, deadline_hours: float | None = None) -> None:
@@ -328,3 +333,59 @@ def _choose_within_both(feasible: list[dict], budget_usd: float, deadline_hours:
         late = hours(near) - deadline_hours
         misses.append(f"{late:,.2f} h ({100 * late / deadline_hours:.1f}%) late")
     return None, f"no composition meets {limits}; the closest, {_describe(near)}, is {' and '.join(misses)}"
+
+
+# -- what `fasop pareto` computes ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sweep:
+    """A sweep's records, `on_front` marked, and the composition that meets the budget or deadline best."""
+
+    records: list[dict]
+    chosen: dict | None  # one of `records`; None without a budget or deadline, or when no composition meets it
+    choice: str  # the line that says which and why ("" without a budget or deadline)
+
+
+def sweep_and_choose(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | None = None, *,
+                     budget_usd: float | None = None, deadline_hours: float | None = None, gbs: int | None = None,
+                     train_steps: int | None = None, train_tokens: float | None = None, profiles_dir: str | None = None,
+                     distributed_optimizer: bool = True, allow_profile_mismatch: bool = False,
+                     progress: Callable[[int, int], None] | None = None, profiles: dict | None = None) -> Sweep:
+    """`sweep` of `compositions`, then `choose` within `budget_usd` and `deadline_hours`. A budget or a deadline
+    needs the length of the run: the default length would decide which composition meets it."""
+    check_limits(budget_usd, deadline_hours)
+    if (budget_usd is not None or deadline_hours is not None) and train_steps is None and train_tokens is None:
+        raise ArgumentError("budget_usd" if budget_usd is not None else "deadline_hours",
+                            "a budget or deadline needs the length of the run: give train_steps or train_tokens")
+    records = sweep(model, cluster, compositions, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
+                    profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer,
+                    allow_profile_mismatch=allow_profile_mismatch, progress=progress, profiles=profiles)
+    chosen, choice = choose(records, budget_usd, deadline_hours)
+    return Sweep(records, chosen, choice)
+
+
+def pareto(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | None = None, gbs: int | None = None,
+           train_steps: int | None = None, train_tokens: float | None = None, budget_usd: float | None = None,
+           deadline_hours: float | None = None, profiles_dir: str | None = None, distributed_optimizer: bool = True,
+           allow_profile_mismatch: bool = False):
+    """`fasop pareto` in Python: every composition of `cluster` (at most `max_nodes` nodes of a type, {"A100": 4})
+    with its fastest plan and the time and cost of the run, as a pandas DataFrame of one row per composition in
+    sweep order, in the columns of a front file (docs/formats.md); `on_front` marks the Pareto front.
+
+    Node counts and the other integer columns are pandas' nullable Int64 (<NA> where a composition has no plan,
+    like the front file's empty cells). `frame.attrs`: `chosen`, the row of the composition that meets
+    `budget_usd` / `deadline_hours` best (None without either, or when none meets them), and `choice`, the line
+    `fasop pareto` prints about it.
+    """
+    import pandas as pd  # only the Python API needs pandas; the command line starts faster without it
+
+    result = sweep_and_choose(model, cluster, compositions(cluster, max_nodes), budget_usd=budget_usd,
+                              deadline_hours=deadline_hours, gbs=gbs, train_steps=train_steps,
+                              train_tokens=train_tokens, profiles_dir=profiles_dir,
+                              distributed_optimizer=distributed_optimizer, allow_profile_mismatch=allow_profile_mismatch)
+    frame = pd.DataFrame(result.records)
+    frame = frame.astype({column: "Int64" for column in frame.columns
+                          if column in INT_COLUMNS or column.startswith(NODES_PREFIX)})
+    frame.attrs.update(chosen=next((row for row, record in enumerate(result.records) if record is result.chosen), None),
+                       choice=result.choice)
+    return frame

@@ -9,9 +9,10 @@ import json
 from dataclasses import dataclass
 
 from fasop.errors import InputError
+from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
-from fasop.inputs.profiles import GpuProfile
+from fasop.inputs.profiles import GpuProfile, load_profiles
 from fasop.plans import Plan, Stage, TypeShare
 from fasop.search.dataparallel import NoPlan, plan_row
 from fasop.search.engine import search_plans
@@ -56,9 +57,17 @@ def memory_by_gpu(plan: Plan) -> dict[str, float]:
     return memory
 
 
-def compare(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], gbs: int | None = None,
-            distributed_optimizer: bool = True, overlap: bool = True) -> list[Family]:
+def compare(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile] | None = None, gbs: int | None = None, *,
+            profiles_dir: str | None = None, allow_profile_mismatch: bool = False, distributed_optimizer: bool = True,
+            overlap: bool = True) -> list[Family]:
+    """The strategies `fasop compare` tables (fasop.compare in Python): one Family per strategy, in the table's
+    order (DATA_PARALLEL, PIPELINE, THREE_D), with its best plan on every GPU of `cluster` or the reason it has
+    none. `profiles`: already loaded (by GPU type) instead of reading profiles_dir (default: the model's bundled
+    ones, GPU types without one synthesised from the roofline)."""
     batch = check_global_batch(model.global_batch_size if gbs is None else gbs)
+    if profiles is None:  # the cluster's own [[gpu]] tables over the catalogue, as the command line reads them
+        profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir,
+                                 allow_profile_mismatch, merged_specs(own=cluster.gpus))
     families = []
     for name, kind, even in DATA_PARALLEL:
         try:
@@ -67,7 +76,7 @@ def compare(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], gbs
             families.append(Family(name, None, str(reason)))
     try:
         plans = search_plans(model, cluster, batch, distributed_optimizer=distributed_optimizer, profiles=profiles,
-                             overlap=overlap).plans
+                             overlap=overlap, use_all=True).plans  # every family on the same GPUs
     except InputError as err:
         plans, why = [], err.problem.split(" (")[0]
     else:

@@ -4,6 +4,8 @@ sound lower bounds prune what cannot reach the best plans, and large clusters ar
 from __future__ import annotations
 
 import gc
+import itertools
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -66,6 +68,7 @@ class SearchResult:
     closest_memory_factor: float | None = None  # when nothing fits: how much more memory the closest plan needs
     closest_plan: Config | None = None
     plans: list[Plan] = field(default_factory=list)
+    idle: list[IdleChoice] = field(default_factory=list)  # plans leaving node types idle that beat all-node plans
 
     def merge(self, other: SearchResult) -> None:
         self.rows += other.rows
@@ -157,7 +160,7 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  placement_limit: int = PLACEMENT_LIMIT, keep: int | None = None,
                  workers: int | None = None, profiles: dict[str, GpuProfile] | None = None,
                  overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES,
-                 sequence_parallel: bool = True) -> SearchResult:
+                 sequence_parallel: bool = True, use_all: bool = False) -> SearchResult:
     """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
@@ -166,6 +169,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     profiles: already loaded profiles (by GPU type) instead of reading profiles_dir.
     overlap: Megatron's --overlap-grad-reduce, and --overlap-param-gather with the distributed optimizer.
     recompute: the recompute modes to consider (each plan takes its best); sequence_parallel: on when tp > 1.
+    use_all: only plans on every node; by default plans that leave whole node types idle compete too
+    (node_type_subsets), and `idle` says how the best of each subset compares.
     """
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
                      sequence_parallel)
@@ -173,27 +178,16 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
         profiled = {g: p.tensor_degrees for g, p in inputs.profiles.items()}
         raise InputError("profiles", f"no tensor degree dividing {cluster.gpus_per_node} GPUs per node, the attention "
                                      f"heads and the query groups is profiled for every GPU type {profiled}")
-    combos = combinations(inputs)
-    if not combos:
+    spaces = [(sub, combinations(sub)) for sub in _subset_inputs(inputs, [cluster] if use_all else
+                                                                 node_type_subsets(cluster))]
+    if not any(combos for _, combos in spaces):
         raise ArgumentError("gbs", f"no plan can use a global batch size of {inputs.gbs} on {cluster.num_gpus} GPUs "
                                    "(data-parallel degree must divide it and pipeline stages must not exceed "
                                    f"{max_stages(model)})")
-    if workers is None:
-        workers = (os.cpu_count() or 1) if cluster.num_nodes >= PARALLEL_NODES else 1
-    workers = max(1, min(workers, len(combos)))
-    if workers == 1:
-        result = evaluate(inputs, combos, placement_limit, keep, progress, sort)
-    else:
-        result = SearchResult([], 0, 0, 0)
-        from concurrent.futures import ProcessPoolExecutor, as_completed  # only here: its import costs a small search
-
-        shares = [combos[i::workers] for i in range(workers)]  # interleaved, so each gets all pipeline depths
-        with ProcessPoolExecutor(workers) as pool:
-            futures = [pool.submit(evaluate, inputs, share, placement_limit, keep, None, sort) for share in shares]
-            for done, future in enumerate(as_completed(futures), start=1):
-                result.merge(future.result())
-                if progress:
-                    progress(done, len(futures))
+    result = SearchResult([], 0, 0, 0)
+    for sub, combos in spaces:  # the bar follows the whole cluster's search, by far the longest
+        if combos:
+            result.merge(_search(sub, combos, placement_limit, keep, progress if sub is inputs else None, sort, workers))
     rows = result.rows
     if result.closest_plan is not None and rows:
         result.closest_memory_factor = result.closest_plan = None
@@ -201,6 +195,7 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
         add_training_run(row, model, train_steps, train_tokens)
     rows.sort(key=lambda r: (r[SORT_KEYS[sort]], r["step_time_s"], r["tp"], r["dp"], r["pp"], r["mbs"],
                              r["encoder_stages"], r["placement"]))
+    result.idle = idle_choices(rows, cluster) if not use_all else []
     if keep:
         rows = rows[:keep]
     result.rows = []
@@ -209,3 +204,68 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     return result
 
 
+def node_type_subsets(cluster: Cluster) -> list[Cluster]:
+    """The cluster, then every cluster of some of its node types (each at its full count), most nodes first:
+    a plan that leaves a slow or costly node type idle can be faster or cheaper per sample than any plan on
+    every node. Counts below the full ones are the market's sweep (fasop.market.pareto)."""
+    names = list(cluster.node_types)
+    subsets = [kept for size in range(len(names) - 1, 0, -1) for kept in itertools.combinations(names, size)]
+    subsets.sort(key=lambda kept: -sum(cluster.node_types[name].count for name in kept))
+    return [cluster, *(cluster.with_counts({name: cluster.node_types[name].count for name in kept})
+                       for kept in subsets)]
+
+
+def _subset_inputs(inputs: Inputs, clusters: list[Cluster]) -> list[Inputs]:
+    """`inputs` on each cluster of `clusters` (the first is inputs.cluster), with the profiles read once."""
+    return [inputs if sub is inputs.cluster else
+            prepare(inputs.model, sub, inputs.gbs, None, inputs.distributed_optimizer, inputs.profiles, inputs.overlap,
+                    inputs.recompute, inputs.sequence_parallel) for sub in clusters]
+
+
+@dataclass(frozen=True)
+class IdleChoice:
+    """The best plan that leaves whole node types idle, when it beats every plan on all nodes by `metric`."""
+
+    idle: tuple[str, ...]  # the node types it leaves idle
+    metric: str  # step_time_s or cost_per_step_usd
+    value: float  # the metric of the best plan leaving them idle
+    every_node: float | None  # the metric of the best plan on every node (None: none fits)
+
+
+def idle_choices(rows: list[dict], cluster: Cluster) -> list[IdleChoice]:
+    """For step time and for price per step: the set of idle node types whose best plan beats the best plan on
+    every node, if any."""
+    choices = []
+    for metric in SORT_KEYS.values():
+        best: dict[tuple[str, ...], float] = {}
+        for row in rows:
+            idle = tuple(name for name in cluster.node_types if name not in row["placement"])
+            best[idle] = min(best.get(idle, math.inf), row[metric])
+        every_node = best.pop((), None)
+        if best:
+            idle, value = min(best.items(), key=lambda item: (item[1], item[0]))
+            if every_node is None or value < every_node:
+                choices.append(IdleChoice(idle, metric, value, every_node))
+    return choices
+
+
+def _search(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int, keep: int | None,
+            progress: Callable[[int, int], None] | None, sort: str, workers: int | None) -> SearchResult:
+    """The plans of `combos` on inputs.cluster, unranked: in this process, or in one process per core for large
+    clusters (each takes every few combinations, so that each gets all pipeline depths)."""
+    if workers is None:
+        workers = (os.cpu_count() or 1) if inputs.cluster.num_nodes >= PARALLEL_NODES else 1
+    workers = max(1, min(workers, len(combos)))
+    if workers == 1:
+        return evaluate(inputs, combos, placement_limit, keep, progress, sort)
+    result = SearchResult([], 0, 0, 0)
+    from concurrent.futures import ProcessPoolExecutor, as_completed  # only here: its import costs a small search
+
+    with ProcessPoolExecutor(workers) as pool:
+        futures = [pool.submit(evaluate, inputs, combos[i::workers], placement_limit, keep, None, sort)
+                   for i in range(workers)]
+        for done, future in enumerate(as_completed(futures), start=1):
+            result.merge(future.result())
+            if progress:
+                progress(done, len(futures))
+    return result
