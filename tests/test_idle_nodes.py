@@ -48,6 +48,17 @@ def test_the_search_is_the_union_of_the_subsets_searches(tiny):
     assert times == sorted(times) and [plan.rank for plan in every.plans] == list(range(1, len(times) + 1))
 
 
+@pytest.mark.parametrize("sort", ["time", "cost"])
+def test_a_pruned_search_keeps_the_best_of_every_subset(tiny, sort):
+    """Each subset's search is pruned on its own; their union cut to `keep` is the full search's best."""
+    setup = tiny()
+    model, cluster = load_model(str(setup.model)), load_cluster(str(setup.cluster))
+    full = search_plans(model, cluster, profiles_dir=str(setup.profiles), sort=sort).plans
+    for keep in (1, 3, 10):
+        pruned = search_plans(model, cluster, profiles_dir=str(setup.profiles), sort=sort, keep=keep).plans
+        assert pruned == full[:keep]
+
+
 def test_use_all_keeps_every_node(tiny):
     setup = tiny()
     model, cluster = load_model(str(setup.model)), load_cluster(str(setup.cluster))

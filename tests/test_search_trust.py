@@ -65,7 +65,8 @@ def instances(draw):
 def test_pruned_search_returns_the_full_searchs_best(instance, sort):
     model, cluster, profiles = instance
     try:
-        full = search_plans(model, cluster, profiles=profiles, sort=sort, workers=1).plans
+        # on every node: the subsets' searches are pruned the same way, each on its own (tests/test_idle_nodes.py)
+        full = search_plans(model, cluster, profiles=profiles, sort=sort, workers=1, use_all=True).plans
     except InputError:  # no plan can use the batch size on these GPUs
         reject()
     for plan in full:
@@ -75,7 +76,8 @@ def test_pruned_search_returns_the_full_searchs_best(instance, sort):
         for chunk in (1, evaluation.PRUNE_CHUNK):
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(evaluation, "PRUNE_CHUNK", chunk)
-                pruned = search_plans(model, cluster, profiles=profiles, sort=sort, keep=keep, workers=1).plans
+                pruned = search_plans(model, cluster, profiles=profiles, sort=sort, keep=keep, workers=1,
+                                      use_all=True).plans
             assert pruned == full[:keep]
 
 
