@@ -25,7 +25,7 @@ from fasop.search import PlanSpec, estimate, plan_spec, search, search_plans
 
 if TYPE_CHECKING:
     from fasop.launch.write import emit
-    from fasop.market.pareto import pareto
+    from fasop.market.choice import pareto
     from fasop.search.compare import compare
 
 __all__ = ["Cluster", "InputError", "Model", "PlanSpec", "compare", "emit", "estimate", "load_cluster", "load_model",
@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 
 # Every command imports this package when it starts: the sweep, the strategy families and the launch scripts
 # (with pandas, for pareto's DataFrame, only when called) load when first named here, not on each start.
-_LAZY = {"pareto": "fasop.market.pareto", "compare": "fasop.search.compare", "emit": "fasop.launch.write"}
+_LAZY = {"pareto": "fasop.market.choice", "compare": "fasop.search.compare", "emit": "fasop.launch.write"}
 
 
 def __getattr__(name: str) -> Any:

@@ -8,66 +8,18 @@ figures are drawn headless (Agg) and written as PNG or SVG, chosen by the file s
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
+import numpy as np
 
+from fasop.chart import check_out, figure, fit_title, save, scale
 from fasop.errors import ArgumentError, InputError
-from fasop.files import write_atomically
 from fasop.plans import Plan, compress_placement
 
-SUFFIXES = (".png", ".svg")
 SINGLE_MARKERS = ("o", "s", "D", "p", "h", "*", "P", "X")  # single-type compositions, cheapest node type first
 MIXED_MARKER = "^"
 MIXED = "mixed"
 SERIES_GID = "series-"  # SVG group id of each scatter series: series-<label with spaces as dashes>
 COLORS = ("#1f77b4", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 MIXED_COLOR = "#2ca02c"
-
-
-def _figure(width_in: float, height_in: float):
-    """A figure not registered with pyplot; the Agg backend is selected unless pyplot is already in use."""
-    import matplotlib
-
-    if "matplotlib.pyplot" not in sys.modules:
-        matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width_in, height_in), layout="constrained")
-
-
-def _check_out(out_path, argument: str) -> Path:
-    path = Path(out_path)
-    if path.suffix.lower() not in SUFFIXES:
-        raise ArgumentError(argument, "expected a file name ending in .png or .svg", out_path)
-    return path
-
-
-@contextmanager
-def _as_argument(argument: str, path) -> Iterator[None]:
-    """The errors of a file check or write in the block, which name the file, as errors of the argument that
-    gave its path (which the command line names by its option)."""
-    try:
-        yield
-    except InputError as err:
-        raise ArgumentError(argument, err.problem, path) from None
-
-
-def _save(fig, path: Path, argument: str) -> None:
-    """Write the chart whole or not at all, without a date (the same inputs give the same file)."""
-    import io
-
-    import matplotlib
-
-    image = io.BytesIO()
-    if path.suffix.lower() == ".svg":
-        with matplotlib.rc_context({"svg.hashsalt": "fasop"}):
-            fig.savefig(image, format="svg", metadata={"Date": None})
-    else:
-        fig.savefig(image, format="png", dpi=100, metadata={"Software": None})
-    with _as_argument(argument, path):
-        write_atomically(path, image.getvalue())
 
 
 def series_label(kind: str | None) -> str:
@@ -83,25 +35,36 @@ def _short(record: dict) -> str:
 def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: float | None = None,
                deadline: float | None = None, chosen: dict | None = None, title: str | None = None,
                argument: str = "out_path") -> dict[str, int]:
+    """Draw front_chart to out_path (.png or .svg); `argument` names the chart file in errors. Returns what
+    front_chart returns."""
+    path = check_out(out_path, argument)
+    fig, counts = front_chart(records, x=x, budget=budget, deadline=deadline, chosen=chosen, title=title)
+    save(fig, path, argument)
+    return counts
+
+
+def front_chart(records: list[dict], *, x: str = "throughput", budget: float | None = None,
+                deadline: float | None = None, chosen: dict | None = None, title: str | None = None):
     """Cost of the run (USD) against throughput (samples/s) or time to train (hours), one point per
-    feasible composition.
+    feasible composition: the figure and what it shows.
 
     Marker shape by composition kind: one shape per single-type composition (circle for the node type
     with the lowest price per node, then square, diamond, ...), a triangle for mixed compositions. The
     Pareto front is a step line (the least cost at which each throughput or each deadline can be had),
-    the budget and the deadline are dashed lines, and `chosen` (one of `records`) is circled and labelled.
-    `argument` names the chart file in errors.
+    the budget and the deadline are dashed lines, and `chosen` (one of `records`) is circled. The front's
+    points and the chosen one are labelled without overlap (fasop/labels.py); a label with no room is a
+    number on the chart, named in the legend beside it. An axis whose values span more than LOG_SPAN is
+    logarithmic.
 
-    Returns the number of points drawn in each series, read back from the figure: one key per
-    scatter series ('A100 only', 'mixed', ...), 'front' (points on the step line), 'chosen' (0 or 1) and
-    'not shown' (compositions without a plan that fits). In an SVG each scatter series is the group
-    with id 'series-<label>' ('series-A100-only', 'series-mixed').
+    Returns the figure and the number of points drawn in each series, read back from the figure: one key per
+    scatter series ('A100 only', 'mixed', ...), 'front' (points on the step line), 'chosen' (0 or 1), 'not
+    shown' (compositions without a plan that fits). In an SVG each scatter series is the group with id
+    'series-<label>' ('series-A100-only', 'series-mixed').
     """
     from fasop.market.pareto import check_limits, mark_front
 
     if x not in ("throughput", "time"):
         raise ArgumentError("x", "expected throughput or time", x)
-    path = _check_out(out_path, argument)
     check_limits(budget, deadline)
     records = [dict(r) for r in records]
     mark_front(records)  # the front of the points drawn (a front file may have been filtered by hand)
@@ -110,7 +73,7 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
         raise InputError("front", "no composition has a plan that fits in memory: nothing to plot")
     xkey = "throughput_samples_per_s" if x == "throughput" else "train_hours"
 
-    fig = _figure(8.0, 5.4)
+    fig = figure(9.0, 5.4)
     ax = fig.add_subplot()
     _draw_series(ax, feasible, xkey)
     front = sorted((r for r in feasible if r.get("on_front")), key=lambda r: (r[xkey], r["train_cost_usd"]))
@@ -122,15 +85,16 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
                           marker="o", markersize=9, markerfacecolor="none", markeredgecolor="black",
                           markeredgewidth=0.8, label=f"Pareto front ({len(front)})")
         line.set_gid("front")
-        for r in front:
-            ax.annotate(_short(r), (r[xkey], r["train_cost_usd"]), xytext=(5, -11), textcoords="offset points",
-                        fontsize=7, color="#333333")
     _draw_limits(ax, feasible, x, xkey, budget, deadline)
-    if chosen is not None and chosen.get("feasible") and chosen.get(xkey) is not None:
-        _draw_chosen(ax, chosen, x, xkey)
+    if chosen is not None and not (chosen.get("feasible") and chosen.get(xkey) is not None):
+        chosen = None  # a composition without a plan is not drawn
+    if chosen is not None:
+        mark = ax.scatter([chosen[xkey]], [chosen["train_cost_usd"]], s=260, facecolors="none",
+                          edgecolors="#ff0000", linewidths=2.2, zorder=4, label="chosen")
+        mark.set_gid("chosen")
     hidden = len(records) - len(feasible)
-    _label_axes(ax, feasible[0], x, title, hidden)
-    _save(fig, path, argument)
+    _label_axes(ax, feasible, x, xkey, hidden)
+    _label_points(fig, ax, feasible, front, chosen, xkey, title or _title(feasible, x))
 
     counts: dict[str, int] = {}
     for collection in ax.collections:
@@ -140,7 +104,41 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
     counts["front"] = len(line.get_xdata()) if front else 0
     counts["chosen"] = sum(len(c.get_offsets()) for c in ax.collections if c.get_gid() == "chosen")
     counts["not shown"] = hidden
-    return counts
+    return fig, counts
+
+
+def _label_points(fig, ax, feasible: list[dict], front: list[dict], chosen: dict | None, xkey: str,
+                  title: str) -> None:
+    """The chosen composition (nodes, hours, dollars) and each front point (node counts) labelled, and the legend
+    drawn beside the axes, the title fitted to what the legend leaves."""
+    from matplotlib.lines import Line2D
+
+    from fasop.chart import Label, place_labels
+    from fasop.market.pareto import composition_label
+
+    unit = "samples/s" if xkey == "throughput_samples_per_s" else "h"
+
+    def value(r: dict) -> str:
+        return f"{r[xkey]:,.4g} {unit}, ${r['train_cost_usd']:,.0f}"
+
+    labels = []
+    if chosen is not None:
+        labels.append(Label(chosen[xkey], chosen["train_cost_usd"], f"{composition_label(chosen)}\n"
+                            f"{chosen['train_hours']:,.1f} h, ${chosen['train_cost_usd']:,.0f}", value(chosen),
+                            radius_pt=13, color="#b00000", fontsize=8.5, weight="bold"))
+    labels += [Label(r[xkey], r["train_cost_usd"], _short(r), value(r), radius_pt=6)
+               for r in front if chosen is None or _short(r) != _short(chosen)]  # the chosen one has its own
+    handles, names = ax.get_legend_handles_labels()
+
+    def legend(entries: list[str]) -> None:
+        for old in fig.legends:
+            old.remove()
+        blank = [Line2D([], [], linestyle="none") for _ in entries]
+        fig.legend([*handles, *blank], [*names, *entries], loc="outside right upper", fontsize=8, frameon=False)
+        fit_title(ax, title, 11)
+
+    points = np.array([(r[xkey], r["train_cost_usd"]) for r in feasible], dtype=float).reshape(-1, 2)
+    place_labels(fig, ax, labels, points, legend)
 
 
 def _draw_series(ax, feasible: list[dict], xkey: str) -> None:
@@ -181,39 +179,27 @@ def _draw_limits(ax, feasible: list[dict], x: str, xkey: str, budget: float | No
         ax.axvline(at, ls="--", lw=1.2, color="#8c564b", label=label, zorder=1)
 
 
-def _draw_chosen(ax, chosen: dict, x: str, xkey: str) -> None:
-    """The chosen composition, circled and labelled."""
-    from fasop.market.pareto import composition_label
-
-    mark = ax.scatter([chosen[xkey]], [chosen["train_cost_usd"]], s=260, facecolors="none", edgecolors="#ff0000",
-                      linewidths=2.2, zorder=4, label="chosen")
-    mark.set_gid("chosen")
-    ax.annotate(f"{composition_label(chosen)}\n{chosen['train_hours']:,.1f} h, ${chosen['train_cost_usd']:,.0f}",
-                (chosen[xkey], chosen["train_cost_usd"]), textcoords="offset points",
-                # towards the empty corner: slow and dear (upper left against throughput, upper right against time)
-                xytext=(-30, 36) if x == "throughput" else (30, 36), ha="right" if x == "throughput" else "left",
-                fontsize=8.5, color="#b00000", fontweight="bold",
-                bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "#ff0000", "alpha": 0.9},
-                arrowprops={"arrowstyle": "-", "color": "#ff0000", "lw": 1}, zorder=5)
-
-
-def _label_axes(ax, first: dict, x: str, title: str | None, hidden: int) -> None:
-    """Title, axis labels, grid, the count of compositions not shown, and the legend."""
+def _title(feasible: list[dict], x: str) -> str:
+    first = feasible[0]
     run = ""
     if first.get("train_steps") and first.get("gbs"):
         run = f", {int(first['train_steps']):,} steps of {int(first['gbs'])} samples"
     what = "cost against throughput" if x == "throughput" else "cost against time to train"
     name = f"{first.get('model', '')} on {first.get('cluster', '')}".strip()
-    ax.set_title(title or f"{name}: {what}{run}", fontsize=11)
+    return f"{name}: {what}{run}"
+
+
+def _label_axes(ax, feasible: list[dict], x: str, xkey: str, hidden: int) -> None:
+    """Axis labels and scales, grid, the count of compositions not shown."""
     ax.set_xlabel("throughput (samples/s)" if x == "throughput" else "time to train (hours)")
     ax.set_ylabel("cost of the run (USD)")
-    ax.yaxis.set_major_formatter("${x:,.0f}")
+    scale(ax, "x", [r[xkey] for r in feasible], money=False)
+    scale(ax, "y", [r["train_cost_usd"] for r in feasible], money=True)
     ax.grid(True, lw=0.4, alpha=0.5)
     ax.margins(x=0.07, y=0.06)  # room for the labels of the outermost points
     if hidden:
         ax.text(0.99, 0.01, f"{hidden} composition{'s' if hidden > 1 else ''} without a plan that fits: not shown",
                 transform=ax.transAxes, ha="right", va="bottom", fontsize=7.5, color="#555555")
-    ax.legend(fontsize=8, loc="best", framealpha=0.9)
 
 
 MAX_SECONDS = 1e9  # a stage time or step time of a plan to chart
@@ -250,18 +236,37 @@ def stage_times(plan: Plan) -> dict[str, list[float]]:
 
 
 def plot_stages(plan: Plan, out_path, *, title: str | None = None) -> dict[str, list[float]]:
+    """Draw stage_chart to out_path (.png or .svg). Returns what stage_chart returns."""
+    path = check_out(out_path, "out_path")
+    fig, drawn = stage_chart(plan, title=title)
+    save(fig, path, "out_path")
+    return drawn
+
+
+def stage_names(plan: Plan) -> list[str]:
+    """'stage 0 · A100 · layers 1-4' for each stage of a 3D plan: the model's layers numbered from 1 in
+    pipeline order (encoder, then decoder); an interleaved stage lists the layers of each of its model chunks."""
+    pp, v = plan.pp, plan.virtual_stages or 1
+    counts = plan.layers_per_virtual_stage if v > 1 and plan.layers_per_virtual_stage else plan.layers_per_stage
+    ends = np.cumsum(counts)
+    names = []
+    for stage in plan.stages or []:
+        spans = [(int(ends[k] - counts[k]) + 1, int(ends[k])) for k in range(stage.stage, len(counts), pp)]
+        layers = ",".join(f"{a}-{b}" if b > a else str(b) for a, b in spans if b >= a) or "none"
+        names.append(f"stage {stage.stage} · {stage.gpu} · layers {layers}")
+    return names
+
+
+def stage_chart(plan: Plan, *, title: str | None = None):
     """A horizontal stacked bar per pipeline stage: compute, p2p communication, data-parallel all-reduce
-    and idle time within one step, in seconds. Returns the seconds drawn per series, one per stage
-    (read back from the bars)."""
+    and idle time within one step, in seconds. Returns the figure and the seconds drawn per series, one per
+    stage (read back from the bars)."""
     times = stage_times(plan)
-    path = _check_out(out_path, "out_path")
     stages = plan.stages or []
-    labels = []
-    for stage in stages:
-        where = f", {node_range(stage.nodes)}" if stage.nodes else ""
-        labels.append(f"stage {stage.stage}: {stage.gpu}, {stage.layers} layers{where}")
+    labels = [name + (f" · {node_range(stage.nodes)}" if stage.nodes else "")
+              for name, stage in zip(stage_names(plan), stages)]
     colors = {"compute": "#1f77b4", "p2p": "#ff7f0e", "dp all-reduce": "#2ca02c", "idle": "#d0d0d0"}
-    fig = _figure(8.0, max(2.6, 1.2 + 0.42 * len(stages)))
+    fig = figure(8.0, max(2.6, 1.4 + 0.42 * len(stages)))
     ax = fig.add_subplot()
     rows = list(range(len(stages)))
     left = [0.0] * len(stages)
@@ -277,13 +282,11 @@ def plot_stages(plan: Plan, out_path, *, title: str | None = None) -> dict[str, 
     ax.set_yticks(rows, labels, fontsize=8)
     ax.invert_yaxis()  # stage 0 on top
     ax.set_xlabel("time per training step (s)")
-    ax.set_title(title or (f"{plan.model or 'plan'}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}, "
-                           f"{plan.num_microbatches} micro-batches, placement {compress_placement(plan.placement)}"),
-                 fontsize=10)
     ax.grid(True, axis="x", lw=0.4, alpha=0.5)
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=5, fontsize=8, frameon=False)
-    _save(fig, path, "out_path")
-    return drawn
+    fit_title(ax, title or (f"{plan.model or 'plan'}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}, "
+                            f"{plan.num_microbatches} micro-batches, placement {compress_placement(plan.placement)}"), 10)
+    return fig, drawn
 
 
 def node_range(nodes: list[int]) -> str:
@@ -299,8 +302,8 @@ def plot_validation(labels: list[str], predicted_s, measured_s, out_path, *, tit
                     argument: str = "out_path") -> None:
     """Estimated against measured step time, one labelled point per run, with the line where they agree;
     `argument` names the chart file in errors."""
-    path = _check_out(out_path, argument)
-    fig = _figure(6.0, 5.4)
+    path = check_out(out_path, argument)
+    fig = figure(6.0, 5.4)
     ax = fig.add_subplot()
     low, high = min(*predicted_s, *measured_s), max(*predicted_s, *measured_s)
     pad = 0.05 * (high - low) if high > low else 0.05 * high
@@ -311,16 +314,16 @@ def plot_validation(labels: list[str], predicted_s, measured_s, out_path, *, tit
         ax.annotate(label, (m, p), xytext=(4, 4), textcoords="offset points", fontsize=7)
     ax.set_xlabel("measured step time (s)")
     ax.set_ylabel("estimated step time (s)")
-    ax.set_title(title or "fasop estimates against measured runs")
+    fit_title(ax, title or "fasop estimates against measured runs", 12)
     ax.legend(loc="upper left", fontsize=8)
-    _save(fig, path, argument)
+    save(fig, path, argument)
 
 
 def plot_comparison(families: list, out_path, title: str, argument: str = "out_path") -> None:
     """Throughput of each strategy as horizontal bars; strategies without a plan show their reason. `argument`
     names the chart file in errors."""
-    path = _check_out(out_path, argument)
-    fig = _figure(8.0, 0.5 * len(families) + 1.2)
+    path = check_out(out_path, argument)
+    fig = figure(8.0, 0.5 * len(families) + 1.2)
     ax = fig.add_subplot()
     names = [f.name for f in families][::-1]
     values = [f.plan.throughput_samples_per_s if f.plan else 0.0 for f in families][::-1]
@@ -331,5 +334,5 @@ def plot_comparison(families: list, out_path, title: str, argument: str = "out_p
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
     ax.set_xlim(0, top * 1.45)
     ax.set_xlabel("throughput (samples/s)")
-    ax.set_title(title)
-    _save(fig, path, argument)
+    fit_title(ax, title, 12)
+    save(fig, path, argument)

@@ -2,7 +2,8 @@
 Perfetto and chrome://tracing open, to lay beside a measured torch.profiler trace (write_trace).
 
 Forwards, backwards, recomputed forwards, blocking sends and idle time each have their own colour (and hatch,
-for readers of a grey print); bars wide enough carry their micro-batch (and model chunk, when interleaved).
+for readers of a grey print); rows name their stage, GPU type and layers; bars wide enough carry their micro-batch
+(and model chunk, when interleaved).
 The times come from fasop.cost.schedule.op_times, fed a plan file's per-stage (interleaved: per-chunk) times;
 matplotlib is imported only when a chart is drawn.
 
@@ -21,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from fasop.chart import as_argument, check_out, figure, fit_title, save
 from fasop.cost.schedule import OpTimes, op_times
 from fasop.errors import ArgumentError, InputError
 from fasop.files import check_outputs, write_atomically
 from fasop.plans import Plan
-from fasop.plot import MAX_SECONDS, _as_argument, _check_out, _figure, _save
+from fasop.plot import MAX_SECONDS
 
 # (label, face colour, hatch) of each kind of segment, in legend order
 STYLE = {
@@ -37,7 +39,9 @@ STYLE = {
 }
 ROW_HEIGHT = 0.8
 MAX_OPERATIONS = 2**15  # forwards and backwards a chart draws (module docstring)
-LABEL_MIN_FRACTION = 0.012  # bars narrower than this share of the step carry no micro-batch number
+LABEL_FONT_SIZE = 6
+LABEL_PAD_PX = 3  # room on either side of a micro-batch number inside its bar
+MIN_EDGED_PX = 4  # bars are drawn without edges when the narrowest is narrower (timeline_chart)
 
 
 def _seconds(value: float | None, where: str, top: float) -> float:
@@ -81,6 +85,13 @@ def plan_op_times(plan: Plan, where: str) -> OpTimes:
                     virtual_stages=v, wrap_send_s=wrap, recompute_s=recompute_s)
 
 
+def timeline_title(plan: Plan, times: OpTimes) -> str:
+    """'plan 1: tp=1 dp=2 pp=4 mbs=1 vp=2, 64 micro-batches, pipeline 1.02 s'."""
+    v = plan.virtual_stages or 1
+    return (f"plan {plan.rank}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}" + (f" vp={v}" if v > 1 else "")
+            + f", {plan.num_microbatches} micro-batches, pipeline {float(times.makespan_s[0]):.4g} s")
+
+
 def _segments(times: OpTimes, plan: int) -> dict[str, list[tuple[int, float, float, int]]]:
     """(stage, start, end, operation) of every non-empty segment of each kind."""
     prog = times.program
@@ -112,46 +123,85 @@ def _drawn(found: dict[str, list[tuple[int, float, float, int]]]) -> dict[str, d
 
 
 def plot_timeline(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0, title: str | None = None,
-                  inputs: Iterable[str | os.PathLike] = (), argument: str = "out_path") -> dict[str, dict]:
-    """Draw the schedule of plan `plan` of `times` to out_path (.png or .svg), refusing to write over any of
-    `inputs`; `argument` names the chart file in errors. Returns, for each kind of segment, how many were drawn
-    and their total seconds."""
-    path = _check_out(out_path, argument)
-    with _as_argument(argument, out_path):
+                  stage_names: Sequence[str] = (), inputs: Iterable[str | os.PathLike] = (),
+                  argument: str = "out_path") -> dict[str, dict]:
+    """Draw timeline_chart to out_path (.png or .svg), refusing to write over any of `inputs`; `argument` names
+    the chart file in errors. Returns, for each kind of segment, how many were drawn and their total seconds."""
+    path = check_out(out_path, argument)
+    with as_argument(argument, out_path):
         check_outputs([(path, argument)], inputs)
+    fig, drawn = timeline_chart(times, plan=plan, title=title, stage_names=stage_names)
+    save(fig, path, argument)
+    return drawn
+
+
+def timeline_chart(times: OpTimes, *, plan: int = 0, title: str | None = None, stage_names: Sequence[str] = ()):
+    """The schedule of plan `plan` of `times`, one row per stage named by `stage_names` ('stage 0 · A100 · layers
+    1-4', fasop.plot.stage_names; 'stage k' without them). Returns the figure and what plot_timeline returns.
+
+    Many micro-batches make thin bars: a bar carries its micro-batch number only where the number fits inside it
+    (measured at the chart's size), and when the narrowest forward or backward is under MIN_EDGED_PX the bars are
+    drawn without edges or hatching, so that a run of forwards or backwards reads as one block of colour rather
+    than as stripes."""
     prog = times.program
     check_drawable(prog.stages, prog.virtual_stages, prog.num_microbatches, "times")
     found = _segments(times, plan)
     makespan = float(times.makespan_s[plan])
+    names = [stage_names[s] if s < len(stage_names) else f"stage {s}" for s in range(prog.stages)]
 
-    fig = _figure(10.0, 1.2 + 0.45 * prog.stages)
+    fig = figure(10.0, 1.4 + 0.45 * prog.stages)
     ax = fig.add_subplot()
-    for kind, (label, color, hatch) in STYLE.items():
-        if found[kind]:  # a key in the legend
-            ax.bar(0, 0, color=color, hatch=hatch, edgecolor="#555555", linewidth=0.4, label=label)
-        rows: dict[int, list[tuple[float, float]]] = {}
-        for stage, a, b, _ in found[kind]:
-            rows.setdefault(stage, []).append((a, b - a))
-        for stage, bars in sorted(rows.items()):
-            ax.broken_barh(bars, (stage - ROW_HEIGHT / 2, ROW_HEIGHT), facecolors=color, hatch=hatch,
-                           edgecolor="white" if hatch is None else "#555555", linewidth=0.4)
-    for kind in ("forward", "backward"):
-        for stage, a, b, i in found[kind]:
-            if b - a >= LABEL_MIN_FRACTION * makespan:
-                text = str(prog.microbatch[i]) + (f".{prog.chunk[i]}" if prog.virtual_stages > 1 else "")
-                ax.text((a + b) / 2, stage, text, ha="center", va="center", fontsize=6, color="white")
     ax.set_xlim(0, makespan)
     ax.set_ylim(prog.stages - 0.5, -0.5)  # stage 0 on top
-    ax.set_yticks(range(prog.stages), [f"stage {s}" for s in range(prog.stages)])
+    ax.set_yticks(range(prog.stages), names, fontsize=8)
     ax.set_xlabel("time in the step (s)")
     interleaved = ""
     if prog.virtual_stages > 1:
         interleaved = f", {prog.virtual_stages} chunks per stage (labels: micro-batch.chunk)"
-    ax.set_title(title or f"1F1B schedule: {prog.num_microbatches} micro-batches{interleaved}, "
-                          f"pipeline time {makespan:.4g} s", fontsize=10)
-    fig.legend(loc="outside lower center", ncols=len(STYLE), fontsize=8, frameon=False)
-    _save(fig, path, argument)
-    return _drawn(found)
+    fig.legend(*_legend_keys(found), loc="outside lower center", ncols=len(STYLE), fontsize=8, frameon=False)
+    fit_title(ax, title or f"1F1B schedule: {prog.num_microbatches} micro-batches{interleaved}, "
+                           f"pipeline time {makespan:.4g} s", 10)
+    fig.draw_without_rendering()  # the layout: how many pixels a second is
+    px_per_s = ax.get_window_extent().width / makespan
+    narrowest = min((b - a for kind in ("forward", "backward") for _, a, b, _ in found[kind]), default=makespan)
+    for kind, (_, color, hatch) in STYLE.items():
+        rows: dict[int, list[tuple[float, float]]] = {}
+        for stage, a, b, _ in found[kind]:
+            rows.setdefault(stage, []).append((a, b - a))
+        narrow = narrowest * px_per_s < MIN_EDGED_PX
+        edge = "none" if narrow else "#555555" if hatch is not None else "white"
+        hatch = None if narrow else hatch
+        for stage, bars in sorted(rows.items()):
+            ax.broken_barh(bars, (stage - ROW_HEIGHT / 2, ROW_HEIGHT), facecolors=color, hatch=hatch,
+                           edgecolor=edge, linewidth=0.4)
+    _number_bars(fig, ax, prog, found, px_per_s)
+    return fig, _drawn(found)
+
+
+def _legend_keys(found: dict[str, list]) -> tuple[list, list[str]]:
+    """A key for each kind of segment drawn, in STYLE's order."""
+    from matplotlib.patches import Patch
+
+    kinds = [kind for kind in STYLE if found[kind]]
+    return ([Patch(facecolor=STYLE[k][1], hatch=STYLE[k][2], edgecolor="#555555", linewidth=0.4) for k in kinds],
+            [STYLE[k][0] for k in kinds])
+
+
+def _number_bars(fig, ax, prog, found: dict[str, list], px_per_s: float) -> None:
+    """Each forward and backward's micro-batch (.chunk, interleaved) inside its bar, where it fits."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.font_manager import FontProperties
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    font = FontProperties(size=LABEL_FONT_SIZE)
+    widths: dict[str, float] = {}
+    for kind in ("forward", "backward"):
+        for stage, a, b, i in found[kind]:
+            text = str(prog.microbatch[i]) + (f".{prog.chunk[i]}" if prog.virtual_stages > 1 else "")
+            if text not in widths:
+                widths[text] = renderer.get_text_width_height_descent(text, font, ismath=False)[0]
+            if (b - a) * px_per_s >= widths[text] + LABEL_PAD_PX:
+                ax.text((a + b) / 2, stage, text, ha="center", va="center", fontsize=LABEL_FONT_SIZE, color="white")
 
 
 def write_trace(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0, stage_names: Sequence[str] = (),
@@ -163,7 +213,7 @@ def write_trace(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0, s
     path = Path(out_path)
     if path.suffix.lower() != ".json":
         raise ArgumentError(argument, "expected a trace file name ending in .json", out_path)
-    with _as_argument(argument, out_path):
+    with as_argument(argument, out_path):
         check_outputs([(path, argument)], inputs)
     prog = times.program
     check_drawable(prog.stages, prog.virtual_stages, prog.num_microbatches, "times")
@@ -178,6 +228,6 @@ def write_trace(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0, s
                            "tid": stage, "ts": a * 1e6, "dur": (b - a) * 1e6})
     events.sort(key=lambda event: (event["ph"] != "M", event.get("ts", 0.0), event["tid"]))
     text = json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=0, allow_nan=False) + "\n"
-    with _as_argument(argument, out_path):
+    with as_argument(argument, out_path):
         write_atomically(path, text, str(path))
     return _drawn(found)

@@ -3,6 +3,7 @@
 
     python scripts/validate_published.py                              # print the tables
     python scripts/validate_published.py --write docs/validation.md   # regenerate the doc's tables
+    python scripts/validate_published.py --band clusters/catalogue/error-band.toml   # and the error band
 
 Each measured run (validation/measurements.csv) gets a synthetic A100-80GB profile from fasop.profile.synth at
 the catalogue's matmul efficiency (nothing is fitted to these rows), the paper's exact plan (tp, pp, dp, micro-
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import datetime
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,6 +254,22 @@ def report(results: list[Result], steps: list[str]) -> str:
     return "\n".join(lines)
 
 
+def band_text(results: list[Result], date: str) -> str:
+    """The error band file (fasop.inputs.errorband): measured / predicted step time of every run, and the lowest
+    and highest of them; the command line widens its answers by this band."""
+    ratios = [(f"{r.run.table_name}: {r.run.row}", round(r.measured_s / r.predicted_s, 4)) for r in results]
+    lines = ["# Measured step time / fasop's estimate of the published Megatron-LM runs of docs/validation.md",
+             "# (validation/measurements.csv). Written by scripts/validate_published.py --band: edit the script or",
+             "# its data, not this file. fasop widens its answers by this band; it never tunes an estimate with it.",
+             f"low = {min(ratio for _, ratio in ratios)!r}",
+             f"high = {max(ratio for _, ratio in ratios)!r}",
+             'source = "docs/validation.md"',
+             f'date = "{date}"']
+    for run, ratio in ratios:
+        lines += ["", "[[runs]]", f"run = {json.dumps(run)}", f"ratio = {ratio!r}"]
+    return "\n".join(lines) + "\n"
+
+
 def write_doc(path: Path, generated: str) -> None:
     """Replace the block between the BEGIN and END markers of `path` with `generated`."""
     text = read_text(path, CSV_LIMIT_BYTES)
@@ -263,12 +282,16 @@ def write_doc(path: Path, generated: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path, metavar="DOC", help="regenerate the tables of this markdown file")
+    parser.add_argument("--band", type=Path, metavar="TOML", help="write the error band file (measured / predicted)")
     args = parser.parse_args(argv)
     try:
         runs, cluster = read_runs(), load_cluster(str(CLUSTER))
-        generated = report(validate(runs, cluster), _steps_table(runs, cluster))
+        results = validate(runs, cluster)
+        generated = report(results, _steps_table(runs, cluster))
         if args.write:
             write_doc(args.write, generated)
+        if args.band:
+            write_atomically(args.band, band_text(results, datetime.date.today().isoformat()))
     except InputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

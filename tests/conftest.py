@@ -29,6 +29,12 @@ TINY_MODEL = {
     "seq_length": 32,
     "vocab_size": 1000,
     "tie_embeddings": True,
+    "position_embedding": "learned",
+    "normalization": "layernorm",
+    "ffn_activation": "gelu",
+    "flash_attention": False,
+    "dropout": True,
+    "linear_bias": True,
     "precision": "fp16",
     "global_batch_size": 8,
 }

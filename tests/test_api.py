@@ -90,10 +90,10 @@ def test_emit_writes_what_the_command_writes(tiny, command, output, rank, option
     files = tiny(cluster_extra=LAUNCH_TABLE)
     plans = files.root / "plans.json"
     run(command, *files.args(output, plans))
-    printed = run("emit", "--plans", plans, "--rank", rank, "--out", files.root / "cli", *options)
+    printed = run("emit", "--smoke-test", "--plans", plans, "--rank", rank, "--out", files.root / "cli", *options)
     model, cluster, _ = inputs(files)
     plan = load_plans(plans)[rank - 1]
-    written = fasop.emit(plan, model, cluster, files.root / "api", **site)  # the profiles the plan names
+    written = fasop.emit(plan, model, cluster, files.root / "api", smoke_test=True, **site)  # the profiles the plan names
     assert printed.splitlines()[:len(written)] == [str(files.root / "cli" / path.name) for path in written]
     for path in written:
         assert path.read_bytes() == (files.root / "cli" / path.name).read_bytes(), path.name
@@ -116,7 +116,7 @@ def test_emit_refuses_a_stale_plan_unless_forced(tiny):
         fasop.emit(stale, model, cluster, files.root / "run")
     assert refused.value.remedy == "force" and not (files.root / "run").exists()
     with pytest.warns(UserWarning, match=r"stale plan.*\(forced\)"):
-        fasop.emit(stale, model, cluster, files.root / "run", force=True)
+        fasop.emit(stale, model, cluster, files.root / "run", force=True, smoke_test=True)
     assert json.loads((files.root / "run" / "plan.json").read_text())["step_time_s"] == pytest.approx(plan.step_time_s,
                                                                                                    rel=1e-9)
 
@@ -152,7 +152,7 @@ def test_emit_never_replaces_an_input(tiny):
     plans = files.root / "plan.json"  # the name of emit's copy of the plan
     plans.write_text("[]")
     with pytest.raises(ArgumentError, match="is an input of this run") as caught:
-        fasop.emit(plan, model, cluster, files.root, force=True, inputs=[plans])
+        fasop.emit(plan, model, cluster, files.root, force=True, inputs=[plans], smoke_test=True)
     assert caught.value.argument == "out_dir" and caught.value.value == plans and plans.read_text() == "[]"
 
 
@@ -164,7 +164,7 @@ def test_importing_fasop_loads_none_of_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     from fasop.launch.write import emit
-    from fasop.market.pareto import pareto
+    from fasop.market.choice import pareto
     from fasop.search.compare import compare
 
     assert (fasop.emit, fasop.pareto, fasop.compare) == (emit, pareto, compare)

@@ -19,7 +19,7 @@ LAYERS = {
     "fasop.cost": 4, "fasop.plans": 4,
     "fasop.search": 5, "fasop.profile": 5, "fasop.runtime": 5,
     "fasop.market": 6, "fasop.launch": 6, "fasop.calibration": 6,
-    "fasop.plot": 7, "fasop.timeline": 8,
+    "fasop.chart": 6.5, "fasop.plot": 7, "fasop.timeline": 8, "fasop.report": 8.5,
     "fasop.cli": 9, "fasop": 10, "fasop.__main__": 10,
 }
 

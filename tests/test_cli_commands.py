@@ -119,7 +119,7 @@ def estimate_breaks_down_one_plan(runner, tiny):
 def emit_writes_the_launch_files_of_the_best_plan(runner, tiny):
     plans, out = tiny.root / "plans.json", tiny.root / "run"
     run(runner, "search", *tiny.args("--output", plans))
-    stdout = run(runner, "emit", "--plans", plans, "--out", out, "--profiles", tiny.profiles)
+    stdout = run(runner, "emit", "--smoke-test", "--plans", plans, "--out", out, "--profiles", tiny.profiles)
     assert sorted(p.name for p in out.iterdir()) == ["plan.json", "run_inter.sh", "sbatch.sh"]
     assert stdout.split() == [str(out / name) for name in ("sbatch.sh", "run_inter.sh", "plan.json")]
     assert "#SBATCH" in (out / "sbatch.sh").read_text()
@@ -172,6 +172,14 @@ def plot_draws_a_front(runner, tiny):
     run(runner, "pareto", *tiny.args("--output", front))
     stdout = run(runner, "plot", front, "--out", chart)
     assert "3 compositions" in stdout and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@minimal_run("report")
+def report_writes_one_page(runner, tiny):
+    plans, page = tiny.root / "plans.json", tiny.root / "report.html"
+    run(runner, "search", *tiny.args("--output", plans))
+    stdout = run(runner, "report", plans, "-o", page)
+    assert "plans of plans.json written to" in stdout and page.read_text().startswith("<!DOCTYPE html>")
 
 
 def runs_csv(tiny: Tiny, factor: float):

@@ -74,6 +74,9 @@ global_batch_size = 32
 """
 
 
+SMOKE = LaunchOptions(smoke_test=True)  # a short run on mock data: the plan's split, shape and site options alone
+
+
 def write_cluster(directory: Path, launch: str = "") -> Path:
     path = directory / "mixed.toml"
     path.write_text(CLUSTER_TOML + (f"\n[launch]\n{launch}" if launch else ""))
@@ -189,7 +192,7 @@ def test_first_last_form(layers, expected):
 
 
 def split_flags_of(plan, model, cluster, **options) -> dict[str, list[str]]:
-    files = render_plan(Plan.model_validate(plan), model, cluster, LaunchOptions(**options))
+    files = render_plan(Plan.model_validate(plan), model, cluster, LaunchOptions(smoke_test=True, **options))
     flags = flag_values(megatron_args(files["run_inter.sh"]))
     keys = ("--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
             "--decoder-last-pipeline-num-layers", "--balance", "--pipeline-model-parallel-split-rank")
@@ -221,7 +224,7 @@ def test_layout_can_be_forced(gpt2, cluster):
 
 def test_first_last_forced_on_a_split_without_that_form_is_refused(gpt2, cluster):
     with pytest.raises(InputError, match="does not have that form"):
-        render_plan(launchable(), gpt2, cluster, LaunchOptions(pipeline_split="first-last"))
+        render_plan(launchable(), gpt2, cluster, LaunchOptions(smoke_test=True, pipeline_split="first-last"))
 
 
 def test_fasop_units_to_layers():
@@ -242,7 +245,7 @@ def test_fork_flavor_writes_balance(gpt2, cluster):
     options = dict(megatron_flavor="fasop-fork", data_path="/data/gpt2_text_document",
                    vocab_file="/data/gpt2-vocab.json", merge_file="/data/gpt2-merges.txt")
     assert split_flags_of(plan, gpt2, cluster, **options) == {"--balance": ["10-13-15-10"]}
-    args = flag_values(megatron_args(render_plan(plan, gpt2, cluster, LaunchOptions(**options))["run_inter.sh"]))
+    args = flag_values(megatron_args(render_plan(plan, gpt2, cluster, LaunchOptions(smoke_test=True, **options))["run_inter.sh"]))
     assert "--mock-data" not in args and args["--tokenizer-type"] == ["GPT2BPETokenizer"]
 
 
@@ -256,18 +259,19 @@ def test_fork_flavor_for_t5_keeps_the_split_rank(cluster):
 
 def test_fork_flavor_refuses_what_the_fork_cannot_run(gpt2, cluster, tmp_path):
     with pytest.raises(InputError, match="^megatron_flavor=fasop-fork: needs a data path"):
-        render_plan(launchable(), gpt2, cluster, LaunchOptions(megatron_flavor="fasop-fork"))
+        render_plan(launchable(), gpt2, cluster, LaunchOptions(smoke_test=True, megatron_flavor="fasop-fork"))
     (tmp_path / "llama.toml").write_text(LLAMA_TOML)
     llama = load_model(str(tmp_path / "llama.toml"))
     plan = launchable(model="tiny-llama", gbs=32, layers_per_stage=[2, 2, 2, 2])
     with pytest.raises(InputError, match="--swiglu"):
-        render_plan(plan, llama, cluster, LaunchOptions(megatron_flavor="fasop-fork", data_path="d", vocab_file="v"))
+        render_plan(plan, llama, cluster, LaunchOptions(smoke_test=True, megatron_flavor="fasop-fork", data_path="d",
+                                                        vocab_file="v"))
 
 
 def test_encoder_decoder_even_split_uses_the_split_rank(cluster):
     t5 = load_model("t5")
     plan = make_plan(model="t5", model_file="t5", gbs=128, layers_per_stage=[12, 12, 12, 12], encoder_stages=2)
-    files = render_plan(Plan.model_validate(plan), t5, cluster)
+    files = render_plan(Plan.model_validate(plan), t5, cluster, SMOKE)
     args = flag_values(megatron_args(files["run_inter.sh"]))
     assert args["--pipeline-model-parallel-split-rank"] == ["2"]
     assert args["--encoder-num-layers"] == ["24"] and args["--decoder-num-layers"] == ["24"]
@@ -280,7 +284,7 @@ def test_encoder_decoder_uneven_split_is_refused_with_the_reason(cluster):
     t5 = load_model("t5")
     plan = make_plan(model="t5", model_file="t5", gbs=128, layers_per_stage=[10, 14, 12, 12], encoder_stages=2)
     with pytest.raises(InputError) as err:
-        render_plan(Plan.model_validate(plan), t5, cluster)
+        render_plan(Plan.model_validate(plan), t5, cluster, SMOKE)
     message = str(err.value)
     assert "\n" not in message and "split-rank" in message and "evenly" in message
 
@@ -289,7 +293,7 @@ def test_encoder_decoder_uneven_split_is_refused_with_the_reason(cluster):
 
 
 def test_stock_flags_for_gpt2(gpt2, cluster):
-    files = render_plan(launchable(tp=2, dp=1, gbs=64, distributed_optimizer=True), gpt2, cluster)
+    files = render_plan(launchable(tp=2, dp=1, gbs=64, distributed_optimizer=True), gpt2, cluster, SMOKE)
     args = flag_values(megatron_args(files["run_inter.sh"]))
     assert args["--tensor-model-parallel-size"] == ["2"]
     assert args["--pipeline-model-parallel-size"] == ["4"]
@@ -308,7 +312,7 @@ def test_stock_flags_for_gpt2(gpt2, cluster):
 
 
 def test_no_sequence_parallel_or_distributed_optimizer_unless_the_plan_says(gpt2, cluster):
-    args = flag_values(megatron_args(render_plan(launchable(), gpt2, cluster)["run_inter.sh"]))
+    args = flag_values(megatron_args(render_plan(launchable(), gpt2, cluster, SMOKE)["run_inter.sh"]))
     assert "--sequence-parallel" not in args and "--use-distributed-optimizer" not in args
 
 
@@ -316,7 +320,7 @@ def test_model_shape_flags_follow_the_model(cluster, tmp_path):
     (tmp_path / "llama.toml").write_text(LLAMA_TOML)
     llama = load_model(str(tmp_path / "llama.toml"))
     plan = make_plan(model="tiny-llama", gbs=32, layers_per_stage=[2, 2, 2, 2])
-    args = flag_values(megatron_args(render_plan(Plan.model_validate(plan), llama, cluster)["run_inter.sh"]))
+    args = flag_values(megatron_args(render_plan(Plan.model_validate(plan), llama, cluster, SMOKE)["run_inter.sh"]))
     assert args["--group-query-attention"] == [] and args["--num-query-groups"] == ["2"]
     assert args["--swiglu"] == [] and args["--normalization"] == ["RMSNorm"]
     assert args["--position-embedding-type"] == ["rope"]
@@ -328,7 +332,7 @@ def test_model_shape_flags_follow_the_model(cluster, tmp_path):
 def test_bert_uses_its_entry_script_and_wordpiece(cluster):
     bert = load_model("bert")
     plan = launchable(model="bert", model_file="bert", gbs=256, layers_per_stage=[6, 6, 6, 6])
-    files = render_plan(plan, bert, cluster, LaunchOptions(vocab_file="/data/bert-vocab.txt", data_path="/d/b"))
+    files = render_plan(plan, bert, cluster, LaunchOptions(smoke_test=True, vocab_file="/data/bert-vocab.txt", data_path="/d/b"))
     args = flag_values(megatron_args(files["run_inter.sh"]))
     assert "pretrain_bert.py" in files["run_inter.sh"]
     assert args["--tokenizer-type"] == ["BertWordPieceLowerCase"] and args["--data-path"] == ["/d/b"]
@@ -336,7 +340,8 @@ def test_bert_uses_its_entry_script_and_wordpiece(cluster):
 
 
 def test_extra_flags_come_last(gpt2, cluster):
-    options = launch_options({"extra_flags": ["--log-interval", "1"]}, extra_flags=("--save", "/ckpt dir"))
+    options = launch_options({"extra_flags": ["--log-interval", "1"]}, extra_flags=("--save", "/ckpt dir"),
+                             smoke_test=True)
     args = megatron_args(render_plan(launchable(), gpt2, cluster, options)["run_inter.sh"])
     assert args[-4:] == ["--log-interval", "1", "--save", "/ckpt dir"]
 
@@ -345,7 +350,7 @@ def test_extra_flags_come_last(gpt2, cluster):
 
 
 def test_hetjob_components_follow_the_placement(gpt2, cluster):
-    sbatch = render_plan(launchable(), gpt2, cluster)["sbatch.sh"]
+    sbatch = render_plan(launchable(), gpt2, cluster, SMOKE)["sbatch.sh"]
     components = sbatch_components(sbatch)
     assert len(components) == 3
     for lines, (gres, nodes) in zip(components, [("small", 1), ("big", 2), ("small", 1)]):
@@ -365,7 +370,7 @@ def test_hetjob_components_follow_the_placement(gpt2, cluster):
 
 def test_single_type_placement_is_one_plain_job(gpt2, cluster):
     plan = make_plan(placement=["big", "big"], tp=2, dp=1, pp=2, layers_per_stage=[23, 25])
-    sbatch = render_plan(Plan.model_validate(plan), gpt2, cluster)["sbatch.sh"]
+    sbatch = render_plan(Plan.model_validate(plan), gpt2, cluster, SMOKE)["sbatch.sh"]
     components = sbatch_components(sbatch)
     assert len(components) == 1
     assert "--nodes=2" in components[0] and "--gres=gpu:big:2" in components[0]
@@ -376,7 +381,7 @@ def test_single_type_placement_is_one_plain_job(gpt2, cluster):
 def test_partitions_and_gres_from_options_and_cluster(gpt2, tmp_path):
     cluster = load_cluster(str(write_cluster(tmp_path, 'partition = { big = "hgx" }\ngres_type = { A10G = "a10g" }\n'
                                                        'account = "proj"\ntime_limit = "2-00:00:00"\n')))
-    options = launch_options(cluster.launch, "mixed.toml: launch", cpus_per_task=8)
+    options = launch_options(cluster.launch, "mixed.toml: launch", cpus_per_task=8, smoke_test=True)
     components = sbatch_components(render_plan(launchable(), gpt2, cluster, options)["sbatch.sh"])
     assert "--partition=hgx" in components[1] and not any(line.startswith("--partition") for line in components[0])
     assert "--gres=gpu:a10g:2" in components[0] and "--gres=gpu:big:2" in components[1]
@@ -384,30 +389,30 @@ def test_partitions_and_gres_from_options_and_cluster(gpt2, tmp_path):
 
 
 def test_untyped_gres_on_request(gpt2, cluster):
-    options = launch_options({"gres_type": ""}, "c.toml: launch", gres_types={"small": "a10g"})
+    options = launch_options({"gres_type": ""}, "c.toml: launch", gres_types={"small": "a10g"}, smoke_test=True)
     components = sbatch_components(render_plan(launchable(), gpt2, cluster, options)["sbatch.sh"])
     assert "--gres=gpu:a10g:2" in components[0] and "--gres=gpu:big:2" in components[1]  # the cluster says big
-    options = launch_options({}, gres_types={"big": "", "small": ""})
+    options = launch_options({}, gres_types={"big": "", "small": ""}, smoke_test=True)
     components = sbatch_components(render_plan(launchable(), gpt2, cluster, options)["sbatch.sh"])
     assert all("--gres=gpu:2" in c for c in components)
 
 
 def test_gpus_per_node_override_must_match_the_plan(gpt2, cluster):
     with pytest.raises(InputError, match="the placement.s 4 nodes of 4 GPUs hold 16"):
-        render_plan(launchable(), gpt2, cluster, LaunchOptions(gpus_per_node=4))
+        render_plan(launchable(), gpt2, cluster, LaunchOptions(smoke_test=True, gpus_per_node=4))
 
 
 def test_plan_and_model_must_agree(gpt2, cluster):
     with pytest.raises(InputError, match="summing to 48 layers, got 10,13,13,11"):
-        render_plan(launchable(layers_per_stage=[10, 13, 13, 11]), gpt2, cluster)
+        render_plan(launchable(layers_per_stage=[10, 13, 13, 11]), gpt2, cluster, SMOKE)
     with pytest.raises(InputError, match="not in cluster"):
-        render_plan(launchable(placement=["small", "huge", "big", "small"]), gpt2, cluster)
+        render_plan(launchable(placement=["small", "huge", "big", "small"]), gpt2, cluster, SMOKE)
     with pytest.raises(InputError, match="uses 3 nodes of type big"):
-        render_plan(launchable(placement=["big", "big", "big", "small"]), gpt2, cluster)
+        render_plan(launchable(placement=["big", "big", "big", "small"]), gpt2, cluster, SMOKE)
 
 
 def test_container_image(gpt2, cluster):
-    options = LaunchOptions(container_image="nvcr.io#nvidia/pytorch:24.05-py3", container_mounts="/data:/data")
+    options = LaunchOptions(smoke_test=True, container_image="nvcr.io#nvidia/pytorch:24.05-py3", container_mounts="/data:/data")
     sbatch = render_plan(launchable(), gpt2, cluster, options)["sbatch.sh"]
     assert "CONTAINER_IMAGE='nvcr.io#nvidia/pytorch:24.05-py3'" in sbatch
     assert 'CONTAINER_MOUNTS="$RUN_DIR:$RUN_DIR",/data:/data' in sbatch
@@ -429,8 +434,8 @@ def test_launch_table_errors():
 
 
 def test_output_is_deterministic(gpt2, cluster, tmp_path):
-    first = emit_plan(launchable(), gpt2, cluster, tmp_path / "a")
-    second = emit_plan(launchable(), gpt2, cluster, tmp_path / "b")
+    first = emit_plan(launchable(), gpt2, cluster, tmp_path / "a", SMOKE)
+    second = emit_plan(launchable(), gpt2, cluster, tmp_path / "b", SMOKE)
     assert [p.name for p in first] == ["sbatch.sh", "run_inter.sh", "plan.json"]
     for a, b in zip(first, second):
         assert a.read_bytes() == b.read_bytes()
@@ -444,9 +449,9 @@ def test_existing_files_are_kept_unless_forced(gpt2, cluster, tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     with pytest.raises(InputError, match="holds files already"):
-        emit_plan(launchable(), gpt2, cluster, out)
+        emit_plan(launchable(), gpt2, cluster, out, SMOKE)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
-    emit_plan(launchable(), gpt2, cluster, out, force=True)
+    emit_plan(launchable(), gpt2, cluster, out, SMOKE, force=True)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "plan.json", "run_inter.sh", "sbatch.sh"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed.toml", "out"]  # no temporary left
 
@@ -457,13 +462,13 @@ def test_a_failed_write_leaves_nothing(gpt2, cluster, tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "rename", fail)
     with pytest.raises(InputError, match="cannot write"):
-        emit_plan(launchable(), gpt2, cluster, tmp_path / "out")
+        emit_plan(launchable(), gpt2, cluster, tmp_path / "out", SMOKE)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed.toml"]
 
 
 def test_a_refused_plan_writes_nothing(gpt2, cluster, tmp_path):
     with pytest.raises(InputError):
-        emit_plan(launchable(layers_per_stage=[1, 1, 1, 1]), gpt2, cluster, tmp_path / "out")
+        emit_plan(launchable(layers_per_stage=[1, 1, 1, 1]), gpt2, cluster, tmp_path / "out", SMOKE)
     assert not (tmp_path / "out").exists()
 
 
@@ -473,13 +478,13 @@ def test_a_refused_plan_writes_nothing(gpt2, cluster, tmp_path):
 def script_variants(tmp_path, gpt2, cluster):
     (tmp_path / "llama.toml").write_text(LLAMA_TOML)
     llama = load_model(str(tmp_path / "llama.toml"))
-    yield render_plan(launchable(), gpt2, cluster)
-    yield render_plan(launchable(placement=["big", "big"], tp=2, dp=1, pp=2, layers_per_stage=[23, 25]), gpt2, cluster)
+    yield render_plan(launchable(), gpt2, cluster, SMOKE)
+    yield render_plan(launchable(placement=["big", "big"], tp=2, dp=1, pp=2, layers_per_stage=[23, 25]), gpt2, cluster, SMOKE)
     yield render_plan(launchable(model="tiny-llama", gbs=32, layers_per_stage=[2, 2, 2, 2], tp=2, dp=1), llama, cluster,
-                      LaunchOptions(container_image="img with space.sqsh", container_mounts="/a b:/c",
+                      LaunchOptions(smoke_test=True, container_image="img with space.sqsh", container_mounts="/a b:/c",
                                     megatron_path="/opt/Mega tron's", extra_flags=("--save", "/x y", "--z"),
                                     cpus_per_task=4, account="a1", data_path="/data/$HOME/x"))
-    yield render_plan(launchable(), gpt2, cluster, LaunchOptions(megatron_flavor="fasop-fork", data_path="/d",
+    yield render_plan(launchable(), gpt2, cluster, LaunchOptions(smoke_test=True, megatron_flavor="fasop-fork", data_path="/d",
                                                                 vocab_file="/v", merge_file="/m",
                                                                 entry_script="/abs/_00_pretrain_gpt.py"))
 
@@ -514,7 +519,7 @@ def fake_torchrun(directory: Path) -> Path:
 
 
 def test_run_inter_hands_the_arguments_over_intact(tmp_path, gpt2, cluster):
-    options = LaunchOptions(megatron_path="/opt/Mega tron", extra_flags=("--save", "/ckpt dir"))
+    options = LaunchOptions(smoke_test=True, megatron_path="/opt/Mega tron", extra_flags=("--save", "/ckpt dir"))
     files = render_plan(launchable(), gpt2, cluster, options)
     script = tmp_path / "run_inter.sh"
     script.write_text(files["run_inter.sh"])
@@ -533,7 +538,7 @@ def test_run_inter_hands_the_arguments_over_intact(tmp_path, gpt2, cluster):
 
 def test_run_inter_refuses_a_missing_or_bad_node_rank(tmp_path, gpt2, cluster):
     script = tmp_path / "run_inter.sh"
-    script.write_text(render_plan(launchable(), gpt2, cluster)["run_inter.sh"])
+    script.write_text(render_plan(launchable(), gpt2, cluster, SMOKE)["run_inter.sh"])
     base = {"PATH": f"{fake_torchrun(tmp_path)}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args"),
             "MASTER_ADDR": "h", "FASOP_GPU_NAME": "NVIDIA A10G"}
     for extra in ({}, {"NODE_RANK": "4"}, {"NODE_RANK": "x"}):
@@ -571,7 +576,7 @@ def one_line_error(result, *fragments):
 def test_cli_writes_the_files(tmp_path):
     write_cluster(tmp_path, 'partition = "gpu"\nmaster_port = 6123\n')
     plans = write_plans(tmp_path, [fresh_plan(tmp_path), fresh_plan(tmp_path, rank=2, layers_per_stage=[10, 14, 14, 10])])
-    result = runner().invoke(emit, ["--plans", str(plans), "--rank", "2", "--out", str(tmp_path / "out"),
+    result = runner().invoke(emit, ["--smoke-test", "--plans", str(plans), "--rank", "2", "--out", str(tmp_path / "out"),
                                     "--partition", "small=cheap", "--extra-flags", "--log-interval 1"])
     assert result.exit_code == 0, result.stderr
     files = {p.name: p.read_text() for p in (tmp_path / "out").iterdir()}
@@ -584,7 +589,7 @@ def test_cli_writes_the_files(tmp_path):
 
 
 def test_cli_missing_plan_file(tmp_path):
-    result = runner().invoke(emit, ["--plans", str(tmp_path / "nope.json"), "--out", str(tmp_path / "o")])
+    result = runner().invoke(emit, ["--smoke-test", "--plans", str(tmp_path / "nope.json"), "--out", str(tmp_path / "o")])
     one_line_error(result, "nope.json", "no such plan file")
 
 
@@ -598,13 +603,13 @@ def test_cli_missing_plan_file(tmp_path):
 def test_cli_not_a_plan_file(tmp_path, content, fragment):
     path = tmp_path / "plans.json"
     path.write_text(content)
-    result = runner().invoke(emit, ["--plans", str(path), "--out", str(tmp_path / "o")])
+    result = runner().invoke(emit, ["--smoke-test", "--plans", str(path), "--out", str(tmp_path / "o")])
     one_line_error(result, "plans.json", fragment)
 
 
 def test_cli_rank_beyond_the_list(tmp_path):
     plans = write_plans(tmp_path, [make_plan(), make_plan(rank=2)])
-    result = runner().invoke(emit, ["--plans", str(plans), "--rank", "3", "--out", str(tmp_path / "o")])
+    result = runner().invoke(emit, ["--smoke-test", "--plans", str(plans), "--rank", "3", "--out", str(tmp_path / "o")])
     one_line_error(result, "--rank 3", "2 plans")
     assert not (tmp_path / "o").exists()
 
@@ -615,10 +620,10 @@ def test_cli_a_plan_that_names_no_input_file_needs_the_option(tmp_path, missing,
     plan = fresh_plan(tmp_path)
     del plan[missing]
     plans = write_plans(tmp_path, [plan])
-    result = runner().invoke(emit, ["--plans", str(plans), "--out", str(tmp_path / "o")])
+    result = runner().invoke(emit, ["--smoke-test", "--plans", str(plans), "--out", str(tmp_path / "o")])
     one_line_error(result, f"names no {missing}", f"give {option}")
     given = {"--model": "gpt2-xl", "--cluster": str(cluster)}[option]
-    result = runner().invoke(emit, ["--plans", str(plans), "--out", str(tmp_path / "o"), option, given])
+    result = runner().invoke(emit, ["--smoke-test", "--plans", str(plans), "--out", str(tmp_path / "o"), option, given])
     assert result.exit_code == 0, result.stderr
 
 
@@ -628,20 +633,20 @@ def test_cli_output_directory_with_files(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     (out / "old.txt").write_text("x")
-    result = runner().invoke(emit, ["--plans", str(plans), "--out", str(out)])
+    result = runner().invoke(emit, ["--smoke-test", "--plans", str(plans), "--out", str(out)])
     one_line_error(result, "--force")
     assert [p.name for p in out.iterdir()] == ["old.txt"]
-    result = runner().invoke(emit, ["--plans", str(plans), "--out", str(out), "--force"])
+    result = runner().invoke(emit, ["--smoke-test", "--plans", str(plans), "--out", str(out), "--force"])
     assert result.exit_code == 0, result.stderr
 
 
 def test_cli_refused_plan_is_one_line(tmp_path):
     write_cluster(tmp_path)
     plans = write_plans(tmp_path, [fresh_plan(tmp_path, layers_per_stage=[10, 13, 14, 11])])
-    result = runner().invoke(emit, ["--plans", str(plans), "--out", str(tmp_path / "o"),
+    result = runner().invoke(emit, ["--smoke-test", "--plans", str(plans), "--out", str(tmp_path / "o"),
                                     "--pipeline-split", "first-last"])
     one_line_error(result, "first-last")
-    result = runner().invoke(emit, ["--plans", str(plans), "--out", str(tmp_path / "o"), "--time-limit", "soon"])
+    result = runner().invoke(emit, ["--smoke-test", "--plans", str(plans), "--out", str(tmp_path / "o"), "--time-limit", "soon"])
     one_line_error(result, "--time-limit")
 
 
@@ -688,7 +693,7 @@ def searched(tmp_path):
 
 
 def emit_rank(plans: Path, rank: int, out: Path, *options: str):
-    return runner().invoke(emit, ["--plans", str(plans), "--rank", str(rank), "--out", str(out), *options])
+    return runner().invoke(emit, ["--smoke-test", "--plans", str(plans), "--rank", str(rank), "--out", str(out), *options])
 
 
 def test_an_untouched_plan_from_search_is_emitted_as_it_is(searched):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_emit import flag_values, launchable, make_plan, megatron_args, write_cluster
+from test_emit import SMOKE, flag_values, launchable, make_plan, megatron_args, write_cluster
 
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
@@ -35,7 +35,7 @@ def test_megatron_core_reads_the_layout(tmp_path, tp, dp, pp, placement, layers)
     model = load_model("gpt2-xl")
     cluster = load_cluster(str(write_cluster(tmp_path)))
     plan = launchable(tp=tp, dp=dp, pp=pp, placement=placement, layers_per_stage=layers, gbs=64, mbs=1)
-    args = flag_values(megatron_args(render_plan(plan, model, cluster, LaunchOptions(pipeline_split="layout"))
+    args = flag_values(megatron_args(render_plan(plan, model, cluster, LaunchOptions(smoke_test=True, pipeline_split="layout"))
                                      ["run_inter.sh"]))
     (text,) = args["--pipeline-model-parallel-layout"]
     assert args["--pipeline-model-parallel-size"] == [str(pp)]
@@ -56,7 +56,7 @@ def test_megatron_core_reads_the_layout(tmp_path, tp, dp, pp, placement, layers)
 def test_layout_is_what_auto_picks_when_the_older_form_does_not_fit(tmp_path):
     model = load_model("gpt2-xl")
     cluster = load_cluster(str(write_cluster(tmp_path)))
-    args = flag_values(megatron_args(render_plan(Plan.model_validate(make_plan()), model, cluster)["run_inter.sh"]))
+    args = flag_values(megatron_args(render_plan(Plan.model_validate(make_plan()), model, cluster, SMOKE)["run_inter.sh"]))
     layout = PipelineParallelLayerLayout(args["--pipeline-model-parallel-layout"][0], 4)
     assert [row[0].count(LayerType.decoder) for row in layout.layout] == make_plan()["layers_per_stage"]
 
@@ -77,7 +77,7 @@ def test_megatron_core_reads_the_interleaved_layout(tmp_path, layers, v, flag):
     chunks = [layers[i] // v + (c < layers[i] % v) for c in range(v) for i in range(4)]  # virtual-stage order
     plan = launchable(tp=1, dp=2, pp=4, placement=["small", "big", "big", "small"], layers_per_stage=layers, gbs=64,
                       mbs=1, virtual_stages=v, layers_per_virtual_stage=chunks)
-    args = flag_values(megatron_args(render_plan(plan, model, cluster)["run_inter.sh"]))
+    args = flag_values(megatron_args(render_plan(plan, model, cluster, SMOKE)["run_inter.sh"]))
     # one of the two ways to give the virtual size, never both
     assert flag in args and len({"--pipeline-model-parallel-layout", "--num-virtual-stages-per-pipeline-rank"}
                                 & set(args)) == 1
@@ -100,11 +100,11 @@ def test_an_interleaved_layout_that_is_not_the_even_split_is_refused(tmp_path):
     plan = launchable(tp=1, dp=2, pp=4, placement=["small", "big", "big", "small"], layers_per_stage=[12] * 4, gbs=64,
                       mbs=1, virtual_stages=2, layers_per_virtual_stage=[7, 6, 6, 6, 5, 6, 6, 6])
     with pytest.raises(InputError, match="layers_per_virtual_stage"):
-        render_plan(plan, model, cluster)
+        render_plan(plan, model, cluster, SMOKE)
     odd = launchable(tp=1, dp=2, pp=4, placement=["small", "big", "big", "small"], layers_per_stage=[12] * 4, gbs=36,
                      mbs=1, virtual_stages=2)  # 18 micro-batches: not a multiple of the 4 stages
     with pytest.raises(InputError, match="virtual_stages: 2: 18 micro-batches leave a last group of 2"):
-        render_plan(odd, model, cluster)
+        render_plan(odd, model, cluster, SMOKE)
 transformer_config = pytest.importorskip("megatron.core.transformer.transformer_config")
 torch = pytest.importorskip("torch")
 
@@ -134,7 +134,7 @@ def test_megatron_core_accepts_recompute_sequence_parallel_and_attention_flags(t
     pp = 8 // tp  # 4 nodes of 2 GPUs
     plan = launchable(tp=tp, dp=1, pp=pp, placement=["small", "big", "big", "small"], gbs=64, mbs=1,
                       layers_per_stage=[48 // pp] * pp, **fields)
-    args = flag_values(megatron_args(render_plan(plan, model, cluster)["run_inter.sh"]))
+    args = flag_values(megatron_args(render_plan(plan, model, cluster, SMOKE)["run_inter.sh"]))
     for flag, values in expected.items():
         assert args[flag] == values
     if fields.get("sequence_parallel") is False or tp == 1:
@@ -155,3 +155,26 @@ def test_megatron_core_accepts_recompute_sequence_parallel_and_attention_flags(t
     assert config.recompute_granularity == fields.get("recompute")
     assert config.sequence_parallel == (tp > 1 and fields.get("sequence_parallel", True))
     assert config.attention_backend == (enums.AttnBackend.flash if flash else enums.AttnBackend.unfused)
+
+
+def test_training_keys_are_megatron_cores_names():
+    """Megatron-LM builds megatron-core's optimizer and transformer configs from its arguments of the same names:
+    each [training] key but the warmup (a training-loop argument) is a field of one of them, and each decay style
+    is one that megatron-core's scheduler runs."""
+    import dataclasses
+    import inspect
+    import typing
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer import TransformerConfig
+
+    from fasop.inputs.training import TrainingTable
+
+    fields = {f.name for config in (OptimizerConfig, TransformerConfig) for f in dataclasses.fields(config)}
+    keys = set(TrainingTable.model_fields) - {"source", "lr_decay_style", "lr_warmup_fraction", "lr_warmup_iters"}
+    assert keys <= fields, keys - fields
+    assert "lr_decay_style" in inspect.signature(OptimizerParamScheduler.__init__).parameters
+    source = inspect.getsource(OptimizerParamScheduler)
+    styles = typing.get_args(typing.get_args(TrainingTable.model_fields["lr_decay_style"].annotation)[0])
+    assert styles and all(f"'{style}'" in source or f'"{style}"' in source for style in styles)

@@ -219,7 +219,7 @@ def test_emitted_job_runs_every_stage_on_its_gpu_type(slurm, tmp_path):
     checker = tmp_path / "checker.py"
     checker.write_text(CHECKER)
     (master_port,) = free_ports(1)
-    options = LaunchOptions(entry_script=str(checker), master_port=master_port, time_limit="5")
+    options = LaunchOptions(entry_script=str(checker), master_port=master_port, time_limit="5", smoke_test=True)
     out = tmp_path / "run"
     emit_plan(Plan.model_validate(plan), model, cluster, out, options)
 

@@ -204,6 +204,7 @@ def test_the_search_tries_interleaving_where_megatron_runs_it():
 
 
 def test_overlap_is_a_plan_choice_and_emitted_as_megatron_flags():
+    from fasop.launch.options import LaunchOptions
     from fasop.launch.write import render_plan
 
     model, cluster = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-4xA10")
@@ -217,5 +218,5 @@ def test_overlap_is_a_plan_choice_and_emitted_as_megatron_flags():
     assert (no_sharding.overlap_grad_reduce, no_sharding.overlap_param_gather) == (True, False)
     for plan, flags in ((overlapped, {"--overlap-grad-reduce", "--overlap-param-gather"}), (plain, set()),
                         (no_sharding, {"--overlap-grad-reduce"})):
-        script = render_plan(plan, model, cluster)["run_inter.sh"]
+        script = render_plan(plan, model, cluster, LaunchOptions(smoke_test=True))["run_inter.sh"]
         assert {flag for flag in ("--overlap-grad-reduce", "--overlap-param-gather") if flag in script} == flags

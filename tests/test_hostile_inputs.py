@@ -27,9 +27,9 @@ VALID_CLUSTER = HOSTILE / "valid" / "cluster.toml"
 SEARCH = ["search", "--model", "bert", "--cluster", "{case}", "--output", "{out}/plans.json"]
 SEARCH_MODEL = ["search", "--model", "{case}", "--cluster", "{valid}", "--output", "{out}/plans.json"]
 SEARCH_PROFILE = ["search", "--model", "bert", "--cluster", "{valid}", "--profiles", "{profiles}",
-                  "--output", "{out}/plans.json", "--emit", "{out}/run"]
+                  "--output", "{out}/plans.json", "--emit", "{out}/run", "--smoke-test"]
 PLOT_PLAN = ["plot", "--plan", "{case}", "--out", "{out}/stages.png"]
-EMIT = ["emit", "--plans", "{case}", "--out", "{out}/run"]
+EMIT = ["emit", "--smoke-test", "--plans", "{case}", "--out", "{out}/run"]
 VALIDATE = ["validate", "--measured", "{case}", "--chart", "{out}/validate.png"]
 CALIBRATE = ["calibrate", "--measured", "{case}", "--out", "{out}/calibrated.toml", "--profiles-out", "{out}/profiles"]
 
@@ -223,7 +223,7 @@ def test_emit_out_never_replaces_its_plan_file(inputs):
     plans = inputs / "plan.json"  # the name emit writes its plan copy under
     (inputs / "plans.json").rename(plans)
     before = plans.read_bytes()
-    result, stderr = run_cli(["emit", "--plans", str(plans), "--out", str(inputs), "--force"])
+    result, stderr = run_cli(["emit", "--smoke-test", "--plans", str(plans), "--out", str(inputs), "--force"])
     assert_one_line_error(result, stderr, f"--out {plans}", "is an input of this run")
     assert plans.read_bytes() == before
     assert not (inputs / "sbatch.sh").exists()
@@ -243,13 +243,13 @@ def test_unwritable_outputs_are_one_line(inputs, where):
     measured = ["--measured", str(inputs / "runs.csv"), "--profiles", str(inputs / "profiles")]
     commands = [
         search_args(inputs, folder / "plans.json"),
-        [*search_args(inputs, inputs / "fine.json"), "--emit", str(folder / "run")],
+        [*search_args(inputs, inputs / "fine.json"), "--emit", str(folder / "run"), "--smoke-test"],
         ["pareto", *bert, "--output", str(folder / "front.csv")],
         ["pareto", *bert, "--output", str(inputs / "front.csv"), "--chart", str(folder / "front.png")],
         ["plot", "--plan", str(inputs / "plans.json"), "--out", str(folder / "stages.svg")],
         ["plot", "--plan", str(inputs / "plans.json"), "--timeline", str(folder / "schedule.svg")],
         ["profile", "synth", "--model", "bert", "--gpu", "A100", "--out", str(folder / "A100.csv")],
-        ["emit", "--plans", str(inputs / "plans.json"), "--out", str(folder / "run")],
+        ["emit", "--smoke-test", "--plans", str(inputs / "plans.json"), "--out", str(folder / "run")],
         ["compare", *bert, "--output", str(inputs / "compare.csv"), "--plans-out", str(folder / "strategies.json")],
         ["compare", *bert, "--plans-out", str(inputs / "strategies.json"), "--chart", str(folder / "compare.png")],
         ["validate", *measured, "--chart", str(folder / "validate.png")],
@@ -267,17 +267,18 @@ def test_search_writes_no_plan_list_when_emit_fails(inputs):
     """--output and --emit: the launch scripts cannot be made (the [launch] table is wrong), so no plans.json."""
     cluster = inputs / "cluster.toml"
     cluster.write_text(cluster.read_text() + '\n[launch]\nmegatron_flavor = "no-such-flavor"\n')
-    result, stderr = run_cli([*search_args(inputs, inputs / "new.json"), "--emit", str(inputs / "run")])
+    result, stderr = run_cli([*search_args(inputs, inputs / "new.json"), "--emit", str(inputs / "run"), "--smoke-test"])
     assert_one_line_error(result, stderr, "megatron_flavor")
     assert not (inputs / "new.json").exists() and not (inputs / "run").exists()
 
 
 def test_search_output_inside_the_emit_directory(inputs):
     run = inputs / "run"
-    result, _ = run_cli([*search_args(inputs, run / "plans.json"), "--emit", str(run)])
+    result, _ = run_cli([*search_args(inputs, run / "plans.json"), "--emit", str(run), "--smoke-test"])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in run.iterdir()) == ["plan.json", "plans.json", "run_inter.sh", "sbatch.sh"]
-    result, stderr = run_cli([*search_args(inputs, inputs / "other" / "plan.json"), "--emit", str(inputs / "other")])
+    result, stderr = run_cli([*search_args(inputs, inputs / "other" / "plan.json"), "--emit", str(inputs / "other"),
+                              "--smoke-test"])
     assert_one_line_error(result, stderr, "plan.json", "is also the output of --output")
     assert not (inputs / "other").exists()
 

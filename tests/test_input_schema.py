@@ -101,7 +101,7 @@ def test_a_misspelt_field_is_reported_as_unknown_rather_than_the_field_as_missin
 
 
 @pytest.mark.parametrize("file, text, known", [
-    ("model.toml", model_toml() + "\n[training]\nsteps = 3\n", "model"),
+    ("model.toml", model_toml() + "\n[optimizer]\nsteps = 3\n", "model, training"),
     ("cluster.toml", cluster_toml(extra="\n[network]\nspeed = 3\n"), "cluster, gpu, launch, node_type"),
     ("gpus.toml", gpu_toml() + "\n[vendor]\nname = 'x'\n", "gpu"),
 ])

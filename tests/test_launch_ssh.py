@@ -200,7 +200,7 @@ class Run:
 
     def emit(self, *args: str) -> tuple[Path, str]:
         out = self.tmp / "run"
-        result = CliRunner().invoke(main, ["emit", "--plans", str(self.tmp / "plans.json"), "--out", str(out),
+        result = CliRunner().invoke(main, ["emit", "--smoke-test", "--plans", str(self.tmp / "plans.json"), "--out", str(out),
                                            "--entry-script", str(self.tmp / "checker.py"),
                                            "--master-port", str(self.master_port), *args])
         assert result.exit_code == 0, result.output

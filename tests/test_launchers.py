@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_emit import cluster, fake_torchrun, fresh_plan, gpt2, make_plan, write_cluster  # noqa: F401 (fixtures)
+from test_emit import SMOKE, cluster, fake_torchrun, fresh_plan, gpt2, make_plan, write_cluster  # noqa: F401 (fixtures)
 
 from fasop.cli import main
 from fasop.errors import InputError
@@ -24,7 +24,8 @@ from fasop.plans import Plan
 def run_inter(tmp_path: Path, cluster, gpt2, **env: str) -> subprocess.CompletedProcess:
     script = tmp_path / "run_inter.sh"
     if not script.exists():
-        script.write_text(render_plan(Plan.model_validate(make_plan()), gpt2, cluster)["run_inter.sh"])  # small big big small
+        plan = Plan.model_validate(make_plan())  # small big big small
+        script.write_text(render_plan(plan, gpt2, cluster, SMOKE)["run_inter.sh"])
     bin_dir = tmp_path / "bin"
     if not bin_dir.exists():
         fake_torchrun(tmp_path)
@@ -96,7 +97,8 @@ def plans(tmp_path) -> Path:
 
 
 def emit(plans: Path, *args: str):
-    return CliRunner().invoke(main, ["emit", "--plans", str(plans), "--out", str(plans.parent / "run"), *args])
+    return CliRunner().invoke(main, ["emit", "--smoke-test", "--plans", str(plans), "--out", str(plans.parent / "run"),
+                                        *args])
 
 
 @pytest.mark.parametrize("text, fragment", [

@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -16,9 +17,11 @@ from hypothesis import strategies as st
 from fasop.cli import main
 from fasop.errors import InputError
 from fasop.inputs.cluster import load_cluster
+from fasop.inputs.errorband import ErrorBand, bundled_band
 from fasop.inputs.model import load_model
+from fasop.market.choice import choose
 from fasop.market.frontfile import REQUIRED_COLUMNS, front_as_csv, read_front_csv, write_front_csv
-from fasop.market.pareto import DEFAULT_TRAIN_STEPS, check_limits, choose, compositions, pareto_front, sweep
+from fasop.market.pareto import DEFAULT_TRAIN_STEPS, check_limits, compositions, pareto_front, sweep
 from fasop.plans import load_plans
 from fasop.plot import plot_front, plot_stages, stage_times
 from fasop.search import search_plans
@@ -148,44 +151,80 @@ HAND = [record(0, 1, 20.0, 100.0), record(0, 2, 11.0, 110.0), record(1, 0, 9.0, 
 
 
 def test_budget_gives_the_fastest_within_it():
-    best, message = choose(HAND, budget_usd=260)
+    best, message = choose(HAND, budget_usd=260, margin=0)
     assert best is HAND[3]
     assert "1 A100 node + 1 A10 node (" in message and "fastest" in message
-    assert choose(HAND, budget_usd=400)[0] is HAND[4]  # a cost equal to the budget meets it
+    assert choose(HAND, budget_usd=400, margin=0)[0] is HAND[4]  # a cost equal to the budget meets it
 
 
 def test_deadline_gives_the_cheapest_within_it():
-    best, message = choose(HAND, deadline_hours=10)
+    best, message = choose(HAND, deadline_hours=10, margin=0)
     assert best is HAND[3]  # 9 h at $300, 6 h at $250 and 4 h at $400 meet it: $250 is the cheapest
     assert "cheapest" in message and "1 A100 node + 1 A10 node (" in message
-    assert choose(HAND, deadline_hours=11)[0] is HAND[1]  # the deadline itself counts as met
+    assert choose(HAND, deadline_hours=11, margin=0)[0] is HAND[1]  # the deadline itself counts as met
 
 
 def test_budget_and_deadline_give_the_cheapest_meeting_both():
-    assert choose(HAND, budget_usd=500, deadline_hours=10)[0] is HAND[3]
-    assert choose(HAND, budget_usd=500, deadline_hours=5)[0] is HAND[4]
-    assert choose(HAND, budget_usd=120, deadline_hours=15)[0] is HAND[1]
+    assert choose(HAND, budget_usd=500, deadline_hours=10, margin=0)[0] is HAND[3]
+    assert choose(HAND, budget_usd=500, deadline_hours=5, margin=0)[0] is HAND[4]
+    assert choose(HAND, budget_usd=120, deadline_hours=15, margin=0)[0] is HAND[1]
 
 
 def test_unmet_budget_names_the_cheapest_and_the_miss():
-    best, message = choose(HAND, budget_usd=80)
+    best, message = choose(HAND, budget_usd=80, margin=0)
     assert best is None
     assert "0 A10" not in message and "cheapest, 1 A10 node (" in message
     assert "$20.00" in message and "25.0%" in message
 
 
 def test_unmet_deadline_names_the_fastest_and_the_miss():
-    best, message = choose(HAND, deadline_hours=3)
+    best, message = choose(HAND, deadline_hours=3, margin=0)
     assert best is None
     assert "2 A100 nodes + 2 A10 nodes (" in message and "1.00 h" in message and "33.3%" in message
 
 
 def test_unmet_budget_and_deadline_name_the_closest():
-    best, message = choose(HAND, budget_usd=200, deadline_hours=5)
+    best, message = choose(HAND, budget_usd=200, deadline_hours=5, margin=0)
     assert best is None
     # overshoots: 1 A100 + 1 A10 is 25% over budget and 20% late; 2 A100 + 2 A10 is 100% over budget
     assert "closest, 1 A100 node + 1 A10 node (" in message
     assert "$50.00 (25.0%) over budget" in message and "1.00 h (20.0%) late" in message
+
+
+BAND = ErrorBand(1.1, 1.5, 2, "a test band")
+
+
+def test_margin_keeps_a_choice_off_the_limit():
+    # 6 h x 1.5 = 9 h meets a 10 h deadline; 6 h x 1.7 = 10.2 h does not, and 4 h x 1.7 = 6.8 h does
+    assert choose(HAND, deadline_hours=10, margin=0.5)[0] is HAND[3]
+    best, message = choose(HAND, deadline_hours=10, margin=0.7, band=BAND)
+    assert best is HAND[4]
+    assert "deadline of 10.00 h with a 70% margin (given): 2 A100 nodes + 2 A10 nodes (" in message
+    assert message.endswith("at the band's slow end (1.50x) 6.00 h, $600.00")  # 4 h and $400 times 1.5
+    # $250 x 1.05 = $262.50 is over a $260 budget: the fastest left within it is 11 h at $110
+    assert choose(HAND, budget_usd=260, margin=0.05)[0] is HAND[1]
+    assert choose(HAND, budget_usd=500, deadline_hours=5, margin=0.25)[0] is HAND[4]  # 5 h and $500: just met
+    assert choose(HAND, budget_usd=500, deadline_hours=5, margin=0.26)[0] is None
+
+
+def test_default_margin_is_the_bands_slow_end():
+    best, message = choose(HAND, deadline_hours=9, band=BAND)  # 50%: 6 h x 1.5 = 9 h meets it, nothing cheaper does
+    assert best is HAND[3] and "with a 50% margin (the slow end of the error band, a test band)" in message
+    bundled = bundled_band()
+    assert choose(HAND, deadline_hours=6 * bundled.high)[0] is HAND[3]
+    assert choose(HAND, deadline_hours=6 * bundled.high * 0.999)[0] is HAND[4]
+
+
+def test_unmet_limit_with_a_margin_says_how_far():
+    best, message = choose(HAND, deadline_hours=4, margin=0.5, band=BAND)
+    assert best is None  # 4 h x 1.5 = 6 h: 2 h (50%) beyond
+    assert "with a 50% margin (given)" in message and "takes 2.00 h (50.0%) longer" in message
+
+
+@pytest.mark.parametrize("margin", [-0.1, math.nan, math.inf, 11, True])
+def test_bad_margins_are_refused_by_argument_name(margin):
+    with pytest.raises(InputError, match="margin"):
+        choose(HAND, deadline_hours=10, margin=margin)
 
 
 def test_no_feasible_composition_and_no_limit():
@@ -435,13 +474,21 @@ def test_pareto_command(cluster_file, folder):
                  "--max-nodes", "A100=1", "--output", front, "--chart", chart)
     assert result.exit_code == 0, result.output
     assert "5 compositions swept" in result.output and "plans evaluated" in result.output
-    assert "fastest within the budget of $300.00: 1 A100 node + 2 A10 nodes (" in result.output
+    assert "fastest within the budget of $300.00 with a 30% margin (the slow end of the error band" in result.output
     assert len(read_front_csv(front)) == 5
     assert chart.read_bytes()[:8] == PNG_MAGIC
     replot = folder / "cli-replot.svg"
-    result = run("plot", front, "--out", replot, "--x", "time", "--deadline", 100)
+    result = run("plot", front, "--out", replot, "--x", "time", "--deadline", 100, "--margin", 0.1)
     assert result.exit_code == 0, result.output
+    assert "cheapest within the deadline of 100.00 h with a 10% margin (given): " in result.output
     assert svg_groups(replot)["chosen"] == 1
+    calibrated = folder / "calibrated.toml"
+    calibrated.write_text(Path(cluster_file).read_text().replace(
+        "[[node_type]]", '[cluster.error_band]\nlow = 0.95\nhigh = 1.12\nruns = 4\nsource = "my runs"\n\n[[node_type]]', 1))
+    result = run("plot", front, "--out", folder / "cli-banded.svg", "--deadline", 100, "--cluster", calibrated)
+    assert result.exit_code == 0, result.output
+    assert "deadline of 100.00 h with a 12% margin (the slow end of the error band, my runs)" in result.output
+    one_line_error(run("plot", front, "--out", folder / "cli-unbanded.svg", "--cluster", calibrated), "--cluster")
 
 
 def test_plot_plan_command(cluster_file, folder):
@@ -475,7 +522,7 @@ def test_plot_timeline_command(cluster_file, folder):
     events = json.loads(trace.read_text())["traceEvents"]
     stage = plan.stages[0]
     assert {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0,
-            "args": {"name": f"stage 0: {stage.gpu}, {stage.layers} layers"}} in events
+            "args": {"name": f"stage 0 · {stage.gpu} · layers 1-{stage.layers}"}} in events
     spans = [e for e in events if e["ph"] == "X"]
     assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(plan.pipeline_time_s * 1e6, rel=1e-9)
     assert sum(e["cat"] == "forward" for e in spans) == plan.pp * plan.num_microbatches
@@ -509,6 +556,9 @@ def test_plot_timeline_command(cluster_file, folder):
     (["--budget", "-5", "--train-steps", "10"], ["--budget", "positive"]),
     (["--deadline", "0", "--train-steps", "10"], ["--deadline"]),
     (["--budget", "100"], ["--train-steps"]),
+    (["--margin", "0.2", "--train-steps", "10"], ["--margin", "--budget or --deadline"]),
+    (["--budget", "100", "--train-steps", "10", "--margin", "-0.1"], ["--margin"]),
+    (["--budget", "100", "--train-steps", "10", "--margin", "nan"], ["--margin"]),
     (["--max-nodes", "H100=2"], ["--max-nodes", "H100", "A100, A10"]),
     (["--max-nodes", "A100"], ["--max-nodes", "TYPE=N"]),
     (["--max-nodes", "A100=two"], ["--max-nodes", "TYPE=N"]),
@@ -518,6 +568,12 @@ def test_plot_timeline_command(cluster_file, folder):
 ])
 def test_pareto_bad_input(cluster_file, args, words):
     one_line_error(run("pareto", "--model", "gpt2-xl", "--cluster", cluster_file, *args), *words)
+
+
+def test_margin_is_in_the_help():
+    for command in ("pareto", "plot"):
+        result = run(command, "--help")
+        assert result.exit_code == 0 and "--margin F" in result.output and "error band" in result.output
 
 
 def test_plot_bad_input(cluster_file, records, folder):

@@ -4,7 +4,9 @@ changes answers on purpose records the new digests (printed by a failure) and sa
 
 Recorded with every FASOP experiment (docs/cost-model.md) and the README's examples, on the cost model of the
 recomputation fix of round 3 (each chunk recomputes its own first layers), with the plans on every node (--use-all:
-plans that leave node types idle came later, and leave these unchanged)."""
+plans that leave node types idle came later, and leave these unchanged) and without the memory headroom's ranking
+(--memory-headroom 1: the headroom came later, reorders plans above it and changes no estimate; tests/test_headroom.py
+checks its ranking)."""
 
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ DIGESTS = {
 def test_bundled_examples_plan_as_recorded(runner, tmp_path, name):
     model, cluster, *fmt = name.split()
     output = tmp_path / f"plans.{fmt[0] if fmt else 'json'}"
-    result = runner.invoke(main, ["search", "--model", model, "--cluster", cluster, "--use-all", *SEARCHES[name],
+    result = runner.invoke(main, ["search", "--model", model, "--cluster", cluster, "--use-all", "--memory-headroom", "1",
+                                  *SEARCHES[name],
                                   "--output", str(output)])
     assert result.exit_code == 0, (result.output, result.exception)
     digest = hashlib.sha256(output.read_bytes()).hexdigest()

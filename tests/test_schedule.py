@@ -250,7 +250,7 @@ def test_timeline_draws_every_segment_of_a_small_schedule(tmp_path):
         assert drawn[kind]["seconds"] == pytest.approx(seconds)
     assert drawn["idle"]["seconds"] == pytest.approx(p * times.makespan_s[0] - sum(busy_s.values()))
     data = out.read_bytes()
-    assert png_size(data) == (1000, int(round((1.2 + 0.45 * p) * 100)))
+    assert png_size(data) == (1000, int(round((1.4 + 0.45 * p) * 100)))
     assert 10_000 < len(data) < 400_000
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_emit import fake_torchrun, make_plan, megatron_args, write_cluster
+from test_emit import SMOKE, fake_torchrun, make_plan, megatron_args, write_cluster
 
 from fasop.cli import main
 from fasop.errors import InputError
@@ -130,7 +130,7 @@ def stub_commands(directory: Path) -> dict[str, str]:
 @pytest.mark.parametrize("payload", PAYLOADS)
 def test_names_with_shell_syntax_run_no_command(tmp_path, payload):
     plan, model, cluster = hostile_inputs(tmp_path, payload)
-    files = render_plan(plan, model, cluster)
+    files = render_plan(plan, model, cluster, SMOKE)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for name in ("sbatch.sh", "run_inter.sh"):
@@ -150,9 +150,9 @@ def test_names_with_shell_syntax_run_no_command(tmp_path, payload):
 
 def test_names_cannot_end_the_sbatch_directives(tmp_path):
     plan, model, cluster = hostile_inputs(tmp_path)
-    sbatch = render_plan(plan, model, cluster)["sbatch.sh"].splitlines()
+    sbatch = render_plan(plan, model, cluster, SMOKE)["sbatch.sh"].splitlines()
     plain_plan = Plan.model_validate(make_plan())
-    plain = render_plan(plain_plan, load_model("gpt2-xl"), load_cluster(str(tmp_path / "mixed.toml")))["sbatch.sh"]
+    plain = render_plan(plain_plan, load_model("gpt2-xl"), load_cluster(str(tmp_path / "mixed.toml")), SMOKE)["sbatch.sh"]
     last = max(i for i, line in enumerate(sbatch) if line.startswith("#SBATCH"))
     # sbatch reads directives up to the first line that is not a comment
     assert all(line.startswith("#") for line in sbatch[:last + 1])
@@ -163,7 +163,9 @@ def test_names_cannot_end_the_sbatch_directives(tmp_path):
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_scripts_with_hostile_names_pass_shellcheck(tmp_path):
-    files = render_plan(*hostile_inputs(tmp_path))
+    full_run = LaunchOptions(train_iters=100, data_path="/data/$(id) x", tokenizer_type="GPT2BPETokenizer",
+                             vocab_file="/v`id`", checkpoint_dir="ckpt $(id) 'dir'", training={"lr": "1e-4"})
+    files = render_plan(*hostile_inputs(tmp_path), full_run)
     for name in ("sbatch.sh", "run_inter.sh"):
         path = tmp_path / name
         path.write_text(files[name])
@@ -182,7 +184,7 @@ def test_scripts_with_hostile_names_pass_shellcheck(tmp_path):
 def test_slurm_values_with_a_trailing_newline_are_refused(tmp_path, options, field):
     cluster = load_cluster(str(write_cluster(tmp_path)))
     with pytest.raises(InputError, match=field):
-        render_plan(Plan.model_validate(make_plan()), load_model("gpt2-xl"), cluster, LaunchOptions(**options))
+        render_plan(Plan.model_validate(make_plan()), load_model("gpt2-xl"), cluster, LaunchOptions(smoke_test=True, **options))
     with pytest.raises(InputError, match=field):
         launch_options({}, **options)
 
@@ -192,11 +194,11 @@ def test_node_type_slurm_values_with_a_trailing_newline_are_refused(tmp_path, fi
     cluster = load_cluster(str(write_cluster(tmp_path)))
     types = {n: replace(t, **{field: value}) for n, t in cluster.node_types.items()}
     with pytest.raises(InputError, match=field):
-        render_plan(Plan.model_validate(make_plan()), load_model("gpt2-xl"), replace(cluster, node_types=types))
+        render_plan(Plan.model_validate(make_plan()), load_model("gpt2-xl"), replace(cluster, node_types=types), SMOKE)
 
 
 def test_gpus_per_node_must_be_an_integer(tmp_path):
     cluster = load_cluster(str(write_cluster(tmp_path)))
     types = {n: replace(t, gpus_per_node=2.0) for n, t in cluster.node_types.items()}
     with pytest.raises(InputError, match="gpus_per_node"):
-        render_plan(Plan.model_validate(make_plan()), load_model("gpt2-xl"), replace(cluster, node_types=types))
+        render_plan(Plan.model_validate(make_plan()), load_model("gpt2-xl"), replace(cluster, node_types=types), SMOKE)

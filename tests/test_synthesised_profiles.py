@@ -145,14 +145,14 @@ def test_emit_reads_the_profiles_folder_the_plan_file_names(runner, tiny, tmp_pa
     plan = json.loads((setup.root / "plans.json").read_text())[0]
     assert plan["profiles"] == "profiles" and "synthesised_profiles" not in plan
     monkeypatch.chdir(tmp_path)  # elsewhere: the files the plan names are found beside it
-    emitted = runner.invoke(main, ["emit", "--plans", str(setup.root / "plans.json"), "--out", "run"])
+    emitted = runner.invoke(main, ["emit", "--smoke-test", "--plans", str(setup.root / "plans.json"), "--out", "run"])
     assert emitted.exit_code == 0, emitted.output
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["profiles"] == "profiles"
     other = tmp_path / "other"
     other.mkdir()
     (other / "fast.csv").write_text((setup.profiles / "slow.csv").read_text())  # a slower GPU: other figures
     (other / "slow.csv").write_text((setup.profiles / "slow.csv").read_text())
-    given = runner.invoke(main, ["emit", "--plans", str(setup.root / "plans.json"), "--out", "run2", "--profiles",
+    given = runner.invoke(main, ["emit", "--smoke-test", "--plans", str(setup.root / "plans.json"), "--out", "run2", "--profiles",
                                  str(other)])
     one_line_error(given, "stale plan")  # --profiles wins over the plan's folder
 
@@ -162,7 +162,7 @@ def test_a_plan_made_with_synthesised_profiles_emits_without_more_options(runner
     result = runner.invoke(main, ["search", "--model", "llama3-8b", "--cluster", "pareto-h100-a100-a10g", "--gbs",
                                   SMALL_BATCH, "--top", "1", "--prune", "--output", str(plans)])
     assert result.exit_code == 0, result.output
-    emitted = runner.invoke(main, ["emit", "--plans", str(plans), "--out", str(tmp_path / "run")])
+    emitted = runner.invoke(main, ["emit", "--smoke-test", "--plans", str(plans), "--out", str(tmp_path / "run")])
     assert emitted.exit_code == 0, emitted.output
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     gpus = {t.name: t.gpu for t in load_cluster("pareto-h100-a100-a10g").node_types.values()}

@@ -105,10 +105,10 @@ def test_search_emit_folder_with_files_is_replaced_only_with_force(runner, tiny)
     run = files.root / "run"
     run.mkdir()
     (run / "sbatch.sh").write_text("mine\n")
-    result = runner.invoke(main, ["search", *files.args("--emit", str(run))])
+    result = runner.invoke(main, ["search", *files.args("--emit", str(run), "--smoke-test")])
     one_line_error(result, f"--emit {run}", "--force")  # the option the user gave, not emit's --out
     assert (run / "sbatch.sh").read_text() == "mine\n"
-    ok(runner.invoke(main, ["search", *files.args("--emit", str(run), "--force")]))
+    ok(runner.invoke(main, ["search", *files.args("--emit", str(run), "--force", "--smoke-test")]))
     assert (run / "sbatch.sh").read_text().startswith("#!")
 
 
@@ -117,7 +117,8 @@ def test_emit_rank_is_checked_where_it_is_parsed(runner, tiny, rank):
     files = tiny()
     plans = files.root / "plans.json"
     ok(runner.invoke(main, ["search", *files.args("--output", str(plans))]))
-    result = runner.invoke(main, ["emit", "--plans", str(plans), "--rank", rank, "--out", str(files.root / "run")])
+    result = runner.invoke(main, ["emit", "--smoke-test", "--plans", str(plans), "--rank", rank, "--out",
+                                  str(files.root / "run")])
     one_line_error(result, "--rank", rank)
     assert not (files.root / "run").exists()
 

@@ -109,7 +109,7 @@ def test_calibrated_files_escape_the_measured_path_and_read_back(measured, runne
 
 def test_a_run_directory_with_a_newline_is_refused_for_commands_txt(plans, runner):  # noqa: F811
     out = plans.parent / "run\ntouch PWNED"
-    result = runner.invoke(main, ["emit", "--plans", str(plans), "--out", str(out), "--launcher", "manual",
+    result = runner.invoke(main, ["emit", "--smoke-test", "--plans", str(plans), "--out", str(out), "--launcher", "manual",
                                   "--rendezvous", "file", "--rendezvous-file", "/shared/meet"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     lines = result.stderr.strip().splitlines()
@@ -125,12 +125,13 @@ def test_a_rendezvous_path_with_a_newline_is_refused(plans):  # noqa: F811
 
 def test_the_printed_commands_quote_the_run_directory(plans, runner):  # noqa: F811
     out = plans.parent / "my run; touch PWNED"
-    result = runner.invoke(main, ["emit", "--plans", str(plans), "--out", str(out)])
+    result = runner.invoke(main, ["emit", "--smoke-test", "--plans", str(plans), "--out", str(out)])
     assert result.exit_code == 0, result.output
     hint = result.stderr.strip().splitlines()[-1]
     assert hint == f"Submit with: cd '{out}' && sbatch sbatch.sh"
     check = subprocess.run(["sh", "-c", hint.removeprefix("Submit with: ").replace("sbatch ", "test -f ")],
                            cwd=plans.parent)
     assert check.returncode == 0 and not (plans.parent / "PWNED").exists()
-    result = runner.invoke(main, ["emit", "--plans", str(plans), "--out", str(out), "--force", "--launcher", "ssh"])
+    result = runner.invoke(main, ["emit", "--smoke-test", "--plans", str(plans), "--out", str(out), "--force",
+                                  "--launcher", "ssh"])
     assert result.stderr.strip().splitlines()[-1] == f"Fill in '{out}/hosts', then run: bash '{out}/launch.sh'"

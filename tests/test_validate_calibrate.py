@@ -469,3 +469,63 @@ def test_an_efficiency_above_one_is_a_comment_not_a_gpu_table(measured):
     written = user.root / "written.toml"
     written.write_text(text)
     assert load_cluster(str(written)).gpus["fast"].matmul_efficiency == 0.9
+
+
+# -- the calibrated error band --------------------------------------------------------------------------
+
+def test_calibrate_writes_the_leave_one_out_band_and_answers_on_its_file_carry_it(measured, runner):
+    """The band of a calibrated file is measured / estimate of each run by a fit on the other runs (recomputed
+    here fit by fit), and search, estimate and the budget choice on that file use it instead of the published
+    runs' band."""
+    user, path = measured
+    out = user.root / "calibrated.toml"
+    result = runner.invoke(main, ["calibrate", "--measured", str(path), "--profiles", str(user.profiles),
+                                  "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    calibration = calibration_of(user, path)
+    free = calibration.exercised()
+    everything = list(range(len(calibration.runs)))
+    start = calibration.fit(free, everything)
+    ratios = [calibration.measured_s[i] / calibration.predict(
+        calibration.fit(free, [j for j in everything if j != i], start=start), [i])[0] for i in everything]
+    band = load_cluster(str(out)).error_band
+    assert band is not None and band.runs == len(PLANS)
+    assert (band.low, band.high) == (pytest.approx(min(ratios), abs=1e-4), pytest.approx(max(ratios), abs=1e-4))
+    assert 0.97 < band.low <= band.high < 1.03  # the runs' own scatter, not the published runs' 1.08-1.30
+    assert f"error band: the runs took {band.low:.2f}-{band.high:.2f}x" in result.stdout
+    described = f"measured runs took {band.low:.2f}-{band.high:.2f}x the estimate (fasop calibrate on {path}"
+    searched = runner.invoke(main, ["search", "--model", str(user.model), "--cluster", str(out),
+                                    "--profiles", str(user.profiles), "--top", "1"])
+    estimated = runner.invoke(main, ["estimate", "--model", str(user.model), "--cluster", str(out),
+                                     "--profiles", str(user.profiles), "--tp", "1", "--dp", "2", "--pp", "1",
+                                     "--mbs", "1", "--placement", "fast", "--layers", "4"])
+    for answer in (searched, estimated):
+        assert answer.exit_code == 0, answer.output
+        assert described in answer.stdout and "docs/validation.md" not in answer.stdout
+    from fasop.market.choice import choose
+
+    record = {"feasible": True, "train_hours": 10.0, "train_cost_usd": 100.0, "nodes_fast": 1, "tp": 1, "dp": 2,
+              "pp": 1, "mbs": 1}
+    chosen, message = choose([record], deadline_hours=10.0 * max(1.0, band.high) * 1.001, band=band)
+    assert chosen is record and f"with a {max(0.0, band.high - 1):.0%} margin (the slow end of the error band, " \
+                                f"fasop calibrate on {path}" in message
+    assert choose([record], deadline_hours=10.0 * 1.2, band=None)[0] is None  # the published band's 30% misses
+
+
+def test_one_run_leaves_no_band_and_a_bad_band_is_one_line(measured, runner, tiny):
+    user, path = measured
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:2]) + "\n")
+    out = user.root / "calibrated.toml"
+    result = runner.invoke(main, ["calibrate", "--measured", str(path), "--profiles", str(user.profiles),
+                                  "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "keep the published runs' band" in result.stdout
+    assert load_cluster(str(out)).error_band is None and "error_band" not in out.read_text()
+    bad = tiny("bad", cluster_extra="")
+    text = bad.cluster.read_text().replace("[[node_type]]", "[cluster.error_band]\nlow = 1.2\nhigh = 1.1\nruns = 3\n"
+                                           "source = \"mine\"\n\n[[node_type]]", 1)
+    bad.cluster.write_text(text)
+    refused = runner.invoke(main, ["search", "--model", str(bad.model), "--cluster", str(bad.cluster),
+                                   "--profiles", str(bad.profiles)])
+    one_line_error(refused, "cluster.error_band.low", "expected at most high (1.1)")

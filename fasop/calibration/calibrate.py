@@ -22,6 +22,7 @@ import datetime
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -134,25 +135,44 @@ class Outcome:
     mape_before_pct: float
     mape_after_pct: float  # fitted on every run, scored on the same runs
     mape_loo_pct: float | None  # each run estimated by a fit on the others; None for a single run
+    held_out_ratios: tuple[float, ...] = ()  # measured / that estimate, per run; empty for a single run
+
+    def error_band(self, measured: str, date: str) -> dict | None:
+        """The `[cluster.error_band]` table of the calibrated file: the band of the runs estimated by fits on the
+        others (a fit scored on its own runs would claim a narrower band than new runs will show); None for one run."""
+        if not self.held_out_ratios:
+            return None
+        return {"low": round(min(self.held_out_ratios), 4), "high": round(max(self.held_out_ratios), 4),
+                "runs": len(self.held_out_ratios), "source": f"fasop calibrate on {measured}, leave-one-out",
+                "date": date}
 
 
-def calibrate(calibration: Calibration) -> Outcome:
+def calibrate(calibration: Calibration, progress: Callable[[int, int], None] | None = None) -> Outcome:
+    """The factors fitted on every run, and the leave-one-out error: one fit per run on the others.
+    `progress(done, total)` after each fit."""
     n = len(calibration.runs)
     measured = calibration.measured_s
     before = calibration.predict(calibration.unit())
     free = calibration.exercised()
     everything = list(range(n))
+    fits = 1 + n if n > 1 else 1
     values = calibration.fit(free, everything) if free else calibration.unit()
+    if progress:
+        progress(1, fits)
     after = calibration.predict(values)
-    loo = None
+    loo: float | None = None
+    ratios: tuple[float, ...] = ()
     if n > 1:
         held_out = []
         for i in range(n):
             others = [j for j in everything if j != i]
             fitted = calibration.fit(free, others, start=values) if free else values
             held_out.append(calibration.predict(fitted, [i])[0])
+            if progress:
+                progress(2 + i, fits)
         loo = mape_pct(np.array(held_out), measured)
-    return Outcome(values, free, mape_pct(before, measured), mape_pct(after, measured), loo)
+        ratios = tuple(float(r) for r in measured / np.array(held_out))
+    return Outcome(values, free, mape_pct(before, measured), mape_pct(after, measured), loo, ratios)
 
 
 def factor_lines(outcome: Outcome) -> list[str]:
@@ -299,6 +319,11 @@ def calibrated_cluster_text(cluster_path: Path, cluster: Cluster, outcome: Outco
                          outcome.values[Factor("bandwidth", "inter_node")]).derating
     head = raw.setdefault("cluster", {})
     head["derating"] = {k: getattr(calibrated, k) for k in type(calibrated).__dataclass_fields__}
+    band = outcome.error_band(measured, date)
+    if band is not None:
+        head["error_band"] = band
+    else:
+        head.pop("error_band", None)  # a band of other runs, or of the file before this fit, no longer applies
     mark = "(calibrated by fasop calibrate)"
     if mark not in head.get("description", ""):
         head["description"] = f"{head.get('description', '')} {mark}".strip()

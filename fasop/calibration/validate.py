@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,13 +67,25 @@ def predict_step_s(run: MeasuredRun, model: Model, cluster: Cluster, profiles: d
         if run.kind != "3d":
             _check_whole_cluster(run, cluster)
             plan = plan_row(model, cluster, profiles, run.kind, run.gbs, run.batch_split == "even",
-                            dict(run.samples_per_gpu), overlap=run.overlap_grad_reduce is not False)
+                            dict(run.samples_per_gpu), overlap=run.overlap_grad_reduce is not False,
+                            recompute=run.recompute)
         else:
             plan = estimate(model, cluster, profiles=profiles, **run.spec_fields)
     except (InputError, NoPlan) as err:
         raise InputError(run.where, f"cannot be estimated with model {model.name} and cluster {cluster.name} ({err})") from None
     assert plan.step_time_s is not None  # an estimate states every figure
     return plan.step_time_s
+
+
+def predict_runs(runs: list[MeasuredRun], settings: list[Setting],
+                 progress: Callable[[int, int], None] | None = None) -> list[float]:
+    """predict_step_s of each run with its setting, `progress(done, total)` after each."""
+    predicted = []
+    for done, (run, setting) in enumerate(zip(runs, settings), start=1):
+        predicted.append(predict_step_s(run, setting.model, setting.cluster, setting.profiles))
+        if progress:
+            progress(done, len(runs))
+    return predicted
 
 
 def _check_whole_cluster(run: MeasuredRun, cluster: Cluster) -> None:

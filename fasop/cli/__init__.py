@@ -10,7 +10,8 @@ import click
 # The module (in fasop.cli) of each command, a function of the command's name. A command's module is imported when
 # the command runs or is listed, so that `fasop search` does not load the launch, calibration and charting code.
 COMMAND_MODULES = {"search": "search", "estimate": "estimate", "emit": "emit", "compare": "compare", "profile": "profile",
-                   "validate": "calibration", "calibrate": "calibration", "pareto": "pareto", "plot": "pareto"}
+                   "validate": "calibration", "calibrate": "calibration", "pareto": "pareto", "plot": "pareto",
+                   "report": "report"}
 
 
 class _OneLineError(click.ClickException):

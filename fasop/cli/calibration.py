@@ -9,7 +9,14 @@ from pathlib import Path
 import click
 
 from fasop.calibration.measured import WARMUP_ITERS, input_files, merge_repeats, read_measured
-from fasop.cli.common import check_outputs, force_option, note_synthesised, reports_input_errors
+from fasop.cli.common import (
+    check_outputs,
+    force_option,
+    note_model_defaults,
+    note_synthesised,
+    progress_bar,
+    reports_input_errors,
+)
 from fasop.errors import InputError
 from fasop.files import pending_write
 
@@ -48,6 +55,7 @@ def _runs_and_settings(measured, warmup_iters, model_name, cluster_name, profile
         click.echo(note, err=True)
     for setting in {id(s): s for s in settings}.values():
         note_synthesised(setting.model, setting.profiles)
+        note_model_defaults(setting.model)
     return runs, settings
 
 
@@ -67,14 +75,15 @@ def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, cha
     """Compare fasop's estimates with measured step times: each run's plan is estimated afresh from its
     model, cluster and profiles; prints estimate and measurement per run, the mean absolute percentage
     error (MAPE), the Spearman rank correlation and whether the plan fasop ranks first was the fastest."""
-    from fasop.calibration.validate import compare, format_comparison, predict_step_s
+    from fasop.calibration.validate import compare, format_comparison, predict_runs
 
     if chart is not None and chart.suffix.lower() not in (".png", ".svg"):
         raise InputError(f"--chart {chart}", "expected a file name ending in .png or .svg")
     runs, settings = _runs_and_settings(measured, warmup_iters, model_name, cluster_name, profiles_dir)
     if chart is not None:
         check_outputs([(chart, "--chart")], _inputs(measured, settings), force)
-    predicted = [predict_step_s(r, s.model, s.cluster, s.profiles) for r, s in zip(runs, settings)]
+    with progress_bar("estimating runs") as progress:
+        predicted = predict_runs(runs, settings, progress)
     comparison = compare(runs, predicted)
     click.echo(format_comparison(comparison))
     if chart is not None:
@@ -111,7 +120,8 @@ def calibrate(measured, warmup_iters, model_name, cluster_name, profiles_dir, ou
     if profiles_out is not None:
         outputs += [(profiles_out / f"{gpu}.csv", "--profiles-out") for gpu in sorted(setting.profiles)]
     check_outputs(outputs, _inputs(measured, settings), force)
-    outcome = cal.calibrate(cal.Calibration(runs, setting))
+    with progress_bar("fitting") as progress:
+        outcome = cal.calibrate(cal.Calibration(runs, setting), progress)
     for line in cal.factor_lines(outcome):
         click.echo(line)
     if len(runs) <= len(outcome.free):
@@ -120,6 +130,13 @@ def calibrate(measured, warmup_iters, model_name, cluster_name, profiles_dir, ou
     loo = "n/a (one run)" if outcome.mape_loo_pct is None else f"{outcome.mape_loo_pct:.1f}%"
     click.echo(f"MAPE over {len(runs)} runs: {outcome.mape_before_pct:.1f}% before, {outcome.mape_after_pct:.1f}% "
                f"after (fitted on all runs), {loo} leave-one-out (each run estimated by a fit on the others)")
+    if outcome.held_out_ratios:
+        click.echo(f"error band: the runs took {min(outcome.held_out_ratios):.2f}-{max(outcome.held_out_ratios):.2f}x "
+                   f"their leave-one-out estimates; written to {out} as [cluster.error_band], which search, estimate "
+                   "and pareto on it use instead of the published runs' band")
+    else:
+        click.echo("error band: one run has no leave-one-out estimate; answers on the calibrated file keep the "
+                   "published runs' band")
     today = datetime.date.today().isoformat()
     comments = cal.provenance(outcome, str(measured), today, len(runs), setting)
     texts = [(out, cal.calibrated_cluster_text(setting.cluster_path, setting.cluster, outcome, comments, str(measured),

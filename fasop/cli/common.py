@@ -4,6 +4,7 @@ progress bar of long runs."""
 from __future__ import annotations
 
 import functools
+import json
 import math
 import shlex
 import sys
@@ -21,8 +22,10 @@ from fasop.inputs import bundled
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.names import NAME, NAME_RULE
 from fasop.inputs.profiles import GpuProfile, load_profiles, profile_paths
+from fasop.search.headroom import DEFAULT_MEMORY_HEADROOM
 
 PROGRESS_DELAY_S = 1.0  # runs shorter than this never show a bar
+_MODEL_NOTES = "fasop.model_notes"  # the click context's meta key of note_model_defaults
 
 
 def reports_input_errors(command):
@@ -31,12 +34,33 @@ def reports_input_errors(command):
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            return command(*args, **kwargs)
+            result = command(*args, **kwargs)
         except InputError as err:
             click.echo(f"Error: {_as_given(err)}", err=True)
             raise click.exceptions.Exit(2) from None
+        except click.exceptions.Exit:  # a result shown with an exit code of its own
+            _show_model_notes()
+            raise
+        _show_model_notes()
+        return result
 
     return wrapper
+
+
+def note_model_defaults(model) -> None:
+    """Say, once the command has shown its result (an error stays one line), which fields that change the
+    estimate the model file leaves out and the values taken for them; once per model file and command."""
+    ctx = click.get_current_context(silent=True)
+    if model.defaulted and ctx is not None:
+        taken = ", ".join(f"{name} = {json.dumps(value)}" for name, value in model.defaults_taken().items())
+        ctx.find_root().meta.setdefault(_MODEL_NOTES, {})[model.file] = (
+            f"note: {model.file} leaves out fields that change the estimate; taking {taken} (docs/formats.md)")
+
+
+def _show_model_notes() -> None:
+    ctx = click.get_current_context(silent=True)
+    for note in (ctx.find_root().meta.pop(_MODEL_NOTES, {}) if ctx is not None else {}).values():
+        click.echo(note, err=True)
 
 
 def _as_given(err: InputError) -> str:
@@ -99,6 +123,12 @@ class FiniteRange(click.FloatRange):
         return number
 
 
+memory_headroom_option = click.option(
+    "--memory-headroom", type=FiniteRange(0, 1, min_open=True), default=DEFAULT_MEMORY_HEADROOM, show_default=True,
+    metavar="F", help="Flag plans whose peak memory is above this fraction of a GPU's usable memory, and rank them "
+                      "after every plan below it (1: no flag).")
+
+
 def check_run_length(train_steps: int | None, train_tokens: float | None) -> None:
     """fasop.cost.price.check_run_length, the two options given together refused in their own words."""
     if train_steps is not None and train_tokens is not None:
@@ -152,6 +182,7 @@ def run_profiles(model, cluster, profiles_dir: str | None, allow_mismatch: bool 
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_mismatch,
                              merged_specs(own=cluster.gpus))
     note_synthesised(model, profiles)
+    note_model_defaults(model)
     return profiles
 
 
@@ -166,19 +197,21 @@ def note_synthesised(model, profiles: dict[str, GpuProfile]) -> None:
 
 
 @contextmanager
-def progress_bar(label: str) -> Iterator[Callable[[int, int], None]]:
-    """A `progress(done, total)` callback that shows click's progress bar on stderr, only on a terminal and only
-    once the work has run for PROGRESS_DELAY_S (short runs, and output to files, stay free of it)."""
+def progress_bar(label: str) -> Iterator[Callable[..., None]]:
+    """A `progress(done, total, item=None)` callback that shows click's progress bar on stderr (with `item`, the
+    unit of work just done, beside it), only on a terminal and only once the work has run for PROGRESS_DELAY_S:
+    short runs, pipes and files stay free of it (click's own bar would print its label once into a pipe)."""
     started = time.monotonic()
     bar = None
 
-    def progress(done: int, total: int) -> None:
+    def progress(done: int, total: int, item: str | None = None) -> None:
         nonlocal bar
         if bar is None:
             if time.monotonic() - started < PROGRESS_DELAY_S or not sys.stderr.isatty():
                 return
-            bar = click.progressbar(length=total, label=label, file=sys.stderr)
-        bar.update(done - bar.pos)
+            bar = click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True,
+                                    item_show_func=lambda shown: shown)
+        bar.update(done - bar.pos, item)
 
     try:
         yield progress

@@ -38,8 +38,9 @@ from fasop.search.compare import compare as run_compare
 def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap,
             output, plans_out, chart, force):
     """Compare training strategies for MODEL on CLUSTER: PyTorch DDP with an even and an uneven batch split,
-    ZeRO stages 1 to 3 (FSDP) with uneven batches, the best pipeline plan without tensor parallelism and the
-    best 3D plan: step time, throughput, price and memory per GPU type, or why a strategy has no plan."""
+    ZeRO stages 1 to 3 (FSDP) with uneven batches, each without activation recomputation or with every layer
+    checkpointed, the best pipeline plan without tensor parallelism and the best 3D plan: step time,
+    throughput, price, memory per GPU type and the recomputation of each, or why a strategy has no plan."""
     checks = ((output, "--output", (".csv",)), (plans_out, "--plans-out", (".json",)), (chart, "--chart", (".png", ".svg")))
     for path, option, suffixes in checks:
         if path is not None and path.suffix.lower() not in suffixes:
@@ -48,7 +49,9 @@ def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch,
     outputs = [(path, option) for path, option, _ in checks if path is not None]
     common.check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir), force)
     profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
-    families = run_compare(model, cluster, profiles, gbs, distributed_optimizer=distributed_optimizer, overlap=overlap)
+    with common.progress_bar("comparing") as progress:
+        families = run_compare(model, cluster, profiles, gbs, distributed_optimizer=distributed_optimizer,
+                               overlap=overlap, progress=progress)
     batch = gbs or model.global_batch_size
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {batch}")
     click.echo(table(families))

@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from fasop.cli.common import profiles_option, reports_input_errors
+from fasop.cli.common import note_model_defaults, profiles_option, reports_input_errors
+from fasop.cli.run_options import run_options, run_settings
 from fasop.errors import InputError
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
@@ -67,31 +68,32 @@ def _type_map(values: tuple[str, ...], option: str) -> tuple[str | None, dict[st
 _SITE_HELP = "Overrides the [launch] table of the cluster file."
 
 
-# The site options after --partition and --gres-type, in --help order: (flag, help, click keywords). Each
-# overrides the cluster file's [launch] table; its default None leaves the table's value.
+# The site options after --partition and --gres-type, in --help order: (flag [parameter name], help, click
+# keywords). Each overrides the cluster file's [launch] table; its default None leaves the table's value.
 _SITE_OPTIONS: tuple[tuple[str | None, str, dict[str, Any]], ...] = (
     ("--gpus-per-node", "GPUs per node, instead of the cluster's.", {"type": int}),
     ("--cpus-per-task", "CPUs for the one task per node that runs torchrun and its workers.", {"type": int}),
     ("--account", "Slurm account to charge.", {}),
     ("--exclusive/--no-exclusive", "Ask for whole nodes (default: yes).", {}),
     ("--job-name", "Slurm job name (default: fasop-<model>).", {}),
-    ("--time-limit", "Slurm time limit such as 01:00:00 or 1-12:00:00 (default 01:00:00).", {"metavar": "TIME"}),
+    ("--time-limit", "Slurm time limit of each job such as 01:00:00 or 1-12:00:00 (default 01:00:00); a full run "
+                     "longer than that requeues itself.", {"metavar": "TIME"}),
     ("--megatron-path", "Megatron-LM checkout on the nodes (default Megatron-LM, relative to the run directory; "
                         "the MEGATRON_PATH variable overrides it at run time).", {"metavar": "DIR"}),
     ("--entry-script", "Training script, relative to the Megatron-LM path unless absolute (default "
                        "pretrain_gpt.py, pretrain_bert.py or pretrain_t5.py by model).", {"metavar": "FILE"}),
-    ("--data-path", "Megatron-LM --data-path (default: --mock-data).", {"metavar": "PREFIX"}),
-    ("--tokenizer-type", "Megatron-LM --tokenizer-type (default: NullTokenizer without a vocabulary file, else "
-                         "GPT2BPETokenizer or BertWordPieceLowerCase by model).", {}),
-    ("--vocab-file", "Megatron-LM --vocab-file.", {"metavar": "FILE"}),
-    ("--merge-file", "Megatron-LM --merge-file.", {"metavar": "FILE"}),
-    ("--tokenizer-model", "Megatron-LM --tokenizer-model.", {"metavar": "FILE"}),
     ("--container-image", "Run in this enroot/pyxis container image (srun --container-image); default: no "
                           "container.", {"metavar": "IMAGE"}),
     ("--container-mounts", "pyxis --container-mounts besides the run directory, which is always mounted.",
      {"metavar": "SRC:DST[,...]"}),
     (None, "", {}),  # --extra-flags sits here: it adds to the table's flags instead of replacing them
-    ("--train-iters", "Megatron-LM --train-iters (default 50).", {"type": int}),
+    ("--train-iters", "Megatron-LM --train-iters (default: the plan's train_steps, from `fasop search "
+                      "--train-tokens/--train-steps`; 50 for --smoke-test).", {"type": int}),
+    ("--checkpoint-dir", "Megatron-LM --save and --load of a full run, relative to the run directory unless "
+                         "absolute (default checkpoints).", {"metavar": "DIR"}),
+    ("--save-interval", "Iterations between checkpoints (default: about an hour of steps).", {"type": int}),
+    ("--stop-margin stop_margin_s", "Seconds before the time limit by which each job has saved and stopped; it then "
+                                    "requeues itself (default 600).", {"type": int, "metavar": "SECONDS"}),
     ("--master-port", "Rendezvous port on the first node (default 6000).", {"type": int}),
     ("--megatron-flavor", "stock: Megatron-LM's own flags (default); fasop-fork: FASOP's fork with --balance.",
      {"type": click.Choice(FLAVORS)}),
@@ -108,8 +110,8 @@ def _site_options(command):
                          help="More Megatron-LM flags, split as a shell would; appended last, so they win over the "
                               "emitted ones; repeatable, added to the [launch] table's.")
     for flag, help_text, keywords in reversed(_SITE_OPTIONS):
-        option = extra if flag is None else click.option(flag, default=None, help=f"{help_text} {_SITE_HELP}",
-                                                         **keywords)
+        option = extra if flag is None else click.option(*flag.split(), default=None,
+                                                         help=f"{help_text} {_SITE_HELP}", **keywords)
         command = option(command)
     return command
 
@@ -134,22 +136,25 @@ def _site_options(command):
               help="GRES type (as in --gres=gpu:TYPE:N) for every node type, or TYPE=NAME for one node type or GPU; "
                    "repeatable. Default: the node type's gres_type, else its GPU name in lower case.")
 @_site_options
+@run_options
 @launcher_options
 @profiles_option
 @reports_input_errors
 def emit(plans_file: str, rank: int, out_dir: str, force: bool, model_name: str | None, cluster_name: str | None,
          partitions: tuple[str, ...], gres_types: tuple[str, ...], extra_flags: tuple[str, ...],
-         profiles_dir: str | None, **site) -> None:
+         profiles_dir: str | None, training: tuple[str, ...], **site) -> None:
     """Write Slurm and Megatron-LM launch scripts for one plan of a plan list.
 
     DIR gets sbatch.sh (one Slurm job, a heterogeneous-job component per run of node types in the plan's
     placement order), run_inter.sh (torchrun and Megatron-LM flags, one per node) and plan.json (the plan and
     its estimate). The plan is estimated afresh from the model, cluster and profiles first (the plan's
     `profiles` folder unless --profiles is given), and refused when the figures in the plan file disagree.
-    Submit with: cd DIR && sbatch sbatch.sh
+    A full run trains for the plan's train_steps (search with --train-tokens or --train-steps) on --data-path
+    with a tokenizer, saves checkpoints, stops before each job's time limit and requeues itself until done;
+    --smoke-test makes a short run instead. Submit with: cd DIR && sbatch sbatch.sh
     """
     written = _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions, gres_types,
-                    extra_flags, profiles_dir, site)
+                    extra_flags, profiles_dir, run_settings({**site, "training": training}))
     for path in written:
         click.echo(str(path))
     commands, hint = launcher_hint(site, out_dir)
@@ -166,6 +171,7 @@ def _emit(plans_file, rank, out_dir, force, model_name, cluster_name, partitions
     model_file = _input_file(model_name, plan.model_file, "model", where, plans_path)
     cluster_file = _input_file(cluster_name, plan.cluster_file, "cluster", where, plans_path)
     model, cluster = load_model(model_file), load_cluster(cluster_file)
+    note_model_defaults(model)
     if profiles_dir is None and plan.profiles is not None:  # the folder the plan was made with, or beside the list
         profiles_dir = _input_file(None, plan.profiles, "profiles", where, plans_path)
     partition, partition_map = _type_map(partitions, "--partition")

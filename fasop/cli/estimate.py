@@ -58,15 +58,19 @@ DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and
               help="With --recompute full: 1 for uniform, N for block.")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="Megatron's --sequence-parallel [default: on when tp > 1].")
+@common.memory_headroom_option
 @click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
 @common.reports_input_errors
-def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_profile_mismatch, as_json, **shape):
+def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_profile_mismatch, memory_headroom, as_json,
+             **shape):
     """Break down the step time, memory and price of one plan: given by --tp, --dp, --pp, --mbs, --placement and
     --layers, or read from a plan file with --plan.
 
     Exit status: 0 when the plan fits GPU memory; 3 when it does not (the breakdown is printed all the same, and
     one line on stderr names the stage over its usable memory); 2 on bad input."""
+    from fasop.inputs.errorband import band_of
     from fasop.search import estimate as run_estimate
+    from fasop.search.headroom import memory_load
     from fasop.search.spec import spec_of
 
     ctx = click.get_current_context()
@@ -99,7 +103,8 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
         check_finite(record, "estimate")
         click.echo(json.dumps(record, indent=1, allow_nan=False))
     else:
-        click.echo(format_estimate(plan, model.name, cluster.name, cluster.memory_margin))
+        click.echo(format_estimate(plan, model.name, cluster.name, cluster.memory_margin, band_of(cluster.error_band),
+                                   memory_load(plan, cluster), memory_headroom))
     if not plan.fits_memory:
         click.echo(f"Error: {_over_memory(plan, cluster)}", err=True)
         raise click.exceptions.Exit(DOES_NOT_FIT_STATUS)

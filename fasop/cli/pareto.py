@@ -14,9 +14,21 @@ from fasop.cost.price import run_steps
 from fasop.errors import InputError
 from fasop.files import pending_write
 from fasop.inputs.cluster import load_cluster
+from fasop.inputs.errorband import band_of
 from fasop.inputs.model import load_model
+from fasop.market.choice import MAX_MARGIN
 from fasop.plans import Plan, load_plans, select_plan
 from fasop.timeline import MAX_OPERATIONS
+
+margin_option = click.option(
+    "--margin", type=common.FiniteRange(0, MAX_MARGIN), default=None, metavar="F",
+    help="With --budget or --deadline: count a run as meeting them only when its estimate times 1 + F does (0.3: "
+         "30%) [default: the slow end of the error band of measured runs, docs/validation.md].")
+
+
+def _check_margin(margin: float | None, budget_usd: float | None, deadline_hours: float | None) -> None:
+    if margin is not None and budget_usd is None and deadline_hours is None:
+        raise InputError("--margin", "applies to a choice within --budget or --deadline; give one of them as well")
 
 
 def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
@@ -45,6 +57,7 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
               help="Report the fastest run that costs at most this.")
 @click.option("--deadline", "deadline_hours", type=float, default=None, metavar="HOURS",
               help="Report the cheapest run that ends within this (with --budget: the cheapest meeting both).")
+@margin_option
 @click.option("--max-nodes", multiple=True, metavar="TYPE=N", help="Sweep at most N nodes of TYPE (repeatable).")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write one row per composition to front.csv.")
@@ -57,13 +70,15 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
 @common.mismatch_option
 @common.optimizer_option
 @common.reports_input_errors
-def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd, deadline_hours, max_nodes, output, chart,
-           x_axis, force, profiles_dir, allow_profile_mismatch, distributed_optimizer):
+def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd, deadline_hours, margin, max_nodes,
+           output, chart, x_axis, force, profiles_dir, allow_profile_mismatch, distributed_optimizer):
     """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
-    the Pareto front; with --budget or --deadline, which mix to rent."""
-    from fasop.market.pareto import check_limits, compositions, sweep_and_choose
+    the Pareto front; with --budget or --deadline, which mix to rent, with a margin for the estimates' error."""
+    from fasop.market.choice import sweep_and_choose
+    from fasop.market.pareto import check_limits, compositions
 
     check_limits(budget_usd, deadline_hours)
+    _check_margin(margin, budget_usd, deadline_hours)
     common.check_run_length(train_steps, train_tokens)
     if (budget_usd is not None or deadline_hours is not None) and train_steps is None and train_tokens is None:
         raise InputError("--budget" if budget_usd is not None else "--deadline",
@@ -85,12 +100,14 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd,
                f"global batch {batch}, a run of {_run_length(batch, model, train_steps, train_tokens)}")
     started = time.perf_counter()
     with common.progress_bar("sweeping") as progress:
-        result = sweep_and_choose(model, cluster, todo, budget_usd=budget_usd, deadline_hours=deadline_hours, gbs=gbs,
+        result = sweep_and_choose(model, cluster, todo, budget_usd=budget_usd, deadline_hours=deadline_hours,
+                                  margin=margin, gbs=gbs,
                                   train_steps=train_steps, train_tokens=train_tokens,
                                   distributed_optimizer=distributed_optimizer, progress=progress, profiles=profiles)
     elapsed = time.perf_counter() - started
     records = result.records
     click.echo(front_table(records))
+    click.echo(f"run h and run $: estimates; {band_of(cluster.error_band).describe()}.")
     on_front = sum(r["on_front"] for r in records)
     feasible = sum(r["feasible"] for r in records)
     click.echo(f"{len(records)} compositions swept in {elapsed:.2f} s, {sum(r['plans_evaluated'] for r in records):,} plans "
@@ -147,23 +164,22 @@ TIMELINE_MICROBATCHES = 1024  # more bars than a chart can show
 
 def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
     """The exact schedule of `plan`, drawn from the times its plan file holds."""
-    from fasop.timeline import plan_op_times, plot_timeline, write_trace
+    from fasop.plot import stage_names
+    from fasop.timeline import plan_op_times, plot_timeline, timeline_title, write_trace
 
     where = f"{plan_file}: plan {plan.rank}"
-    m, v = plan.num_microbatches, plan.virtual_stages or 1
+    m = plan.num_microbatches
     assert m is not None  # _load_plan checked it
     if m > TIMELINE_MICROBATCHES:
         raise InputError(f"{where}: num_microbatches", f"{m} micro-batches: a timeline draws at most "
                                                        f"{TIMELINE_MICROBATCHES}")
     times = plan_op_times(plan, where)
+    names = stage_names(plan)
     if out.suffix.lower() == ".json":  # a Chrome trace, to open beside a measured one in Perfetto
-        names = [f"stage {s.stage}: {s.gpu}, {s.layers} layers" for s in plan.stages or []]
         drawn = write_trace(times, out, stage_names=names, inputs=[plan_file], argument="timeline")
     else:
-        drawn = plot_timeline(times, out, inputs=[plan_file], argument="timeline",
-                              title=f"plan {plan.rank}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}"
-                                    + (f" vp={v}" if v > 1 else "") + ", "
-                                    f"{m} micro-batches, pipeline {float(times.makespan_s[0]):.4g} s")
+        drawn = plot_timeline(times, out, inputs=[plan_file], argument="timeline", stage_names=names,
+                              title=timeline_title(plan, times))
     idle = drawn["idle"]["seconds"] / (plan.pp * float(times.makespan_s[0]))
     click.echo(f"schedule of plan {plan.rank} ({plan.pp} stages, {m} micro-batches, "
                f"{idle:.0%} idle) written to {out}")
@@ -179,6 +195,10 @@ def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
               help="Draw the budget and highlight the fastest run within it.")
 @click.option("--deadline", "deadline_hours", type=float, default=None, metavar="HOURS",
               help="Draw the deadline and highlight the cheapest run within it.")
+@margin_option
+@click.option("--cluster", "cluster_name", default=None, metavar="NAME|FILE",
+              help="With --budget or --deadline: the cluster whose error band sets the default margin (a file "
+                   "fasop calibrate wrote carries its runs' band); default: the published runs' band.")
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Instead of a front: chart the stages of one plan of a fasop search --output plans.json file.")
 @click.option("--rank", type=click.IntRange(min=1), default=None, help="Which plan of --plan (default 1, the best).")
@@ -188,20 +208,24 @@ def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
                    f"{MAX_OPERATIONS:,} forwards and backwards (2 x stages x model chunks x micro-batches).")
 @common.force_option
 @common.reports_input_errors
-def plot(front_file, out_path, x_axis, budget_usd, deadline_hours, plan_file, rank, timeline, force):
+def plot(front_file, out_path, x_axis, budget_usd, deadline_hours, margin, cluster_name, plan_file, rank, timeline,
+         force):
     """Chart a front file of fasop pareto (cost against throughput), or with --plan the compute,
     communication and idle time of each pipeline stage of one plan (--out), or its schedule (--timeline)."""
     if (front_file is None) == (plan_file is None):
         raise InputError("fasop plot", "give either a front file (FRONT.csv from fasop pareto --output) or --plan plans.json")
     if (out_path is None) == (timeline is None) or (timeline is not None and plan_file is None):
         raise InputError("fasop plot", "give --out chart.png, or with --plan either --out or --timeline schedule.png")
+    if cluster_name is not None and budget_usd is None and deadline_hours is None:
+        raise InputError("--cluster", "sets the margin of a --budget or --deadline choice: give one of them")
     if out_path is not None and out_path.suffix.lower() not in (".png", ".svg"):
         raise InputError(f"--out {out_path}", "expected a file name ending in .png or .svg")
     common.check_outputs([(out_path, "--out") if out_path is not None else (timeline, "--timeline")],
                          [plan_file or front_file], force)
     if plan_file is not None:
-        if budget_usd is not None or deadline_hours is not None or x_axis is not None:
-            raise InputError("--plan", "--budget, --deadline and --x apply to a front chart, not to a plan's stages")
+        if budget_usd is not None or deadline_hours is not None or margin is not None or x_axis is not None:
+            raise InputError("--plan", "--budget, --deadline, --margin and --x apply to a front chart, not to a plan's "
+                                       "stages")
         plan = _load_plan(plan_file, 1 if rank is None else rank)
         if timeline is not None:
             _plot_timeline(plan, timeline, plan_file)
@@ -213,13 +237,16 @@ def plot(front_file, out_path, x_axis, budget_usd, deadline_hours, plan_file, ra
         return
     if rank is not None:
         raise InputError("--rank", "applies to --plan only")
+    from fasop.market.choice import choose
     from fasop.market.frontfile import read_front_csv
-    from fasop.market.pareto import check_limits, choose
+    from fasop.market.pareto import check_limits
     from fasop.plot import plot_front
 
     check_limits(budget_usd, deadline_hours)
+    _check_margin(margin, budget_usd, deadline_hours)
     records = read_front_csv(front_file)
-    chosen, message = choose(records, budget_usd, deadline_hours)
+    own_band = load_cluster(cluster_name).error_band if cluster_name is not None else None
+    chosen, message = choose(records, budget_usd, deadline_hours, margin, own_band)
     counts = plot_front(records, out_path, x=x_axis or "throughput", budget=budget_usd, deadline=deadline_hours,
                         chosen=chosen)
     if message:

@@ -8,7 +8,14 @@ from pathlib import Path
 import click
 
 from fasop.cli import profile_layers, profile_links
-from fasop.cli.common import catalogue_options, check_outputs, model_option, profile_options, reports_input_errors
+from fasop.cli.common import (
+    catalogue_options,
+    check_outputs,
+    model_option,
+    note_model_defaults,
+    profile_options,
+    reports_input_errors,
+)
 from fasop.errors import InputError
 from fasop.inputs import bundled
 from fasop.inputs.catalogue import gpu_table_path
@@ -54,6 +61,7 @@ def synth(model_name, gpu, tps, mbss, efficiency, link_bandwidth, out, force, ca
     from fasop.profile import synth as synthesis
 
     model = load_model(model_name)
+    note_model_defaults(model)
     spec = synthesis.load_gpu_spec(gpu, catalogue, load_cluster(cluster_name).gpus if cluster_name else None)
     tps, mbss = synthesis.check_degrees(model, synthesis.parse_sizes("tps", tps), synthesis.parse_sizes("mbss", mbss))
     if link_bandwidth is not None and max(tps) == 1:

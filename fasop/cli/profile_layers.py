@@ -3,13 +3,13 @@ the command runs, so the rest of fasop works without it."""
 
 from __future__ import annotations
 
+import itertools
 import shlex
-import sys
 from pathlib import Path
 
 import click
 
-from fasop.cli.common import check_outputs, model_option, profile_options, reports_input_errors
+from fasop.cli.common import check_outputs, model_option, note_model_defaults, profile_options, progress_bar, reports_input_errors
 from fasop.errors import InputError
 from fasop.inputs import bundled
 from fasop.inputs.model import load_model
@@ -66,6 +66,7 @@ def layers(model_name, gpu, tps, mbss, device, repeat, warmup, out, force):
     memory. See fasop/profile/measure.py for how the times are taken.
     """
     model = load_model(model_name)
+    note_model_defaults(model)
     tps, mbss = check_degrees(model, parse_sizes("tps", tps), parse_sizes("mbss", mbss))
     check_outputs([(out, "--out")], [bundled.resolve("models", model_name, ".toml")], force)
     measure = _import_measure()
@@ -76,11 +77,11 @@ def layers(model_name, gpu, tps, mbss, device, repeat, warmup, out, force):
                           "--device", device, "--repeat", str(repeat), "--warmup", str(warmup),
                           "--out", str(out)])
     sizes = [(tp, mbs) for tp in tps for mbs in mbss]
-    with click.progressbar(length=len(sizes), label=f"measuring {model.name}", show_eta=True, show_pos=True,
-                           file=sys.stderr,
-                           item_show_func=lambda label: label) as bar:
+    with progress_bar(f"measuring {model.name}") as progress:
+        measured = itertools.count(1)
+
         def on_size(tp, mbs):
-            bar.update(1, f"tp={tp} mbs={mbs}")
+            progress(next(measured), len(sizes), f"tp={tp} mbs={mbs}")
 
         try:
             rows, out_of_memory = measure.measure(model, tps, mbss, settings, on_size)

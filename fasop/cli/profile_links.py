@@ -4,6 +4,7 @@ bandwidths as cluster-file fields (fasop.profile.links). torch is imported only 
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import shlex
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from fasop.cli.common import reports_input_errors
+from fasop.cli.common import progress_bar, reports_input_errors
 from fasop.errors import InputError
 from fasop.files import write_atomically
 from fasop.profile.links import (
@@ -86,11 +87,12 @@ def links(out, sizes_text, repeat, warmup, device, force):
                 raise InputError(f"--out {out}", problem[0])
             raise click.exceptions.Exit(2)
         kinds = measurable(bench.nodes)
-        times = {}
-        for kind in kinds:
-            times[kind] = [bench.time(kind, size) for size in sizes]
-            if launch.rank == 0:
-                click.echo(f"timed {kind}", err=True)
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        with progress_bar("timing links") as progress:
+            for done, (kind, size) in enumerate(itertools.product(kinds, sizes), start=1):
+                times[kind].append(bench.time(kind, size))
+                if launch.rank == 0:
+                    progress(done, len(kinds) * len(sizes), kind)
         version = linkbench.versions(bench.cuda)
     finally:
         bench.close()

@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from fasop.cli import common
-from fasop.cli.tables import format_table, noise_report
+from fasop.cli.run_options import run_options, run_settings
+from fasop.cli.tables import band_line, format_table, headroom_line, noise_report
 from fasop.cost.config import RECOMPUTE_MODES
 from fasop.errors import InputError
 from fasop.files import check_finite, pending_write
@@ -78,13 +79,16 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
                    "less activation memory).")
 @click.option("--use-all", is_flag=True,
               help="Only plans on every node (by default plans that leave whole node types idle compete too).")
+@common.memory_headroom_option
 @noise_options
+@run_options
 @common.reports_input_errors
 def search(model_name, cluster_name, gbs, top, all_placements, sort, output, force, train_steps, train_tokens, prune,
            workers, emit_dir, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, recompute_modes,
-           no_sequence_parallel, use_all, noise, trials, seed):
-    """Rank every parallel plan of MODEL on CLUSTER by estimated step time."""
-    from fasop.search import search_plans
+           no_sequence_parallel, use_all, memory_headroom, noise, trials, seed, **run):
+    """Rank every parallel plan of MODEL on CLUSTER by estimated step time, plans above the memory headroom
+    after those below it."""
+    from fasop.search.headroom import search_within_headroom
     from fasop.search.space import prepare
 
     recompute = tuple(mode.strip() for mode in recompute_modes.split(","))
@@ -105,10 +109,12 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
     profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
     started = time.perf_counter()
     with common.progress_bar("searching") as progress:
-        result = search_plans(model, cluster, gbs, profiles_dir, distributed_optimizer=distributed_optimizer,
-                              train_steps=train_steps, train_tokens=train_tokens, sort=sort, progress=progress,
-                              keep=top if prune else None, workers=workers, profiles=profiles, overlap=overlap,
-                              recompute=recompute, sequence_parallel=not no_sequence_parallel, use_all=use_all)
+        result = search_within_headroom(model, cluster, gbs, profiles_dir, memory_headroom=memory_headroom,
+                                        distributed_optimizer=distributed_optimizer, train_steps=train_steps,
+                                        train_tokens=train_tokens, sort=sort, progress=progress,
+                                        keep=top if prune else None, workers=workers, profiles=profiles,
+                                        overlap=overlap, recompute=recompute, sequence_parallel=not no_sequence_parallel,
+                                        use_all=use_all)
     elapsed = time.perf_counter() - started
     plans = result.plans
     if not plans:
@@ -122,14 +128,15 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
     if noise is not None:  # before anything is written: nothing is left behind when it fails
         prepared = prepare(model, cluster, plans[0].gbs, profiles_dir, distributed_optimizer, profiles, overlap,
                            recompute, not no_sequence_parallel)
-        report = noise_report(prepared, plans, noise, trials or DEFAULT_TRIALS, seed or 0, sort, top)
-    _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs)
+        with common.progress_bar("noise trials") as progress:
+            report = noise_report(prepared, plans, noise, trials or DEFAULT_TRIALS, seed or 0, sort, top, progress)
+    notes = _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs, run_settings(run))
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0].gbs}; "
                f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
                f"solved), {len(plans)} {'best kept' if prune else 'fit in memory'}, {result.out_of_memory} removed "
                f"as out of memory.")
     click.echo(TIMING_LEGEND)
-    click.echo(format_table(plans, top, all_placements))
+    _echo_table(plans, top, all_placements, cluster, memory_headroom)
     _echo_notes(result, top, cluster)
     if report is not None:
         click.echo(report)
@@ -137,6 +144,23 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
         click.echo(f"{len(plans)} plans written to {output}")
     if emit_dir is not None:
         click.echo(f"launch scripts of plan 1 written to {emit_dir}; submit with: cd {emit_dir} && sbatch sbatch.sh")
+        for note in notes:
+            click.echo(note, err=True)
+
+
+def _echo_table(plans, top, all_placements, cluster, memory_headroom) -> None:
+    """The ranked plans, the plans above the memory headroom marked, and the error band of the best."""
+    from fasop.inputs.errorband import band_of
+    from fasop.search.headroom import over_headroom
+
+    def flagged(plan) -> bool:
+        return over_headroom(plan, cluster, memory_headroom)
+
+    click.echo(format_table(plans, top, all_placements, flagged))
+    over = sum(map(flagged, plans))
+    if over:
+        click.echo(headroom_line(over, len(plans), memory_headroom))
+    click.echo(band_line(band_of(cluster.error_band), plans[0]))
 
 
 def _echo_notes(result, top, cluster) -> None:
@@ -163,17 +187,21 @@ def _echo_notes(result, top, cluster) -> None:
         click.echo(f"note: leaving {idle} idle is {gain} on every node (--use-all keeps every node).")
 
 
-def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> None:
+def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs, run) -> list[str]:
     """The plan list and the best plan's launch scripts. Everything that can fail is done before the first file
-    is written: the plan list is moved into place only once the launch scripts are written."""
-    emitted = {}
+    is written: the plan list is moved into place only once the launch scripts are written. Returns what the
+    user must know about the emitted run (fasop.launch.resume)."""
+    emitted, notes = {}, []
     if emit_dir is not None:
+        from fasop.inputs.errorband import band_of
         from fasop.launch.options import launch_options  # the launch code is loaded only for --emit
+        from fasop.launch.resume import run_notes
         from fasop.launch.write import render_plan, write_files
 
-        options = launch_options(cluster.launch, f"{cluster.file or cluster.name}: launch")
+        options = launch_options(cluster.launch, f"{cluster.file or cluster.name}: launch", **run)
         check_finite(plans[0].record(), "--emit plan 1")
         emitted = render_plan(plans[0], model, cluster, options, where="plan 1")
+        notes = run_notes(plans[0], options, band_of(cluster.error_band))
         # force: whether files may be replaced was settled before the search
         common.check_outputs(outputs + [(emit_dir / name, "--emit") for name in emitted], inputs, force=True)
     with pending_write(output, plans_text(plans, output), f"--output {output}") if output else nullcontext():
@@ -181,3 +209,4 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs) -> 
             # force: whether its files may be replaced was settled before the search, and the plan list's
             # temporary file may be there now
             write_files(emit_dir, emitted, force=True, argument="emit_dir")
+    return notes

@@ -72,6 +72,14 @@ def usable_gib(cluster: Cluster, capacity_gib: Capacity) -> Capacity:
     return (capacity_gib - cluster.gpu_memory_overhead_gib) / cluster.memory_margin
 
 
+def growth_to_fit(cluster: Cluster, capacity_gib: np.ndarray, fixed_gib: np.ndarray,
+                  layer_gib: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fixed, per layer): a stage holding fixed_gib + layer_gib n GiB on GPUs of capacity_gib fits once their memory
+    grows by the factor fixed + per_layer n, where usable_gib reaches what it holds."""
+    return ((cluster.memory_margin * fixed_gib + cluster.gpu_memory_overhead_gib) / capacity_gib,
+            cluster.memory_margin * layer_gib / capacity_gib)
+
+
 def _attention_activation_bytes(model: Model, q_seq: int, kv_seq: int, mbs: int, cross: bool) -> np.ndarray:
     """(replicated, split, scores) bytes: what stays whole on every rank of a tensor-parallel group without
     sequence parallelism (norm and projection inputs, dropout mask), what tensor parallelism splits, and the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -13,8 +13,9 @@ from fasop.errors import InputError
 from fasop.inputs import bundled
 from fasop.inputs.bandwidth import Bandwidth
 from fasop.inputs.catalogue import GpuSpec, gpu_tables, merged_specs
+from fasop.inputs.errorband import BandTable, ErrorBand, table_band
 from fasop.inputs.names import Name
-from fasop.inputs.tomlfile import Range, Table, Text, read_toml, validated
+from fasop.inputs.tomlfile import Range, Table, Text, expected, read_toml, validated
 
 # Latency of one step of a transfer, microseconds: NCCL's own tuning model (src/graph/tuning.cc, hwLat, ring
 # algorithm with the Simple protocol, which large transfers use) charges 3.4 us per NVLink hop and 9.6 us per
@@ -22,6 +23,23 @@ from fasop.inputs.tomlfile import Range, Table, Text, read_toml, validated
 DEFAULT_INTRA_NODE_LATENCY_US = 3.4
 DEFAULT_INTER_NODE_LATENCY_US = 9.6
 MAX_LATENCY_US = 1e6
+
+
+FABRICS = ("infiniband", "efa", "ethernet")
+# NCCL's interface and device lists: names, "," between them, "^" (exclude) and "=" (exact name) before them
+NCCL_LIST = r"\^?=?[A-Za-z0-9_.:-]+(,=?[A-Za-z0-9_.:-]+)*"
+
+
+class NetworkTable(Table):
+    """A node type's `network` table (docs/formats.md): its fabric, and the NCCL names that differ from the
+    fabric's defaults (clusters/catalogue/fabrics.toml)."""
+
+    fabric: Literal["infiniband", "efa", "ethernet"]
+    socket_ifname: Annotated[str, Field(pattern=f"^{NCCL_LIST}$"), expected("an NCCL interface list such as eth0 "
+                                                                           "or ^lo,docker")] | None = None
+    ib_hca: Annotated[str, Field(pattern=f"^{NCCL_LIST}$"), expected("an NCCL device list such as mlx5 or "
+                                                                    "mlx5_0:1,mlx5_1:1")] | None = None
+
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,8 @@ class NodeType:
     price_date: str = ""
     slurm_partition: str | None = None
     gres_type: str | None = None
+    cpus_per_node: int | None = None  # the one task per node gets them all (--cpus-per-task)
+    network: NetworkTable | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,7 @@ class Cluster:
     launch: dict[str, Any] = field(default_factory=dict)
     file: str = ""
     gpus: dict[str, GpuSpec] = field(default_factory=dict)  # the file's own [[gpu]] specs (fasop.inputs.catalogue)
+    error_band: ErrorBand | None = None  # the user's runs' band (a calibrated file); None: the published runs'
 
     @property
     def gpus_per_node(self) -> int:
@@ -131,6 +152,8 @@ class NodeTypeTable(Table):
     count: Annotated[int, Range(0, MAX_NODES_PER_TYPE)]
     slurm_partition: Text | None = None
     gres_type: Text | None = None
+    cpus_per_node: Annotated[int, Range(1, 1_000_000)] | None = None
+    network: NetworkTable | None = None
 
 
 Ratio = Annotated[float, Range(0.0, MAX_DERATING, low_allowed=False)]
@@ -149,6 +172,7 @@ class ClusterHead(Table):
     memory_margin: Annotated[float, Range(0.0, MAX_MEMORY_MARGIN, low_allowed=False)] = 1.0
     gpu_memory_overhead_gib: Annotated[float, Range(0.0, MAX_GPU_MEMORY_GIB)] = GPU_MEMORY_OVERHEAD_GIB
     derating: DeratingTable = Field(default_factory=DeratingTable)
+    error_band: BandTable | None = None  # written by fasop calibrate
 
 
 class ClusterFile(Table):
@@ -191,6 +215,8 @@ def _node_type(table: NodeTypeTable, file: str, catalogue: Callable[[], dict[str
         price_date=table.price_date,
         slurm_partition=table.slurm_partition,
         gres_type=table.gres_type,
+        cpus_per_node=table.cpus_per_node,
+        network=table.network,
     )
 
 
@@ -221,6 +247,7 @@ def load_cluster(cluster_name: str) -> Cluster:
         node_types={n: t for n, t in types.items() if t.count > 0},
         derating=Derating(**dict(head.derating)),
         memory_margin=head.memory_margin,
+        error_band=None if head.error_band is None else table_band(head.error_band, f"{file}: cluster.error_band."),
         gpu_memory_overhead_gib=head.gpu_memory_overhead_gib,
         description=head.description,
         launch=cluster.launch,

@@ -22,6 +22,12 @@ MAX_WIDTH = 2**20  # hidden_size, kv_channels (ffn_hidden_size: 4x)
 MAX_HEADS = 2**16
 MAX_SEQ_LENGTH = 2**24
 MAX_VOCAB = 2**24
+# Fields that change an estimate and that the shape does not imply: how the model is built and trained. A model
+# file that leaves one out takes the default of ModelTable, and the command line says so (docs/formats.md). The
+# shape's own defaults (kv_channels, num_query_groups, ffn_hidden_size) follow from the fields given, and
+# make_vocab_size_divisible_by's is Megatron-LM's.
+ASSUMED_FIELDS = ("tie_embeddings", "position_embedding", "normalization", "ffn_activation", "flash_attention",
+                  "dropout", "linear_bias", "precision")
 
 
 @dataclass(frozen=True)
@@ -50,9 +56,14 @@ class Model:
     make_vocab_size_divisible_by: int = 128
     source: str = ""
     file: str = field(default="", compare=False)
+    defaulted: tuple[str, ...] = field(default=(), compare=False)  # ASSUMED_FIELDS the model file leaves out
 
     def __hash__(self) -> int:  # cheap: the cached methods below hash the model on every call
         return hash((self.name, self.hidden_size, self.encoder_num_layers, self.decoder_num_layers))
+
+    def defaults_taken(self) -> dict[str, bool | str]:
+        """The values taken for the fields the model file leaves out (`defaulted`), by field."""
+        return {name: getattr(self, name) for name in self.defaulted}
 
     # -- shape -------------------------------------------------------------------------------------
     @property
@@ -194,6 +205,7 @@ class ModelTable(Table):
 
 class ModelFile(Table):
     model: ModelTable
+    training: dict = {}  # hyperparameters of a full run, read by fasop.inputs.training where a run is emitted
 
 
 _ONE_SEGMENT = ("num_layers", "seq_length")
@@ -251,4 +263,5 @@ def load_model(model_name: str) -> Model:
         make_vocab_size_divisible_by=table.make_vocab_size_divisible_by,
         source=table.source,
         file=model_name if is_bundled else str(path),
+        defaulted=tuple(name for name in ASSUMED_FIELDS if name not in table.model_fields_set),
     )

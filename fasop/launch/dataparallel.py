@@ -47,7 +47,7 @@ def restate_dp_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | No
         profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir,
                                  specs=merged_specs(own=cluster.gpus))
         fresh = plan_row(model, cluster, profiles, plan.kind, plan.gbs, plan.batch_split == "even", samples,
-                         overlap=plan.overlap_grad_reduce is not False)
+                         overlap=plan.overlap_grad_reduce is not False, recompute=plan.recompute or "none")
     except (InputError, NoPlan) as err:
         raise InputError(where, f"cannot be estimated afresh from model {model.name} and cluster {cluster.name} "
                                 f"({err})") from None

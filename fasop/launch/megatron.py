@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from fasop.errors import ArgumentError, InputError
+from fasop.inputs.training import training_settings
 from fasop.launch.options import LaunchOptions
+from fasop.launch.resume import save_interval, train_iters
 from fasop.search.spec import PlanSpec
 
 ENTRY_SCRIPTS = {"decoder": "pretrain_gpt.py", "encoder": "pretrain_bert.py", "encoder-decoder": "pretrain_t5.py"}
@@ -224,18 +226,28 @@ def model_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
     return flags
 
 
-def training_flags(opts: LaunchOptions) -> list[tuple[str, ...]]:
-    return [
-        ("--train-iters", str(opts.train_iters)),
-        ("--lr", "0.00015"),
-        ("--min-lr", "1.0e-5"),
-        ("--lr-decay-style", "cosine"),
-        ("--lr-warmup-fraction", "0.01"),
-        ("--weight-decay", "0.01"),
-        ("--clip-grad", "1.0"),
-        ("--log-interval", "10"),
-        ("--eval-iters", "0"),
-    ]
+SMOKE_TEST_LR = "1.0e-4"  # any rate will do for a smoke test of a model file that gives none
+
+
+def training_flags(plan: Any, model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
+    """The run's length, the model's [training] hyperparameters (fasop.inputs.training) and, for a full run,
+    checkpoints and the stop on SIGTERM. The stop before a job's time limit, `--exit-duration-in-mins`, is
+    added at run time where sbatch.sh sets it (fasop.launch.resume): other launchers have no time limit."""
+    iters = train_iters(plan, opts)
+    settings = training_settings(model, opts.training).model_dump(exclude_none=True)
+    settings.pop("source", None)
+    if "lr" not in settings:
+        if not opts.smoke_test:
+            raise ArgumentError("training", f"model {model.name} gives no lr in its [training] table, and a full run "
+                                            "needs one (Megatron-LM has no default); add it or give lr=VALUE")
+        settings["lr"] = SMOKE_TEST_LR
+    flags: list[tuple[str, ...]] = [("--train-iters", str(iters)), ("--lr-decay-iters", str(iters))]
+    flags += [("--" + key.replace("_", "-"), str(value)) for key, value in settings.items()]
+    flags += [("--log-interval", "10"), ("--eval-iters", "0")]
+    if not opts.smoke_test:
+        flags += [("--save", opts.checkpoint_dir), ("--load", opts.checkpoint_dir),
+                  ("--save-interval", str(save_interval(plan, opts, iters))), ("--exit-signal-handler",)]
+    return flags
 
 
 def data_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
@@ -243,6 +255,12 @@ def data_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
     if fork and (opts.data_path is None or (opts.vocab_file is None and opts.tokenizer_model is None)):
         raise ArgumentError("megatron_flavor", "needs a data path and a vocabulary file (that Megatron-LM has no mock "
                                                "data and no null tokenizer)", "fasop-fork")
+    no_tokenizer = opts.tokenizer_type is None and opts.vocab_file is None and opts.tokenizer_model is None
+    if not opts.smoke_test and (opts.data_path is None or no_tokenizer):
+        missing = [what for what, absent in (("data_path", opts.data_path is None), (
+            "a tokenizer (tokenizer_type, tokenizer_model or vocab_file)", no_tokenizer)) if absent]
+        raise ArgumentError("data_path" if opts.data_path is None else "tokenizer_type",
+                            f"a full run needs {' and '.join(missing)}; mock data is for a smoke_test only")
     flags: list[tuple[str, ...]] = []
     flags.append(("--data-path", opts.data_path) if opts.data_path else ("--mock-data",))
     tokenizer = opts.tokenizer_type

@@ -53,7 +53,12 @@ class LaunchOptions:
     container_image: str | None = None  # enroot/pyxis image; None: no container
     container_mounts: str | None = None  # pyxis --container-mounts, besides the run directory
     extra_flags: tuple[str, ...] = ()  # appended to the Megatron-LM flags (later flags win)
-    train_iters: int = 50
+    train_iters: int | None = None  # default: the plan's train_steps (fasop.launch.resume)
+    smoke_test: bool = False  # a short run (mock data without a data path), the only run without train_steps
+    checkpoint_dir: str = "checkpoints"  # Megatron-LM --save and --load; relative: to the run directory
+    save_interval: int | None = None  # iterations between checkpoints (default: about an hour's)
+    stop_margin_s: int = 600  # each job saves and stops this long before its time limit
+    training: Mapping[str, str] = field(default_factory=dict)  # [training] keys over the model file's
     master_port: int = 6000
     megatron_flavor: str = "stock"
     pipeline_split: str = "auto"
@@ -95,7 +100,7 @@ def check_options(opts: LaunchOptions, where: str | None = None) -> None:
         raise bad("megatron_flavor", f"expected one of {', '.join(FLAVORS)}, got {opts.megatron_flavor!r}")
     if opts.pipeline_split not in PIPELINE_SPLITS:
         raise bad("pipeline_split", f"expected one of {', '.join(PIPELINE_SPLITS)}, got {opts.pipeline_split!r}")
-    for key in ("gpus_per_node", "cpus_per_task", "train_iters"):
+    for key in ("gpus_per_node", "cpus_per_task", "train_iters", "save_interval", "stop_margin_s"):
         value = getattr(opts, key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise bad(key, f"expected an integer >= 1, got {value!r}")
@@ -105,13 +110,14 @@ def check_options(opts: LaunchOptions, where: str | None = None) -> None:
     if not isinstance(opts.time_limit, str) or not SLURM_TIME.fullmatch(opts.time_limit):
         raise bad("time_limit", f"expected a Slurm time such as 90, 01:30:00 or 1-12:00:00, got {opts.time_limit!r}")
     _check_slurm_names(opts, bad)
-    for key in ("megatron_path", "entry_script", "data_path", "tokenizer_type", "vocab_file", "merge_file",
+    for key in ("checkpoint_dir", "megatron_path", "entry_script", "data_path", "tokenizer_type", "vocab_file", "merge_file",
                 "tokenizer_model", "container_image", "container_mounts"):
         value = getattr(opts, key)
         if value is not None and (not isinstance(value, str) or not value or "\n" in value or "\0" in value):
             raise bad(key, f"expected a non-empty one-line string, got {value!r}")
-    if not isinstance(opts.exclusive, bool):
-        raise bad("exclusive", f"expected true or false, got {opts.exclusive!r}")
+    for key in ("exclusive", "smoke_test"):
+        if not isinstance(getattr(opts, key), bool):
+            raise bad(key, f"expected true or false, got {getattr(opts, key)!r}")
     if any(not isinstance(f, str) or "\n" in f or "\0" in f for f in opts.extra_flags):
         raise bad("extra_flags", "expected one-line strings")
 
@@ -138,7 +144,7 @@ LAUNCH_KEYS = (
     "partition", "gres_type", "gpus_per_node", "cpus_per_task", "account", "exclusive", "job_name", "time_limit",
     "megatron_path", "entry_script", "data_path", "tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
     "container_image", "container_mounts", "extra_flags", "train_iters", "master_port", "megatron_flavor",
-    "pipeline_split",
+    "pipeline_split", "checkpoint_dir", "save_interval", "stop_margin_s",
 )
 
 

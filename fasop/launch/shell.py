@@ -18,8 +18,12 @@ def quote(text: str) -> str:
 
 def assignment(name: str, value: str) -> str:
     """`NAME=value` for a command's environment, the value quoted: a quoted whole (`'NAME=a b'`) is no
-    assignment to the shell but the name of a command to run."""
-    return f"{name}={quote(value)}"
+    assignment to the shell but the name of a command to run; a value starting with "=" is quoted too, as
+    `NAME==x` reads like a comparison to linters."""
+    word = quote(value)
+    if word.startswith("="):  # unquoted, so of safe characters only
+        word = f"'{word}'"
+    return f"{name}={word}"
 
 
 def bash_array(name: str, flags: Iterable[Sequence[str]]) -> str:

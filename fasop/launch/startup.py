@@ -125,9 +125,11 @@ def _rendezvous_lines(master_port: int) -> list[str]:
     ]
 
 
-def torchrun_lines(arrays: Sequence[tuple[str, Iterable[Sequence[str]]]], *leading: str) -> list[str]:
+def torchrun_lines(arrays: Sequence[tuple[str, Iterable[Sequence[str]]]], *leading: str,
+                   before_run: Sequence[str] = ()) -> list[str]:
     """The torchrun call after startup_lines: every node meets at MASTER_ADDR:MASTER_PORT as node rank
-    NODE_RANK; the entry script gets the `leading` words, then each (name, flags) bash array in order."""
+    NODE_RANK; the entry script gets the `leading` words, then each (name, flags) bash array in order, as
+    the `before_run` lines leave them."""
     words = [*leading, *(f'"${{{name}[@]}}"' for name, _ in arrays)]
     return [
         "DISTRIBUTED_ARGS=(",
@@ -135,6 +137,7 @@ def torchrun_lines(arrays: Sequence[tuple[str, Iterable[Sequence[str]]]], *leadi
         '    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"',
         ")",
         *(bash_array(name, flags) for name, flags in arrays),
+        *before_run,
         "",
         'exec torchrun "${DISTRIBUTED_ARGS[@]}" "$ENTRY_SCRIPT" \\',
         "    " + " ".join(words),

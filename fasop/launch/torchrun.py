@@ -6,7 +6,9 @@ import os
 from typing import Any
 
 from fasop.launch.megatron import ENTRY_SCRIPTS, data_flags, model_flags, recompute_flags, split_layer_flags, training_flags
+from fasop.launch.network import network_lines
 from fasop.launch.options import LaunchOptions
+from fasop.launch.resume import EXIT_DURATION_VARIABLE
 from fasop.launch.shell import group_flags, quote
 from fasop.launch.slurm import describe_plan
 from fasop.launch.startup import startup_lines, torchrun_lines
@@ -46,8 +48,12 @@ def run_inter_script(plan: Plan, model: Any, cluster: Any, p: PlanSpec, opts: La
         "",
         "export CUDA_DEVICE_MAX_CONNECTIONS=1",
         "",
+        *network_lines([cluster.node_types[name] for name in dict.fromkeys(p.placement)]),
         *torchrun_lines([("PARALLEL_ARGS", parallel), ("MODEL_ARGS", model_flags(model, opts)),
-                         ("TRAINING_ARGS", training_flags(opts)), ("DATA_ARGS", data_flags(model, opts)),
-                         ("EXTRA_ARGS", group_flags(opts.extra_flags))]),
+                         ("TRAINING_ARGS", training_flags(plan, model, opts)), ("DATA_ARGS", data_flags(model, opts)),
+                         ("EXTRA_ARGS", group_flags(opts.extra_flags))],
+                       before_run=[f'if [[ -n "${{{EXIT_DURATION_VARIABLE}:-}}" ]]; then  # set by sbatch.sh: its time limit',
+                                   f'    TRAINING_ARGS+=(--exit-duration-in-mins "${EXIT_DURATION_VARIABLE}")',
+                                   "fi"]),
     ]
     return "\n".join(lines)

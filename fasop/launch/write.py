@@ -24,12 +24,14 @@ from fasop.errors import ArgumentError, InputError
 from fasop.files import check_outputs
 from fasop.inputs import bundled
 from fasop.inputs.cluster import Cluster
+from fasop.inputs.errorband import band_of
 from fasop.inputs.model import Model
 from fasop.launch.dataparallel import render_dp_plan, restate_dp_plan
 from fasop.launch.launchers import LAUNCHERS, RENDEZVOUS, launcher_files, launcher_inputs
 from fasop.launch.options import LaunchOptions, check_options, launch_options, split_flags
 from fasop.launch.restate import restate_plan
-from fasop.launch.slurm import sbatch_script
+from fasop.launch.resume import exit_duration_min, run_notes, train_iters
+from fasop.launch.slurm import ResumeSettings, sbatch_script
 from fasop.launch.torchrun import run_inter_script
 from fasop.plans import Plan
 from fasop.search.spec import spec_of
@@ -53,9 +55,13 @@ def render_plan(plan: Plan, model: Any, cluster: Any, options: LaunchOptions | N
     check_options(opts)
     where = where or f"plan {plan.rank or '?'}"
     p = spec_of(plan, model, cluster, where, opts.gpus_per_node)
+    run_inter = run_inter_script(plan, model, cluster, p, opts, where)  # first: it refuses a run it cannot make
+    resume = None if opts.smoke_test else ResumeSettings(opts.checkpoint_dir, train_iters(plan, opts),
+                                                         exit_duration_min(opts))
     return {
-        "sbatch.sh": sbatch_script(plan, model, cluster, p.gpus_per_node, opts),
-        "run_inter.sh": run_inter_script(plan, model, cluster, p, opts, where),
+        "sbatch.sh": sbatch_script(plan, model, cluster, p.gpus_per_node, opts,
+                                   run_notes(plan, opts, band_of(cluster.error_band)), resume),
+        "run_inter.sh": run_inter,
         "plan.json": json.dumps(plan.record(), indent=2, sort_keys=True) + "\n",
     }
 
@@ -123,7 +129,10 @@ def emit(plan: Plan, model: Model, cluster: Cluster, out_dir: str | os.PathLike,
     `site`: launch options (fasop.launch.options.LaunchOptions: time_limit=..., partitions={"A100": "hgx"}, ...)
     over the cluster file's [launch] table; a `partition` or `gres_type` names every node type, over the table's
     per-type names. `extra_flags`: Megatron-LM arguments, or one string split as a shell would. `inputs`: files
-    besides the model, cluster and hosts files that no output may replace (the plan list).
+    besides the model, cluster and hosts files that no output may replace (the plan list). A full run needs the
+    plan's train_steps (or train_iters), data_path and a tokenizer, and the model's lr (or training={"lr": ...});
+    smoke_test=True makes a short run instead. `warn` also gets what the user must know about the run: its
+    length and, when it outlasts the time limit, the jobs it takes (fasop.launch.resume).
     """
     for value, argument, known in ((launcher, "launcher", LAUNCHERS), (rendezvous, "rendezvous", RENDEZVOUS)):
         if value not in known:
@@ -142,6 +151,9 @@ def emit(plan: Plan, model: Model, cluster: Cluster, out_dir: str | os.PathLike,
     written = write_files(out, files, force)
     if warning:
         warn(warning)
+    if not plan.is_data_parallel:
+        for note in run_notes(plan, options, band_of(cluster.error_band)):
+            warn(note)
     return written
 
 

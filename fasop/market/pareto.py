@@ -1,12 +1,11 @@
 """Which machines to rent: sweep every composition of a cluster's node types, keep each composition's best
 plan, and mark the Pareto front of time to train against the cost of the run.
 
-    from fasop.market.pareto import compositions, sweep, choose
+    from fasop.market.pareto import compositions, sweep
     records = sweep(model, cluster, compositions(cluster), train_steps=10_000)
-    best, message = choose(records, budget_usd=5_000)
 
-`sweep_and_choose` does both, as `fasop pareto` does; `pareto`, the Python API's `fasop.pareto`, returns its
-records as a pandas DataFrame.
+fasop.market.choice chooses within a budget or a deadline; its `sweep_and_choose` does both, as `fasop pareto`
+does, and its `pareto`, the Python API's `fasop.pareto`, returns the records as a pandas DataFrame.
 
 A composition is a number of nodes of each node type (`{"A100": 2, "A10": 4}`); the planner searches every
 plan that uses all of its GPUs and the composition keeps the fastest (within one composition the fastest
@@ -29,7 +28,7 @@ from fasop.cost.price import check_run_length
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
-from fasop.market.frontfile import INT_COLUMNS, NODES_PREFIX, TAIL_COLUMNS
+from fasop.market.frontfile import NODES_PREFIX, TAIL_COLUMNS
 
 DEFAULT_TRAIN_STEPS = 10_000  # run length used when neither train_steps nor train_tokens is given
 PARALLEL_COMPOSITIONS = 8  # compositions per process: smaller sweeps stay in one process
@@ -245,11 +244,6 @@ def mark_front(records: list[dict]) -> None:
 
 # -- budget and deadline ----------------------------------------------------------------------------------
 
-def _describe(record: dict) -> str:
-    return (f"{composition_label(record, unit=True)} (tp={record['tp']} dp={record['dp']} pp={record['pp']} "
-            f"mbs={record['mbs']}): {record['train_hours']:,.2f} h, ${record['train_cost_usd']:,.2f}")
-
-
 def check_limits(budget_usd: float | None = None, deadline_hours: float | None = None) -> None:
     """A budget and a deadline, when given, must be positive finite numbers."""
     for value, argument, unit in ((budget_usd, "budget_usd", "dollars"), (deadline_hours, "deadline_hours", "hours")):
@@ -258,134 +252,3 @@ def check_limits(budget_usd: float | None = None, deadline_hours: float | None =
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ArgumentError(argument, f"expected a positive number of {unit}, got {value:g}"
                                 if isinstance(value, (int, float)) else f"expected a positive number of {unit}, got {value!r}")
-
-
-def _hours(record: dict) -> float:
-    return record["train_hours"]
-
-
-def _cost(record: dict) -> float:
-    return record["train_cost_usd"]
-
-
-def _choose_within(feasible: list[dict], limit: float, measure, other, texts: tuple[str, str]) -> tuple[dict | None, str]:
-    """One limit on `measure` (cost or hours): the run that is best by `other` within it (ties: the better by
-    `measure`), else None and how far the best run by `measure` misses it; texts: (found, missed as a format
-    of near, miss and pct)."""
-    meets = [r for r in feasible if measure(r) <= limit]
-    if meets:
-        best = min(meets, key=lambda r: (other(r), measure(r)))
-        return best, f"{texts[0]}: {_describe(best)}"
-    near = min(feasible, key=lambda r: (measure(r), other(r)))
-    miss = measure(near) - limit
-    return None, texts[1].format(near=_describe(near), miss=miss, pct=100 * miss / limit)
-
-
-def choose(records: list[dict], budget_usd: float | None = None,
-           deadline_hours: float | None = None) -> tuple[dict | None, str]:
-    """The composition that meets the constraint best, and a one-line message saying so.
-
-    - budget only: the fastest run whose cost is within the budget (ties: the cheaper);
-    - deadline only: the cheapest run that ends within the deadline (ties: the faster);
-    - both: the cheapest run that meets both (ties: the faster).
-    When none qualifies: (None, a message naming the closest composition and how far it misses: the
-    cheapest for a budget, the fastest for a deadline, and for both the one whose worse overshoot, in
-    percent of its limit, is smallest). With neither limit: (None, "").
-    """
-    check_limits(budget_usd, deadline_hours)
-    if budget_usd is None and deadline_hours is None:
-        return None, ""
-    feasible = [r for r in records if r.get("feasible")]
-    if not feasible:
-        return None, "no composition has a plan that fits in memory"
-    if budget_usd is not None and deadline_hours is not None:
-        return _choose_within_both(feasible, budget_usd, deadline_hours)
-    if budget_usd is not None:
-        return _choose_within(feasible, budget_usd, _cost, _hours, (
-            f"fastest within the budget of ${budget_usd:,.2f}",
-            f"no composition fits the budget of ${budget_usd:,.2f}; the cheapest, {{near}}, is ${{miss:,.2f}} "
-            "({pct:.1f}%) over"))
-    assert deadline_hours is not None  # one of the two limits is given (checked above)
-    return _choose_within(feasible, deadline_hours, _hours, _cost, (
-        f"cheapest within the deadline of {deadline_hours:,.2f} h",
-        f"no composition meets the deadline of {deadline_hours:,.2f} h; the fastest, {{near}}, takes "
-        "{miss:,.2f} h ({pct:.1f}%) longer"))
-
-
-def _choose_within_both(feasible: list[dict], budget_usd: float, deadline_hours: float) -> tuple[dict | None, str]:
-    """Both limits: the cheapest run that meets both, else the one whose worse overshoot is smallest."""
-    hours, cost = _hours, _cost
-    meets = [r for r in feasible if cost(r) <= budget_usd and hours(r) <= deadline_hours]
-    limits = f"the budget of ${budget_usd:,.2f} and the deadline of {deadline_hours:,.2f} h"
-    if meets:
-        best = min(meets, key=lambda r: (cost(r), hours(r)))
-        return best, f"cheapest within {limits}: {_describe(best)}"
-
-    def overshoot(r: dict) -> float:
-        return max(cost(r) / budget_usd, hours(r) / deadline_hours) - 1.0
-
-    near = min(feasible, key=lambda r: (overshoot(r), cost(r), hours(r)))
-    misses = []
-    if cost(near) > budget_usd:
-        over = cost(near) - budget_usd
-        misses.append(f"${over:,.2f} ({100 * over / budget_usd:.1f}%) over budget")
-    if hours(near) > deadline_hours:
-        late = hours(near) - deadline_hours
-        misses.append(f"{late:,.2f} h ({100 * late / deadline_hours:.1f}%) late")
-    return None, f"no composition meets {limits}; the closest, {_describe(near)}, is {' and '.join(misses)}"
-
-
-# -- what `fasop pareto` computes ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Sweep:
-    """A sweep's records, `on_front` marked, and the composition that meets the budget or deadline best."""
-
-    records: list[dict]
-    chosen: dict | None  # one of `records`; None without a budget or deadline, or when no composition meets it
-    choice: str  # the line that says which and why ("" without a budget or deadline)
-
-
-def sweep_and_choose(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | None = None, *,
-                     budget_usd: float | None = None, deadline_hours: float | None = None, gbs: int | None = None,
-                     train_steps: int | None = None, train_tokens: float | None = None, profiles_dir: str | None = None,
-                     distributed_optimizer: bool = True, allow_profile_mismatch: bool = False,
-                     progress: Callable[[int, int], None] | None = None, profiles: dict | None = None) -> Sweep:
-    """`sweep` of `compositions`, then `choose` within `budget_usd` and `deadline_hours`. A budget or a deadline
-    needs the length of the run: the default length would decide which composition meets it."""
-    check_limits(budget_usd, deadline_hours)
-    if (budget_usd is not None or deadline_hours is not None) and train_steps is None and train_tokens is None:
-        raise ArgumentError("budget_usd" if budget_usd is not None else "deadline_hours",
-                            "a budget or deadline needs the length of the run: give train_steps or train_tokens")
-    records = sweep(model, cluster, compositions, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
-                    profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer,
-                    allow_profile_mismatch=allow_profile_mismatch, progress=progress, profiles=profiles)
-    chosen, choice = choose(records, budget_usd, deadline_hours)
-    return Sweep(records, chosen, choice)
-
-
-def pareto(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | None = None, gbs: int | None = None,
-           train_steps: int | None = None, train_tokens: float | None = None, budget_usd: float | None = None,
-           deadline_hours: float | None = None, profiles_dir: str | None = None, distributed_optimizer: bool = True,
-           allow_profile_mismatch: bool = False):
-    """`fasop pareto` in Python: every composition of `cluster` (at most `max_nodes` nodes of a type, {"A100": 4})
-    with its fastest plan and the time and cost of the run, as a pandas DataFrame of one row per composition in
-    sweep order, in the columns of a front file (docs/formats.md); `on_front` marks the Pareto front.
-
-    Node counts and the other integer columns are pandas' nullable Int64 (<NA> where a composition has no plan,
-    like the front file's empty cells). `frame.attrs`: `chosen`, the row of the composition that meets
-    `budget_usd` / `deadline_hours` best (None without either, or when none meets them), and `choice`, the line
-    `fasop pareto` prints about it.
-    """
-    import pandas as pd  # only the Python API needs pandas; the command line starts faster without it
-
-    result = sweep_and_choose(model, cluster, compositions(cluster, max_nodes), budget_usd=budget_usd,
-                              deadline_hours=deadline_hours, gbs=gbs, train_steps=train_steps,
-                              train_tokens=train_tokens, profiles_dir=profiles_dir,
-                              distributed_optimizer=distributed_optimizer, allow_profile_mismatch=allow_profile_mismatch)
-    frame = pd.DataFrame(result.records)
-    frame = frame.astype({column: "Int64" for column in frame.columns
-                          if column in INT_COLUMNS or column.startswith(NODES_PREFIX)})
-    frame.attrs.update(chosen=next((row for row, record in enumerate(result.records) if record is result.chosen), None),
-                       choice=result.choice)
-    return frame

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fasop.errors import InputError
@@ -14,7 +15,7 @@ from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile, load_profiles
 from fasop.plans import Plan, Stage, TypeShare
-from fasop.search.dataparallel import NoPlan, plan_row
+from fasop.search.dataparallel import NoPlan, best_plan_row
 from fasop.search.engine import search_plans
 from fasop.search.space import check_global_batch
 
@@ -59,11 +60,12 @@ def memory_by_gpu(plan: Plan) -> dict[str, float]:
 
 def compare(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile] | None = None, gbs: int | None = None, *,
             profiles_dir: str | None = None, allow_profile_mismatch: bool = False, distributed_optimizer: bool = True,
-            overlap: bool = True) -> list[Family]:
+            overlap: bool = True, progress: Callable[[int, int], None] | None = None) -> list[Family]:
     """The strategies `fasop compare` tables (fasop.compare in Python): one Family per strategy, in the table's
     order (DATA_PARALLEL, PIPELINE, THREE_D), with its best plan on every GPU of `cluster` or the reason it has
     none. `profiles`: already loaded (by GPU type) instead of reading profiles_dir (default: the model's bundled
-    ones, GPU types without one synthesised from the roofline)."""
+    ones, GPU types without one synthesised from the roofline). `progress(done, total)`: the 3D search's, by far the
+    longest part."""
     batch = check_global_batch(model.global_batch_size if gbs is None else gbs)
     if profiles is None:  # the cluster's own [[gpu]] tables over the catalogue, as the command line reads them
         profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir,
@@ -71,12 +73,12 @@ def compare(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile] | No
     families = []
     for name, kind, even in DATA_PARALLEL:
         try:
-            families.append(Family(name, plan_row(model, cluster, profiles, kind, batch, even, overlap=overlap)))
+            families.append(Family(name, best_plan_row(model, cluster, profiles, kind, batch, even, overlap)))
         except NoPlan as reason:
             families.append(Family(name, None, str(reason)))
     try:
         plans = search_plans(model, cluster, batch, distributed_optimizer=distributed_optimizer, profiles=profiles,
-                             overlap=overlap, use_all=True).plans  # every family on the same GPUs
+                             overlap=overlap, use_all=True, progress=progress).plans  # every family on the same GPUs
     except InputError as err:
         plans, why = [], err.problem.split(" (")[0]
     else:
@@ -116,6 +118,7 @@ def records(families: list[Family]) -> list[dict]:
                "cost_per_step_usd": p.cost_per_step_usd if p else ""}
         memory = memory_by_gpu(p) if p else {}
         row.update({f"memory_gib_{g}": memory.get(g, "") for g in gpus})
+        row["recompute"] = (p.recompute or "none") if p else ""
         row["no_plan_reason"] = f.reason
         rows.append(row)
     return rows
@@ -133,15 +136,16 @@ def as_csv(families: list[Family]) -> str:
 def table(families: list[Family]) -> str:
     rows = records(families)
     gpus = [key for key in rows[0] if key.startswith("memory_gib_")]
-    titles = ["strategy", "step s", "samples/s", "$/step", *(f"{k[len('memory_gib_'):]} GiB" for k in gpus), "plan"]
+    titles = ["strategy", "step s", "samples/s", "$/step", *(f"{k[len('memory_gib_'):]} GiB" for k in gpus),
+              "recompute", "plan"]
     cells = [titles]
     for row in rows:
         if row["plan"]:
             line = [row["family"], f"{row['step_time_s']:.4f}", f"{row['throughput_samples_per_s']:.1f}",
                     f"{row['cost_per_step_usd']:.5f}"]
-            line += [f"{row[k]:.1f}" if row[k] != "" else "-" for k in gpus] + [row["plan"]]
+            line += [f"{row[k]:.1f}" if row[k] != "" else "-" for k in gpus] + [row["recompute"], row["plan"]]
         else:
-            line = [row["family"], "-", "-", "-", *["-"] * len(gpus), f"no plan: {row['no_plan_reason']}"]
+            line = [row["family"], "-", "-", "-", *["-"] * len(gpus), "-", f"no plan: {row['no_plan_reason']}"]
         cells.append(line)
     widths = [max(len(r[i]) for r in cells) for i in range(len(titles) - 1)]
     return "\n".join(("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:-1], widths[1:])])

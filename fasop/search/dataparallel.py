@@ -5,25 +5,22 @@ state) and ZeRO stages 1, 2 and 3 (optimizer state, then gradients, then paramet
 `zero3` is what FSDP's full sharding does). The global batch may be split unevenly: each node type gets its own
 samples per GPU, micro-batch size and gradient-accumulation count, chosen so that the slowest GPU finishes
 first (fasop.search.batchsplit, an exact integer optimisation), or evenly (every GPU the same samples) for comparison.
+Each GPU holds the whole model: its memory and compute are the cost model's one pipeline stage at tp = 1, without
+recomputation or with every layer checkpointed (FSDP's and DeepSpeed's activation checkpointing).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from fasop.cost.memory import (
-    GIB,
-    embedding_activation_bytes,
-    head_activation_bytes,
-    layer_activation_bytes,
-    optimizer_state_bytes,
-    optimizer_traffic_bytes,
-    usable_gib,
-)
+from fasop.cost.compute import recompute_times, stage_compute
+from fasop.cost.config import Config, segments, with_recompute
+from fasop.cost.memory import GIB, optimizer_state_bytes, optimizer_traffic_bytes, stage_memory_gib, usable_gib
 from fasop.cost.price import cost_per_step_usd
+from fasop.errors import ArgumentError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile, profile_sources
@@ -32,6 +29,9 @@ from fasop.search.batchsplit import SplitStepLimit, best_split, step_times
 from fasop.search.placement import type_order
 
 KINDS = ("ddp", "zero1", "zero2", "zero3")
+# Recomputation of data-parallel plans: none, or "full", every layer checkpointed (PyTorch's checkpoint_wrapper,
+# DeepSpeed's activation checkpointing): the layer keeps its input alone and reruns its forward before its backward
+RECOMPUTE = ("none", "full")
 # What each kind shards over the data-parallel group: optimizer state, gradients, parameters.
 SHARDED = {"ddp": (False, False, False), "zero1": (True, False, False), "zero2": (True, True, False),
            "zero3": (True, True, True)}
@@ -66,10 +66,22 @@ def gather_buffer_bytes(model: Model, kind: str) -> float:
     return max(units) * model.precision_bytes
 
 
-def activation_bytes_per_sample(model: Model) -> float:
-    """Activations one sample keeps until its backward pass on a GPU holding the whole model (section 8)."""
-    layers = sum(n * layer_activation_bytes(model, k, 1, 1) for n, k in zip(model.segment_layers, model.layer_kinds))
-    return layers + embedding_activation_bytes(model, 1, 1) + head_activation_bytes(model, 1, 1)
+def whole_model(recompute: str) -> Config:
+    """The cost model's plan of one GPU holding the whole model (tp = pp = 1) under `recompute`: only its
+    activations and compute are read here, the model state being data parallelism's own (state_bytes)."""
+    return with_recompute(Config(tp=1, dp=1, pp=1, mbs=1, gbs=1, encoder_stages=0, distributed_optimizer=False),
+                          recompute)
+
+
+def activation_bytes_per_sample(model: Model, recompute: str = "none") -> float:
+    """Activations of one sample on a GPU holding the whole model (section 8), those of a micro-batch of b
+    samples being b times as many: the one stage's of fasop.cost.memory.stage_memory_gib, without parameters.
+    Under full recomputation each layer keeps its input alone, and the layer rebuilt in the backward all of its
+    own."""
+    config = whole_model(recompute)
+    no_params = (np.zeros(1), np.zeros(1))
+    memory = stage_memory_gib(model, config, segments(model, config)[0], no_params, np.ones(1), np.ones(1))
+    return float(memory.fixed_gib[0, 0]) * GIB  # one stage holding the model: everything is fixed
 
 
 def traffic_factor(model: Model, kind: str) -> float:
@@ -114,25 +126,25 @@ class Group:
     activation_bytes_per_sample: float
 
 
-def whole_model_s(model: Model, profile: GpuProfile, sizes: tuple[int, ...], forward: bool = False) -> np.ndarray:
-    """Forward + backward (or forward) seconds of every unit of the model on one GPU (tp = 1), for each
-    micro-batch size."""
-    def time(tp: int, kind: str, sizes: tuple[int, ...]) -> np.ndarray:
-        return profile.times_s(tp, kind, sizes)[:, 0] if forward else profile.step_s(tp, kind, sizes)
+def whole_model_s(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], node_type: str,
+                  sizes: tuple[int, ...], recompute: str = "none") -> tuple[np.ndarray, np.ndarray]:
+    """(forward + backward, backward) seconds of one micro-batch of each size on a GPU of `node_type` holding the
+    whole model: the one stage's of fasop.cost.compute, with the forwards recomputation reruns, which belong to
+    the backward pass."""
+    config = whole_model(recompute)
+    segment = segments(model, config)[0][None]
+    compute = stage_compute(model, cluster, profiles, [((node_type,),)], config, sizes, segment, np.zeros(1, int))
+    rerun_s = recompute_times(model, config, compute, np.repeat(segment, len(sizes), axis=0))[1][:, 0]
+    step_s = compute.fixed_s[:, 0] + rerun_s
+    return step_s, step_s - compute.fixed_forward_s[:, 0]
 
-    total = time(1, "embedding", sizes) + time(1, "head", sizes)
-    if model.is_encoder_decoder:
-        total = total + time(1, "decoder_embedding", sizes)
-    for n, kind in zip(model.segment_layers, model.layer_kinds):
-        total = total + n * time(1, kind, sizes)
-    return total
 
-
-def groups(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind: str, batch: int) -> list[Group]:
+def groups(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind: str, batch: int,
+           recompute: str = "none") -> list[Group]:
     """One group per node type, fastest network first; raises NoPlan when a GPU type cannot train at all."""
     world = cluster.num_gpus
     fixed = state_bytes(model, kind, world) + gather_buffer_bytes(model, kind)
-    per_sample = activation_bytes_per_sample(model)
+    per_sample = activation_bytes_per_sample(model, recompute)
     result = []
     for name in type_order(cluster):
         node = cluster.node_types[name]
@@ -143,11 +155,12 @@ def groups(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind
         largest = int(min((usable - fixed) // per_sample, batch)) if usable >= fixed + per_sample else 0
         if largest < 1:
             need = (fixed + per_sample) * cluster.memory_margin / GIB + cluster.gpu_memory_overhead_gib
-            raise NoPlan(f"out of memory on {node.gpu}: {need:.1f} of {node.gpu_memory_gib:.1f} GiB for one sample")
-        sizes = tuple(range(1, largest + 1))
-        unit_s = np.concatenate([[0.0], whole_model_s(model, profile, sizes)])
-        backward_s = unit_s - np.concatenate([[0.0], whole_model_s(model, profile, sizes, forward=True)])
-        result.append(Group(name, node.gpu, node.count * cluster.gpus_per_node, node.gpu_memory_gib, unit_s,
+            raise NoPlan(f"out of memory on {node.gpu}: {need:.1f} of {node.gpu_memory_gib:.1f} GiB for one sample"
+                         + (" with full recomputation" if recompute == "full" else ""))
+        step_s, backward_s = (np.concatenate([[0.0], t])
+                              for t in whole_model_s(model, cluster, profiles, name, tuple(range(1, largest + 1)),
+                                                     recompute))
+        result.append(Group(name, node.gpu, node.count * cluster.gpus_per_node, node.gpu_memory_gib, step_s,
                             backward_s, fixed, per_sample))
     return result
 
@@ -177,17 +190,36 @@ def optimizer_s(model: Model, cluster: Cluster, kind: str, members: list[Group])
     return params * optimizer_traffic_bytes(model) / bandwidth
 
 
+def best_plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind: str, batch: int,
+                  even: bool = False, overlap: bool = True) -> Plan:
+    """The fastest of plan_row over RECOMPUTE (the first of equals); raises NoPlan with the reason of the last,
+    full recomputation (the least memory), when none has a plan."""
+    rows, reason = [], NoPlan()
+    for mode in RECOMPUTE:
+        try:
+            rows.append(plan_row(model, cluster, profiles, kind, batch, even, overlap=overlap, recompute=mode))
+        except NoPlan as why:
+            reason = why
+    if not rows:
+        raise reason
+    return min(rows, key=lambda row: cast(float, row.step_time_s))
+
+
 def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], kind: str, batch: int,
-             even: bool = False, samples: dict[str, int] | None = None, overlap: bool = True) -> Plan:
-    """The best plan of `kind` (or with `even`, every GPU the same samples; or with `samples`, the given
-    samples per GPU of each node type) as a plan row; raises NoPlan with the reason when there is none.
-    With `overlap` the gradient reduction runs bucket by bucket during the last micro-batch's backward."""
+             even: bool = False, samples: dict[str, int] | None = None, overlap: bool = True,
+             recompute: str = "none") -> Plan:
+    """The best plan of `kind` under `recompute` (one of RECOMPUTE) (or with `even`, every GPU the same
+    samples; or with `samples`, the given samples per GPU of each node type) as a plan row; raises NoPlan with
+    the reason when there is none. With `overlap` the gradient reduction runs bucket by bucket during the last
+    micro-batch's backward."""
+    if recompute not in RECOMPUTE:
+        raise ArgumentError("recompute", f"data-parallel plans take {' or '.join(RECOMPUTE)}", recompute)
     world = cluster.num_gpus
     if batch < world:
         raise NoPlan(f"global batch {batch} < {world} GPUs")
     if even and batch % world:
         raise NoPlan(f"global batch {batch} not divisible by {world} GPUs")
-    members = groups(model, cluster, profiles, kind, batch)
+    members = groups(model, cluster, profiles, kind, batch, recompute)
     counts = [g.gpus for g in members]
     per_byte, latency = allreduce_cost(cluster)
     # traffic_factor bytes per parameter, in all-reduces of one byte: as many all-reduce latencies per p bytes
@@ -241,7 +273,8 @@ def plan_row(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], ki
         **profile_sources(used), "kind": kind, "batch_split": "even" if even else "uneven",
         "gbs": batch, "mbs": min(t["micro_batch_size"] for t in per_type), "tp": 1, "dp": world, "pp": 1,
         "placement": placement, "gpus_per_node": cluster.gpus_per_node, "layers_per_stage": [model.num_layers],
-        "step_time_s": step, "throughput_samples_per_s": batch / step, "tokens_per_s": batch * model.seq_length / step,
+        "recompute": recompute, "step_time_s": step, "throughput_samples_per_s": batch / step,
+        "tokens_per_s": batch * model.seq_length / step,
         "overlap_grad_reduce": overlap, "compute_s": float(compute), "dp_allreduce_s": comm,
         "dp_exposed_s": reduced - float(compute), "optimizer_s": optimizer,
         "peak_memory_gib": worst["memory_gib"], "memory_capacity_gib": worst["memory_capacity_gib"],

@@ -23,13 +23,13 @@ import numpy as np
 from fasop.cost.communication import Geometry
 from fasop.cost.config import RECOMPUTE_MODES, Config
 from fasop.cost.exact import ScheduleBatch
-from fasop.cost.memory import usable_gib
+from fasop.cost.memory import growth_to_fit
 from fasop.cost.price import cost_per_step_usd, price_per_hour_usd
 from fasop.cost.problem import PartitionBatch
 from fasop.cost.step import StageCosts, recompute_variants
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
-from fasop.search.partition import admits, lower_bounds, optimal_partitions
+from fasop.search.partition import least_admitting, lower_bounds, optimal_partitions
 from fasop.search.record import plan_rows
 from fasop.search.space import Group, Inputs
 
@@ -38,6 +38,7 @@ VIRTUAL_STAGES = (1, 2)  # model chunks per pipeline rank the search tries (inte
 INTERLEAVE_MAX_STAGES = 16
 PRUNE_CHUNK = 256  # partition problems solved between two updates of the pruning threshold
 PRUNE_SLACK = 1e-9  # relative: pruning never skips a plan within rounding of the threshold
+OVERSHOOT_CHUNK = 1024  # problems whose memory overshoot is found at once (arrays of problems x stages x layers)
 
 
 def virtual_stage_options(model: Model, pp: int) -> tuple[int, ...]:
@@ -328,38 +329,30 @@ def records(inputs: Inputs, best: dict[tuple, Candidate], batches: dict[int, Dep
 
 # -- 6. memory --------------------------------------------------------------------------------------------------
 
-def memory_overshoot(costs: StageCosts, row: int, cluster: Cluster) -> float:
-    """Smallest factor by which the GPUs' memory would have to grow for some partition of row `row` to fit."""
-    one = costs.problem.take(np.array([row]))
-    mem_fixed, mem_layer = costs.mem_fixed_gib[row], costs.mem_layer_gib[row]
-
-    def fits(ratio: float) -> bool:
-        room = usable_gib(cluster, ratio * costs.capacity_gib[row]) - mem_fixed
-        if (room < -1e-12).any():
-            return False
-        with np.errstate(divide="ignore"):
-            hi = np.floor(room / np.where(mem_layer > 0, mem_layer, np.inf) + 1e-12)
-        return bool(admits(one, np.minimum(hi, 1e9)[None, :])[0])
-
-    low, high = 0.0, 1.0
-    while not fits(high):
-        high *= 2
-    for _ in range(40):
-        mid = (low + high) / 2
-        low, high = (low, mid) if fits(mid) else (mid, high)
-    return high
+def memory_overshoots(costs: StageCosts, rows: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """(R,) smallest factor by which the GPUs' memory would have to grow for some partition of each row of `rows` to
+    fit (inf where none can): the least factor at which each stage holds its layers, a bottleneck threshold like
+    the partition's own (fasop.search.partition.least_admitting), for many rows at once."""
+    fixed, per_layer = growth_to_fit(cluster, costs.capacity_gib[rows], costs.mem_fixed_gib[rows],
+                                     costs.mem_layer_gib[rows])
+    return least_admitting(fixed, per_layer, costs.problem.take(rows))
 
 
 def closest_fit(unfit: list[tuple[DepthBatch, np.ndarray]], cluster: Cluster) -> tuple[float, Config] | None:
     """Of the problems found not to fit (each depth's batch and rows), the plan that needs the least more memory
-    and that factor (memory_overshoot); the first in search order wins a tie."""
+    and that factor (memory_overshoots), None if no memory would fit any; the first in search order wins a tie."""
     closest: tuple[float, Config] | None = None
     for batch, rows in unfit:
-        problems = [batch.at(i)[:2] for i in rows]
         # plan by plan, each split's virtual sizes, recompute settings and rows in turn
-        problems.sort(key=lambda p: (p[0].order[0], p[0].split[p[1]], *p[0].order[1:], p[1]))
-        for entry, row in problems:
-            factor = memory_overshoot(entry.costs, row, cluster)
-            if closest is None or factor < closest[0]:
-                closest = factor, replace(entry.configs[entry.split[row]], mbs=int(entry.costs.mbs[row]))
+        order = sorted(rows.tolist(), key=lambda i: _search_order(*batch.at(i)[:2]))
+        for start in range(0, len(order), OVERSHOOT_CHUNK):
+            chunk = np.array(order[start:start + OVERSHOOT_CHUNK])
+            for i, factor in zip(chunk.tolist(), memory_overshoots(batch.costs, chunk, cluster).tolist()):
+                if factor < (np.inf if closest is None else closest[0]):  # none: no memory would do
+                    entry, row, split = batch.at(i)
+                    closest = factor, replace(entry.configs[split], mbs=int(entry.costs.mbs[row]))
     return closest
+
+
+def _search_order(entry: Entry, row: int) -> tuple[int, ...]:
+    return entry.order[0], int(entry.split[row]), *entry.order[1:], row

@@ -182,6 +182,19 @@ def admits(batch: PartitionBatch, caps: np.ndarray) -> np.ndarray:
     return _Filler(batch).fill(caps[:, None, :])[1][:, 0]
 
 
+def least_admitting(fixed: np.ndarray, per_layer: np.ndarray, batch: PartitionBatch) -> np.ndarray:
+    """(B,) the least X at which the caps {n : fixed_i + per_layer_i n <= X} (per_layer >= 0) admit a partition of
+    each problem, its own caps `hi` aside; inf where no partition exists at all (its stages' fewest layers exceed
+    the model's). With the factor on the GPUs' memory at which a stage of n layers fits as the values: the least
+    growth of memory at which some partition fits."""
+    most = batch.most_layers.astype(float)
+    least = np.full(len(batch), np.inf)
+    rows = np.flatnonzero(admits(batch, most))
+    if len(rows):
+        least[rows] = _smallest_feasible(fixed[rows], per_layer[rows], batch.take(rows), most[rows])
+    return least
+
+
 def lower_bounds(batch: PartitionBatch) -> np.ndarray:
     """(B,) a bound no partition of each problem can beat under the exact schedule (inf when none fits), for
     pruning searches.

@@ -27,6 +27,7 @@ The robust ranking orders candidates by mean slowdown.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -99,8 +100,10 @@ def plan_metric(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
 
 
 def robustness(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], plans: list[Plan], noise: float,
-               trials: int, seed: int, sort: str = "time") -> list[Robustness]:
-    """Robustness of each of `plans` (best first, at most CANDIDATES of them), in robust order."""
+               trials: int, seed: int, sort: str = "time",
+               progress: Callable[[int, int], None] | None = None) -> list[Robustness]:
+    """Robustness of each of `plans` (best first, at most CANDIDATES of them), in robust order; `progress(done,
+    total)` after each trial."""
     check_noise(noise, trials, seed)
     keys = factor_keys(cluster, model)
     rng = np.random.default_rng(seed)
@@ -109,6 +112,8 @@ def robustness(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], 
     for trial, row in enumerate(draws):
         trial_cluster, trial_profiles = perturbed(cluster, profiles, dict(zip(keys, row)))
         metric[trial] = [plan_metric(model, trial_cluster, trial_profiles, plan, sort) for plan in plans]
+        if progress:
+            progress(trial + 1, trials)
     slowdown = metric / metric.min(axis=1, keepdims=True) - 1
     best = np.bincount(metric.argmin(axis=1), minlength=len(plans)) / trials  # ties go to the better exact rank
     result = [Robustness(plan.rank, float(best[i]), float(slowdown[:, i].mean()), float(slowdown[:, i].max()))

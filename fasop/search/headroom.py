@@ -1,0 +1,73 @@
+"""Memory headroom: a plan whose peak memory on some GPU is above a fraction (the headroom, 0.90 by default on the
+command line) of that GPU's usable memory is flagged and ranked after every plan below it. Estimates of memory
+err too, and a plan at 98% of a GPU fails on the first allocator spike where one a little slower at 60% runs.
+
+Each plan (tp, dp, pp, placement, micro-batch size) takes its fastest partition, recompute mode and virtual size
+below the headroom when it has one: that is a search on the cluster whose usable memory is the headroom's share
+(the memory margin divided by the headroom), exact and pruned as any search. Only the plans that do not fit there
+come from the search on the whole memory, flagged. With `keep`, a flagged plan therefore never sets the bound that
+prunes a plan below the headroom: the tight search prunes among plans below it alone, and when it finds fewer than
+`keep` it pruned nothing (its threshold needs `keep` plans), so the flagged plans only fill the places left.
+When no plan is above the headroom, the search on the whole memory is the answer (twice the work otherwise)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from fasop.cost.memory import usable_gib
+from fasop.errors import ArgumentError
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.model import Model
+from fasop.plans import Plan
+from fasop.search.engine import SearchResult, search_plans
+
+DEFAULT_MEMORY_HEADROOM = 0.90  # a policy, not a measured fact: the share of usable memory a plan may fill unflagged
+HEADROOM_TOLERANCE = 1e-9  # memory at the headroom up to rounding counts as below it
+
+
+def check_headroom(memory_headroom: float) -> float:
+    if isinstance(memory_headroom, bool) or not isinstance(memory_headroom, (int, float)) \
+            or not 0 < memory_headroom <= 1:
+        raise ArgumentError("memory_headroom", "expected a fraction of usable GPU memory above 0 and at most 1",
+                            memory_headroom)
+    return float(memory_headroom)
+
+
+def memory_load(plan: Plan, cluster: Cluster) -> float:
+    """The peak memory of a 3D plan over the usable memory of its GPU, on its most loaded stage."""
+    stages = plan.stages
+    assert stages, "a 3D plan holds its stages"
+    return max(s.memory_gib / float(usable_gib(cluster, s.memory_capacity_gib)) for s in stages)
+
+
+def over_headroom(plan: Plan, cluster: Cluster, memory_headroom: float) -> bool:
+    return memory_load(plan, cluster) > memory_headroom * (1 + HEADROOM_TOLERANCE)
+
+
+def _key(plan: Plan) -> tuple:
+    return plan.tp, plan.dp, plan.pp, tuple(plan.placement), plan.mbs
+
+
+def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None, *,
+                           memory_headroom: float = DEFAULT_MEMORY_HEADROOM, keep: int | None = None,
+                           **options: Any) -> SearchResult:
+    """search_plans (its arguments in `options`) with the plans below `memory_headroom` of usable GPU memory ranked
+    first, each at its best below it, then the others (flagged: over_headroom). The counts are those of the search
+    on the whole memory, the partitions solved, pruned and skipped those of both searches."""
+    memory_headroom = check_headroom(memory_headroom)
+    full = search_plans(model, cluster, gbs, profiles_dir, keep=keep, **options)
+    # every plan below the headroom: each is already at its best below it (with `keep`, a plan left out may
+    # have a variant below the headroom as fast as the last one kept)
+    if memory_headroom == 1 or keep is None and not any(over_headroom(p, cluster, memory_headroom) for p in full.plans):
+        return full
+    options.pop("progress", None)  # the bar followed the longer search
+    tight = search_plans(model, replace(cluster, memory_margin=cluster.memory_margin / memory_headroom), gbs,
+                         profiles_dir, keep=keep, **options)
+    below = {_key(plan) for plan in tight.plans}
+    plans = tight.plans + [plan for plan in full.plans if _key(plan) not in below]
+    full.plans = [plan.model_copy(update={"rank": rank}) for rank, plan in enumerate(plans[:keep], start=1)]
+    full.partitions_solved += tight.partitions_solved
+    full.pruned += tight.pruned
+    full.dominated += tight.dominated
+    return full

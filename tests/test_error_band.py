@@ -1,0 +1,63 @@
+"""The error band: clusters/catalogue/error-band.toml is what scripts/validate_published.py computes from the published
+runs today (no drift), read back checked, and only widens answers."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from fasop.errors import InputError
+from fasop.inputs.errorband import ErrorBand, band_path, bundled_band, read_band
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("validate_band", ROOT / "scripts" / "validate_published.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["validate_band"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["validate_band"]
+
+
+def test_the_bundled_band_is_what_the_script_computes(script):
+    results = script.validate(script.read_runs(), script.load_cluster(str(script.CLUSTER)))
+    text = band_path().read_text(encoding="utf-8")
+    date = re.search(r'^date = "(\d{4}-\d{2}-\d{2})"$', text, re.MULTILINE)
+    assert date, "the band file gives the date it was written"
+    assert text == script.band_text(results, date.group(1)), \
+        "stale: python scripts/validate_published.py --band clusters/catalogue/error-band.toml"
+    ratios = [r.measured_s / r.predicted_s for r in results]
+    band = bundled_band()
+    assert band.runs == len(results) == 18
+    assert band.low == pytest.approx(min(ratios), abs=1e-4) and band.high == pytest.approx(max(ratios), abs=1e-4)
+    # every published run took longer than estimated: 7.5% to 23.2% too fast (docs/validation.md)
+    assert band.low == pytest.approx(1 / (1 - 0.075), abs=1e-3) and band.high == pytest.approx(1 / (1 - 0.232), abs=1e-3)
+
+
+def test_band_arithmetic():
+    band = ErrorBand(1.1, 1.3, 3, "somewhere")
+    assert band.range_of(2.0) == "2.20-2.60"
+    assert band.slow_margin == pytest.approx(0.3)
+    assert ErrorBand(0.8, 0.95, 1, "x").slow_margin == 0  # estimates too slow: no margin is needed
+    assert band.describe() == "measured runs took 1.10-1.30x the estimate (somewhere, 3 runs)"
+
+
+@pytest.mark.parametrize("text, field", [
+    ('low = 1.3\nhigh = 1.1\nsource = "s"\ndate = "d"\n[[runs]]\nrun = "a"\nratio = 1.2\n', "low"),
+    ('low = 0\nhigh = 1.1\nsource = "s"\ndate = "d"\n[[runs]]\nrun = "a"\nratio = 1.2\n', "low"),
+    ('low = 1.0\nhigh = 1.1\nsource = "s"\ndate = "d"\nruns = []\n', "runs"),
+    ('low = 1.0\nsource = "s"\ndate = "d"\n[[runs]]\nrun = "a"\nratio = 1.2\n', "high"),
+])
+def test_a_broken_band_file_is_one_line_naming_the_field(tmp_path, text, field):
+    path = tmp_path / "band.toml"
+    path.write_text(text)
+    with pytest.raises(InputError) as caught:
+        read_band(path)
+    assert str(path) in str(caught.value) and field in str(caught.value) and "\n" not in str(caught.value)
