@@ -391,8 +391,8 @@ def test_calibrate_fits_one_cluster(measured, tiny, runner):
 
 
 def test_calibrated_cluster_keeps_every_other_field(measured):
-    """The written cluster is the input with only derating, description and the memory bandwidth of the GPU type
-    calibrated above 1 changed, launch table included."""
+    """The written cluster is the input with only derating, description, the error band and the memory bandwidth
+    of the GPU type calibrated above 1 changed, launch table included."""
     user, path = measured
     user.cluster.write_text(user.cluster.read_text() + '\n[launch]\npartition = { fast = "hgx", slow = "gpu 2" }\n'
                             'extra_flags = ["--log-interval", "1"]\njob_name = "tab\\there \\u00e9"\n'
@@ -408,6 +408,7 @@ def test_calibrated_cluster_keeps_every_other_field(measured):
                                               "collective_intra_node": 1 / intra, "collective_inter_node": 1 / inter}
     fast = outcome.values[Factor("compute", "fast")]
     assert [t["gpu_memory_bandwidth"] for t in written["node_type"]] == [f"{1e15 / fast / 1e9!r} GB/s", "1000 TB/s"]
+    assert written["cluster"].pop("error_band") == outcome.error_band(str(path), "2026-02-03")
     for table in (written, original):
         del table["cluster"]["derating"], table["cluster"]["description"], table["node_type"][0]["gpu_memory_bandwidth"]
     assert written == original
