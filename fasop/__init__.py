@@ -6,7 +6,10 @@
 
 returns a pandas DataFrame of every plan that fits memory, best first. The commands' work, without their printing:
 
-    fasop.search_plans(model, cluster)     fasop search: the plans as Plan records (a SearchResult)
+    fasop.search_plans(model, cluster)     every plan that fits as Plan records, best first (a SearchResult)
+    fasop.search_within_headroom(model, cluster)
+                                           fasop search: the same ranked as the command ranks them, plans above
+                                           90% of usable GPU memory (memory_headroom) after the others
     fasop.estimate(model, cluster, ...)    fasop estimate: one plan's full breakdown
     fasop.pareto(model, cluster, ...)      fasop pareto: each composition's best plan and the Pareto front (a DataFrame)
     fasop.compare(model, cluster)          fasop compare: the strategy families side by side (a list of Family)
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster, load_cluster
 from fasop.inputs.model import Model, load_model
-from fasop.search import PlanSpec, estimate, plan_spec, search, search_plans
+from fasop.search import PlanSpec, estimate, plan_spec, search, search_plans, search_within_headroom
 
 if TYPE_CHECKING:
     from fasop.launch.write import emit
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     from fasop.search.compare import compare
 
 __all__ = ["Cluster", "InputError", "Model", "PlanSpec", "compare", "emit", "estimate", "load_cluster", "load_model",
-           "pareto", "plan_spec", "search", "search_plans"]
+           "pareto", "plan_spec", "search", "search_plans", "search_within_headroom"]
 __version__ = "0.1.0"
 
 # Every command imports this package when it starts: the sweep, the strategy families and the launch scripts

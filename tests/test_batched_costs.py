@@ -127,4 +127,4 @@ def test_search_loads_the_code_of_no_other_command():
             "assert r.exit_code == 0, r.output; "
             "print(sorted(m for m in sys.modules if m.startswith(('fasop.cli.', 'fasop.launch', 'fasop.market'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == str(["fasop.cli.common", "fasop.cli.search", "fasop.cli.tables"])
+    assert out.stdout.strip() == str(["fasop.cli.common", "fasop.cli.run_options", "fasop.cli.search", "fasop.cli.tables"])

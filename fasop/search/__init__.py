@@ -1,6 +1,8 @@
 """The search over parallel plans, and the estimate of a single plan.
 
     search_plans(model, cluster, ...)  -> SearchResult (plans as records, best first)
+    search_within_headroom(model, cluster, ...) -> the same, ranked as `fasop search` ranks them: plans above
+                                       the memory headroom (default 90% of usable GPU memory) after the others
     search(model, cluster, ...)        -> the same plans as a pandas DataFrame
     plan_spec(model, cluster, tp=..., ...) -> PlanSpec, one explicit plan checked
     estimate(model, cluster, spec)       -> its record (or estimate(model, cluster, tp=..., ...))
@@ -9,6 +11,7 @@
 from fasop.search.engine import SearchResult, search_plans
 from fasop.search.estimate import estimate
 from fasop.search.frame import search
+from fasop.search.headroom import search_within_headroom
 from fasop.search.spec import PlanSpec, plan_spec
 
-__all__ = ["PlanSpec", "SearchResult", "estimate", "plan_spec", "search", "search_plans"]
+__all__ = ["PlanSpec", "SearchResult", "estimate", "plan_spec", "search", "search_plans", "search_within_headroom"]
