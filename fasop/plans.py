@@ -114,6 +114,7 @@ class Plan(Table):
     recompute_method: Literal["uniform", "block"] | None = None  # full only
     recompute_num_layers: Count | None = None  # full only
     sequence_parallel: bool | None = None
+    tp_comm_overlap: bool | None = None  # Megatron's --tp-comm-overlap (Transformer Engine's userbuffers)
     step_time_s: float | None = None
     throughput_samples_per_s: float | None = None
     tokens_per_s: float | None = None

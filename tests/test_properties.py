@@ -200,7 +200,8 @@ def recompute_options(plan: dict) -> list[str]:
     options = ["--virtual-stages", str(plan["virtual_stages"]), "--recompute", plan["recompute"]]
     if "recompute_method" in plan:
         options += ["--recompute-method", plan["recompute_method"], "--recompute-num-layers", str(plan["recompute_num_layers"])]
-    return options + ["--sequence-parallel" if plan["sequence_parallel"] else "--no-sequence-parallel"]
+    return options + ["--sequence-parallel" if plan["sequence_parallel"] else "--no-sequence-parallel",
+                      "--tp-comm-overlap" if plan.get("tp_comm_overlap") else "--no-tp-comm-overlap"]
 
 
 def check_estimate(plan: dict, w: Written) -> None:
@@ -209,6 +210,7 @@ def check_estimate(plan: dict, w: Written) -> None:
                    placement=plan["placement"], layers_per_stage=plan["layers_per_stage"], gbs=plan["gbs"],
                    profiles_dir=str(w.profiles), distributed_optimizer=plan["distributed_optimizer"],
                    overlap_grad_reduce=plan["overlap_grad_reduce"], virtual_stages=plan["virtual_stages"],
+                   tp_comm_overlap=bool(plan.get("tp_comm_overlap")),
                    **{key: plan.get(key) for key in RECOMPUTE_FIELDS}).record())
     assert row.pop("fits_memory") is True, plan
     expected = estimated_fields(plan)

@@ -32,6 +32,7 @@ import numpy as np
 from fasop import files
 from fasop.calibration.measured import MeasuredRun
 from fasop.calibration.validate import Setting, mape_pct, predict_step_s
+from fasop.errors import ArgumentError
 from fasop.inputs.bandwidth import MAX_BANDWIDTH_BYTES_PER_S, MIN_BANDWIDTH_BYTES_PER_S, bandwidth_bytes_per_s
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
@@ -61,8 +62,8 @@ class Factor:
         return COMPUTE_BOUNDS if self.kind == "compute" else BANDWIDTH_BOUNDS
 
 
-def factors_of(setting: Setting) -> list[Factor]:
-    gpus = sorted(setting.profiles)
+def factors_of(settings: list[Setting]) -> list[Factor]:
+    gpus = sorted({g for s in settings for g in s.profiles})
     return [Factor("compute", g) for g in gpus] + [Factor("bandwidth", k) for k in LINK_KINDS]
 
 
@@ -80,34 +81,50 @@ def derated(cluster: Cluster, intra_scale: float, inter_scale: float) -> Cluster
 
 
 class Calibration:
-    """The runs of one model on one cluster, and their estimates as a function of the factors."""
+    """Measured runs on one cluster, and their estimates as a function of the factors. `setting`: the one setting
+    of every run (one model, as `fasop calibrate` fits), or a list of each run's own (runs of several models, or
+    with profiles of their own, on one cluster: the factors are per GPU type and link kind, not per model)."""
 
-    def __init__(self, runs: list[MeasuredRun], setting: Setting):
-        self.runs, self.setting = runs, setting
-        self.factors = factors_of(setting)
+    def __init__(self, runs: list[MeasuredRun], setting: Setting | list[Setting]):
+        self.settings = setting if isinstance(setting, list) else [setting] * len(runs)
+        if len(self.settings) != len(runs):
+            raise ArgumentError("setting", f"expected one setting per run ({len(runs)}), got {len(self.settings)}")
+        if any(s.cluster != self.settings[0].cluster for s in self.settings):
+            raise ArgumentError("setting", "expected the runs' settings to share one cluster: the bandwidth factors "
+                                           "are the cluster's")
+        self.runs, self.setting = runs, self.settings[0]  # `setting`: the first run's (every run's for one model)
+        self.factors = factors_of(self.settings)
         self.measured_s = np.array([r.measured_step_s for r in runs])
 
-    def inputs(self, values: dict[Factor, float]) -> tuple[Cluster, dict[str, GpuProfile]]:
-        """The cluster and profiles that `values` make: each GPU type's profile times and optimizer step scaled by
-        its compute factor, each link kind's bandwidth by its bandwidth factor."""
-        s = self.setting
+    def inputs(self, values: dict[Factor, float], setting: Setting | None = None) -> tuple[Cluster, dict[str, GpuProfile]]:
+        """The cluster and profiles of `setting` (the first run's by default) that `values` make: each GPU type's
+        profile times and optimizer step scaled by its compute factor, each link kind's bandwidth by its
+        bandwidth factor."""
+        s = setting or self.setting
         scales = {g: values[Factor("compute", g)] for g in s.profiles}
         cluster = derated(s.cluster, values[Factor("bandwidth", "intra_node")], values[Factor("bandwidth", "inter_node")])
         return cluster.with_memory_time_scales(scales), {g: scaled_profile(p, scales[g]) for g, p in s.profiles.items()}
 
     def predict(self, values: dict[Factor, float], runs: list[int] | None = None) -> np.ndarray:
-        cluster, profiles = self.inputs(values)
-        chosen = range(len(self.runs)) if runs is None else runs
-        return np.array([predict_step_s(self.runs[i], self.setting.model, cluster, profiles) for i in chosen])
+        made: dict[int, tuple[Cluster, dict[str, GpuProfile]]] = {}  # each setting's scaled inputs, made once
+        predicted = []
+        for i in range(len(self.runs)) if runs is None else runs:
+            s = self.settings[i]
+            if id(s) not in made:
+                made[id(s)] = self.inputs(values, s)
+            cluster, profiles = made[id(s)]
+            predicted.append(predict_step_s(self.runs[i], s.model, cluster, profiles))
+        return np.array(predicted)
 
     def unit(self) -> dict[Factor, float]:
         return dict.fromkeys(self.factors, 1.0)
 
-    def exercised(self) -> list[Factor]:
-        """The factors some run's estimate depends on (doubling the factor moves it)."""
-        base = np.log(self.predict(self.unit()))
+    def exercised(self, runs: list[int] | None = None) -> list[Factor]:
+        """The factors the estimate of some run (of `runs`, by default every run) depends on (doubling the factor
+        moves it)."""
+        base = np.log(self.predict(self.unit(), runs))
         return [f for f in self.factors
-                if np.max(np.abs(np.log(self.predict({**self.unit(), f: 2.0})) - base)) > UNUSED_SENSITIVITY]
+                if np.max(np.abs(np.log(self.predict({**self.unit(), f: 2.0}, runs)) - base)) > UNUSED_SENSITIVITY]
 
     def fit(self, free: list[Factor], runs: list[int], start: dict[Factor, float] | None = None) -> dict[Factor, float]:
         """Values of the `free` factors (the others 1) that best explain the measured `runs`."""

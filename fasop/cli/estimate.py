@@ -20,7 +20,8 @@ from fasop.plans import Plan, expand_placement, read_plan_file
 
 # The options that give a plan's shape: required without --plan, refused with it (the plan file gives them).
 SHAPE_OPTIONS = ("tp", "dp", "pp", "mbs", "placement", "layers_per_stage", "gbs", "distributed_optimizer", "overlap",
-                 "virtual_stages", "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel")
+                 "virtual_stages", "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel",
+                 "tp_comm_overlap")
 REQUIRED_WITHOUT_PLAN = ("model_name", "cluster_name", "tp", "dp", "pp", "mbs", "placement", "layers_per_stage")
 DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and it does not fit GPU memory
 
@@ -58,6 +59,9 @@ DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and
               help="With --recompute full: 1 for uniform, N for block.")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="Megatron's --sequence-parallel [default: on when tp > 1].")
+@click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=False, show_default=True,
+              help="Megatron's --tp-comm-overlap: the layers' tensor-parallel collectives overlapped with their GEMMs "
+                   "(needs tp > 1, sequence parallelism and a GPU type of clusters/catalogue/tp-comm-overlap.toml).")
 @common.memory_headroom_option
 @click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
 @common.reports_input_errors

@@ -77,6 +77,9 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
 @click.option("--no-sequence-parallel", "no_sequence_parallel", is_flag=True,
               help="Leave Megatron's --sequence-parallel off (by default on whenever tp > 1: the same traffic, "
                    "less activation memory).")
+@click.option("--no-tp-comm-overlap", "no_tp_comm_overlap", is_flag=True,
+              help="Leave Megatron's --tp-comm-overlap off (by default on where it runs and hides time: tp > 1 with "
+                   "sequence parallelism on the GPU types of clusters/catalogue/tp-comm-overlap.toml).")
 @click.option("--use-all", is_flag=True,
               help="Only plans on every node (by default plans that leave whole node types idle compete too).")
 @common.memory_headroom_option
@@ -85,7 +88,7 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
 @common.reports_input_errors
 def search(model_name, cluster_name, gbs, top, all_placements, sort, output, force, train_steps, train_tokens, prune,
            workers, emit_dir, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, recompute_modes,
-           no_sequence_parallel, use_all, memory_headroom, noise, trials, seed, **run):
+           no_sequence_parallel, no_tp_comm_overlap, use_all, memory_headroom, noise, trials, seed, **run):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time, plans above the memory headroom
     after those below it."""
     from fasop.search.headroom import search_within_headroom
@@ -114,7 +117,7 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
                                         train_tokens=train_tokens, sort=sort, progress=progress,
                                         keep=top if prune else None, workers=workers, profiles=profiles,
                                         overlap=overlap, recompute=recompute, sequence_parallel=not no_sequence_parallel,
-                                        use_all=use_all)
+                                        tp_comm_overlap=not no_tp_comm_overlap, use_all=use_all)
     elapsed = time.perf_counter() - started
     plans = result.plans
     if not plans:
@@ -127,7 +130,7 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
     report = None
     if noise is not None:  # before anything is written: nothing is left behind when it fails
         prepared = prepare(model, cluster, plans[0].gbs, profiles_dir, distributed_optimizer, profiles, overlap,
-                           recompute, not no_sequence_parallel)
+                           recompute, not no_sequence_parallel, not no_tp_comm_overlap)
         with common.progress_bar("noise trials") as progress:
             report = noise_report(prepared, plans, noise, trials or DEFAULT_TRIALS, seed or 0, sort, top, progress)
     notes = _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs, run_settings(run))

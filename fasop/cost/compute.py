@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fasop.cost.config import Config, per_stage, recomputed_layers
+from fasop.cost.tpoverlap import hidden_shares
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
@@ -45,6 +46,10 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
         `selective`; else 0) of one unit of each kind for one micro-batch on a stage of these GPU types: the
         slower type's step, and that type's forward and core."""
         times = np.array([[profiles[g].times_s(tp, kind, sizes) for kind in kinds] for g in gpus])
+        if config.tp_comm_overlap:  # the layers' collectives hidden behind their GEMMs
+            for i, g in enumerate(gpus):
+                for j, kind in enumerate(model.layer_kinds):
+                    times[i, j] *= 1 - hidden_shares(model, profiles[g], tp, kind, sizes)
         core = np.array([[profiles[g].attention_core_forward_s(model, tp, kind, sizes)
                           if selective and kind in model.layer_kinds else np.zeros(len(sizes)) for kind in kinds]
                          for g in gpus])

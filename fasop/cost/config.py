@@ -36,6 +36,7 @@ class Config:
     recompute_method: str | None = None  # full only: --recompute-method uniform or block
     recompute_num_layers: int | None = None  # full only: --recompute-num-layers
     sequence_parallel: bool = False  # --sequence-parallel; only meaningful when tp > 1
+    tp_comm_overlap: bool = False  # --tp-comm-overlap (fasop.cost.tpoverlap): with sequence parallelism
 
     @property
     def blocked_layers(self) -> int:

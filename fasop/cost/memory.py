@@ -4,9 +4,10 @@ the model's own (fasop.inputs.model).
 
 Activation bytes generalise the per-layer formula of Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models", Table 2: 34*s*b*h + 5*a*s^2*b bytes) to other attention widths,
-grouped-query attention, SwiGLU, flash attention and models without dropout; docs/cost-model.md derives every
-term, and what activation recomputation and sequence parallelism change (section 10). They are bytes one GPU
-holds for one micro-batch.
+grouped-query attention, SwiGLU and squared ReLU, flash attention and models without dropout; docs/cost-model.md
+derives every term, and what activation recomputation and sequence parallelism change (section 10). They are
+bytes one GPU holds for one micro-batch. The model state is held as Megatron-LM allocates it (section 8): the
+fp32 copy of a lower-precision gradient buffer only in the optimizer step, when no activation is held.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TypeVar
 import numpy as np
 
 from fasop.cost.config import RECOMPUTE_MODES, Config, per_stage, recomputed_layers
-from fasop.cost.pipeline import in_flight
+from fasop.cost.pipeline import end_chunks_in_flight, in_flight
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 
@@ -35,9 +36,13 @@ ADAM_MOMENTS_BYTES = 2 * FP32_BYTES
 
 
 def gradient_bytes(model: Model) -> int:
-    """Bytes per gradient element in Megatron-LM's gradient buffer, the one the data-parallel group reduces: fp32
-    for bf16 training (it turns on accumulate-allreduce-grads-in-fp32 for bf16), fp16 for fp16's."""
-    return FP32_BYTES if model.precision in ("bf16", "fp32") else model.precision_bytes
+    """Bytes per gradient element in Megatron-LM's gradient buffer, the one the data-parallel group reduces
+    (megatron/core/distributed/distributed_data_parallel.py: fp32 with grad_reduce_in_fp32, else the parameter's
+    dtype): fp32 for bf16 training (Megatron-LM turns on --accumulate-allreduce-grads-in-fp32 for bf16 unless
+    --grad-reduce-in-bf16), fp16 for fp16's."""
+    if model.precision == "fp32" or (model.precision == "bf16" and not model.grad_reduce_in_bf16):
+        return FP32_BYTES
+    return model.precision_bytes
 
 
 def optimizer_state_bytes(model: Model) -> int:
@@ -46,14 +51,24 @@ def optimizer_state_bytes(model: Model) -> int:
 
 
 def bytes_per_param(model: Model, dp: int, distributed_optimizer: bool) -> float:
-    """Megatron-LM's model state per parameter (its distributed-optimizer table): every rank keeps the weights and
-    the gradient buffer; Adam's state, with fp16's fp32 copy of the gradients, is the distributed optimizer's part,
-    sharded over the d data-parallel ranks (else kept whole). 20, 18 and 16 bytes for fp16, bf16 and fp32, or
-    4 + 16/d, 6 + 12/d and 8 + 8/d."""
+    """Megatron-LM's model state per parameter held through the forward and backward passes: every rank keeps
+    the weights and the gradient buffer; Adam's state is the distributed optimizer's part, sharded over the d
+    data-parallel ranks (else kept whole). 16, 18 and 16 bytes for fp16, bf16 and fp32, or 4 + 12/d, 6 + 12/d
+    and 8 + 8/d; bf16 with --grad-reduce-in-bf16 as fp16. With main_gradient_bytes, Megatron-LM's
+    distributed-optimizer table (docs/cost-model.md section 8)."""
     kept = model.precision_bytes + gradient_bytes(model)
-    main_gradients = FP32_BYTES if gradient_bytes(model) < FP32_BYTES else 0
-    sharded = optimizer_state_bytes(model) + main_gradients
-    return kept + sharded / (dp if distributed_optimizer else 1)
+    return kept + optimizer_state_bytes(model) / (dp if distributed_optimizer else 1)
+
+
+def main_gradient_bytes(model: Model, dp: int, distributed_optimizer: bool) -> float:
+    """Bytes per parameter the optimizer step adds: the fp32 copy of a gradient buffer of lower precision (4, or
+    4/d for the distributed optimizer's shard), 0 where the buffer is fp32 (the copy is the buffer itself).
+    The step makes it (`_copy_model_grads_to_main_grads`: `.float()` of the buffer, in megatron/core/optimizer/
+    optimizer.py and distrib_optimizer.py) after the last backward, and the next step's `zero_grad(set_to_none)`
+    frees it before the first forward: it never coexists with activations."""
+    if gradient_bytes(model) >= FP32_BYTES:
+        return 0.0
+    return FP32_BYTES / (dp if distributed_optimizer else 1)
 
 
 def optimizer_traffic_bytes(model: Model) -> int:
@@ -101,6 +116,8 @@ def _attention_activation_bytes(model: Model, q_seq: int, kv_seq: int, mbs: int,
 def _mlp_activation_bytes(model: Model, seq: int, mbs: int) -> np.ndarray:
     h, f, p = model.hidden_size, model.ffn_hidden_size, model.precision_bytes
     mask = DROPOUT_MASK_BYTES if model.dropout else 0
+    # fc1's output and fc2's input: SwiGLU's fc1 output is 2f wide; squared ReLU keeps relu's output (pow saves
+    # it too) and its square, as GeLU its input and output
     hidden = (3 if model.ffn_activation == "swiglu" else 2) * p * seq * mbs * f
     return np.array([p * seq * mbs * h + mask * seq * mbs * h + p * seq * mbs * h, hidden, 0.0])  # + norm input
 
@@ -177,23 +194,34 @@ def stage_capacity_gib(cluster: Cluster, placements: list[tuple[tuple[str, ...],
 @dataclass(frozen=True)
 class StageMemory:
     """(rows, pp) GiB on each stage: a stage of n layers that recomputes r of them (fasop.cost.config.
-    recomputed_layers) holds fixed + layer n + recomputed r, and the layer being rebuilt once r > 0."""
+    recomputed_layers) holds fixed + layer n + recomputed r, and the layer being rebuilt once r > 0, through the
+    forward and backward passes; step_fixed + step_layer n in the optimizer step, after every activation is
+    freed. Its peak is the larger of the two."""
 
     fixed_gib: np.ndarray  # model state and activations beyond the stage's layers (one stage holding the model: all)
     layer_gib: np.ndarray  # what a layer adds: its state, and its activations for the micro-batches in flight
     recomputed_gib: np.ndarray  # what full recomputation of a layer takes off that (<= 0): it keeps only its input
     working_gib: np.ndarray  # the layer being rebuilt, one micro-batch, beyond what it keeps
+    step_fixed_gib: np.ndarray  # the optimizer step: model state with the fp32 copies of the gradients
+    step_layer_gib: np.ndarray
 
     def at(self, layers: np.ndarray, recomputed: np.ndarray) -> np.ndarray:
         """GiB on stages of `layers` layers that recompute `recomputed` of them."""
-        return (self.fixed_gib + self.layer_gib * layers + self.recomputed_gib * recomputed
-                + np.where(recomputed > 0, self.working_gib, 0.0))
+        passes = (self.fixed_gib + self.layer_gib * layers + self.recomputed_gib * recomputed
+                  + np.where(recomputed > 0, self.working_gib, 0.0))
+        return np.maximum(passes, self.step_fixed_gib + self.step_layer_gib * layers)
 
-    def affine(self, per_layer: float, fixed: float) -> tuple[np.ndarray, np.ndarray]:
-        """(fixed, per layer) GiB of a stage of n >= 1 layers that recomputes per_layer n + fixed of them
-        (fasop.cost.config.recomputed_affine): the affine form the partition takes."""
+    def passes_affine(self, per_layer: float, fixed: float) -> tuple[np.ndarray, np.ndarray]:
+        """(fixed, per layer) GiB through the passes of a stage of n >= 1 layers that recomputes per_layer n +
+        fixed of them (fasop.cost.config.recomputed_affine)."""
         return (self.fixed_gib + self.recomputed_gib * fixed + self.working_gib,
                 self.layer_gib + self.recomputed_gib * per_layer)
+
+    def affine(self, per_layer: float, fixed: float) -> tuple[np.ndarray, np.ndarray]:
+        """(fixed, per layer): the affine form the partition takes, the larger coefficients of the passes and the
+        step (exact where one of them is the larger at every layer count, else above the peak)."""
+        fixed_gib, layer_gib = self.passes_affine(per_layer, fixed)
+        return np.maximum(fixed_gib, self.step_fixed_gib), np.maximum(layer_gib, self.step_layer_gib)
 
     def take(self, rows: np.ndarray) -> StageMemory:
         return StageMemory(*(getattr(self, f.name)[rows] for f in fields(StageMemory)))
@@ -214,14 +242,19 @@ def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: 
     fixed_params, layer_params = params
     tp, pp, sp = config.tp, config.pp, config.sequence_parallel
     per_param = bytes_per_param(model, config.dp, config.distributed_optimizer)
+    step_per_param = per_param + main_gradient_bytes(model, config.dp, config.distributed_optimizer)
     whole_act, selective_act, input_act = (_kind_activation_bytes(model, tp, sp, mode) for mode in RECOMPUTE_MODES)
     full = config.recompute == "full"
     kept_act = selective_act if config.recompute == "selective" else whole_act
     recomputed_act = input_act - whole_act if full else np.zeros_like(whole_act)
     working_act = whole_act - (input_act if full else kept_act)
+    # the embedding's and the head's activations are held for the micro-batches in flight of their own model
+    # chunks (the first stage's first, the last stage's last), the layers' for their stage's
+    ends = end_chunks_in_flight(pp, num_microbatches, config.virtual_stages) * mbs[:, None]
+    end_act = np.zeros((len(mbs), pp))
+    end_act[:, 0] += embedding_activation_bytes(model, 1, tp, sp) * ends[:, 0]
+    end_act[:, -1] += head_activation_bytes(model, 1, tp, sp) * ends[:, 1]
     fixed_act = np.zeros(pp)
-    fixed_act[0] += embedding_activation_bytes(model, 1, tp, sp)
-    fixed_act[-1] += head_activation_bytes(model, 1, tp, sp)
     fixed_working = 0.0
     if pp == 1:  # one stage: its layers are not partitioned, all fixed; each segment is a block of its own
         recomputed = recomputed_layers(np.array(model.segment_layers), 1, config.recomputed_per_chunk)[:, 0]
@@ -231,10 +264,12 @@ def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: 
     held = in_flight(pp, num_microbatches, config.virtual_stages) * mbs[:, None]  # samples whose activations a stage holds
     one = mbs[:, None] / GIB  # the working layer's micro-batch
     return StageMemory(
-        fixed_gib=(fixed_params * per_param + fixed_act * held) / GIB + fixed_working * one,
+        fixed_gib=(fixed_params * per_param + fixed_act * held + end_act) / GIB + fixed_working * one,
         layer_gib=(layer_params * per_param + kept_act[segment] * held) / GIB,
         recomputed_gib=recomputed_act[segment] * held / GIB,
-        working_gib=working_act[segment] * one)
+        working_gib=working_act[segment] * one,
+        step_fixed_gib=np.broadcast_to(fixed_params * step_per_param / GIB, held.shape).copy(),
+        step_layer_gib=np.broadcast_to(layer_params * step_per_param / GIB, held.shape).copy())
 
 
 def head_fits(model: Model, cluster: Cluster, tp: int, mbs: int, sequence_parallel: bool = True) -> bool:
@@ -249,8 +284,10 @@ def layers_that_fit(memory: StageMemory, recomputed: tuple[float, float], usable
     """(K, pp) most layers each stage's memory holds, `usable` GiB per stage (fasop.cost.memory.usable_gib), the
     stage recomputing per_layer n + fixed of them (`recomputed`, fasop.cost.config.recomputed_affine); -1 where
     not even the stage without layers fits; 0 where it fits and one stage holds the whole model (its layers are
-    fixed). Exact wherever the affine form is, and at no layers (a stage without layers rebuilds none)."""
-    mem_fixed, mem_layer = memory.affine(*recomputed)
+    fixed). Exact wherever the passes' affine form is, and at no layers (a stage without layers rebuilds none);
+    the passes and the optimizer step each bound the layers."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        hi = np.maximum(np.floor((usable - mem_fixed) / mem_layer + 1e-12), 0)
-    return np.where(memory.fixed_gib <= usable, 0 if whole else hi, -1).astype(int)
+        hi = np.minimum(*(np.maximum(np.floor((usable - fixed) / per_layer + 1e-12), 0) for fixed, per_layer in
+                          (memory.passes_affine(*recomputed), (memory.step_fixed_gib, memory.step_layer_gib))))
+    fits = (memory.fixed_gib <= usable) & (memory.step_fixed_gib <= usable)
+    return np.where(fits, 0 if whole else hi, -1).astype(int)

@@ -26,6 +26,31 @@ def in_flight(pp: int, num_microbatches: np.ndarray, virtual_stages: int = 1) ->
     return plain
 
 
+def end_chunks_in_flight(pp: int, num_microbatches: np.ndarray, virtual_stages: int = 1) -> np.ndarray:
+    """(K, 2): micro-batches whose activations the first stage's first model chunk (the embedding's) and the last
+    stage's last chunk (the head's) hold at once: min(pp, m) and 1 under 1F1B; interleaved, counted along the
+    stages' programs (the last stage runs each micro-batch's backward of its last chunk right after its forward)."""
+    ends = np.stack([np.minimum(pp, num_microbatches), np.ones_like(num_microbatches)], axis=-1).astype(float)
+    if virtual_stages == 1:
+        return ends
+    for m in np.unique(num_microbatches):
+        if interleaving_error(pp, virtual_stages, int(m)) is None:
+            ends[num_microbatches == m] = _end_chunks(pp, min(int(m), 8 * pp), virtual_stages)
+    return ends
+
+
+@cache
+def _end_chunks(pp: int, m: int, virtual_stages: int) -> tuple[int, int]:
+    prog = program(pp, m, virtual_stages)
+    first = np.r_[0, prog.last[:-1] + 1]
+    ends = []
+    for stage, chunk in ((0, 0), (pp - 1, virtual_stages - 1)):
+        ops = slice(first[stage], prog.last[stage] + 1)
+        mine = prog.chunk[ops] == chunk
+        ends.append(int(np.cumsum(np.where(prog.backward[ops][mine], -1, 1)).max()))
+    return ends[0], ends[1]
+
+
 @cache
 def _most_chunks(pp: int, m: int, virtual_stages: int) -> tuple[int, ...]:
     prog = program(pp, m, virtual_stages)

@@ -25,7 +25,7 @@ MAX_VOCAB = 2**24
 # Fields that change an estimate and that the shape does not imply: how the model is built and trained. A model
 # file that leaves one out takes the default of ModelTable, and the command line says so (docs/formats.md). The
 # shape's own defaults (kv_channels, num_query_groups, ffn_hidden_size) follow from the fields given, and
-# make_vocab_size_divisible_by's is Megatron-LM's.
+# make_vocab_size_divisible_by's and grad_reduce_in_bf16's are Megatron-LM's.
 ASSUMED_FIELDS = ("tie_embeddings", "position_embedding", "normalization", "ffn_activation", "flash_attention",
                   "dropout", "linear_bias", "precision")
 
@@ -52,6 +52,7 @@ class Model:
     dropout: bool = True
     linear_bias: bool = True
     precision: str = "fp16"
+    grad_reduce_in_bf16: bool = False  # bf16 only: gradients kept and reduced in bf16 (Megatron-LM --grad-reduce-in-bf16)
     global_batch_size: int = 1
     make_vocab_size_divisible_by: int = 128
     source: str = ""
@@ -194,11 +195,12 @@ class ModelTable(Table):
     tie_embeddings: Flag = True
     position_embedding: Literal["learned", "rope", "relative"] = "learned"
     normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
-    ffn_activation: Literal["gelu", "swiglu"] = "gelu"
+    ffn_activation: Literal["gelu", "swiglu", "squared-relu"] = "gelu"
     flash_attention: Flag = False
     dropout: Flag = True
     linear_bias: Flag = True
     precision: Literal["fp16", "bf16", "fp32"] = "bf16"
+    grad_reduce_in_bf16: Flag = False
     global_batch_size: Annotated[int, Range(1, 2**31 - 1)]
     make_vocab_size_divisible_by: Width = 128
 
@@ -243,6 +245,8 @@ def load_model(model_name: str) -> Model:
     groups = heads if table.num_query_groups is None else table.num_query_groups
     if heads % groups:
         raise InputError(f"{where}.num_query_groups", f"must divide num_attention_heads {heads}")
+    if table.grad_reduce_in_bf16 and table.precision != "bf16":
+        raise InputError(f"{where}.grad_reduce_in_bf16", f"true only with precision = \"bf16\", got {table.precision!r}")
     return Model(
         name=table.name, architecture=table.architecture,
         encoder_num_layers=enc_layers, decoder_num_layers=dec_layers,
@@ -259,6 +263,7 @@ def load_model(model_name: str) -> Model:
         dropout=table.dropout,
         linear_bias=table.linear_bias,
         precision=table.precision,
+        grad_reduce_in_bf16=table.grad_reduce_in_bf16,
         global_batch_size=table.global_batch_size,
         make_vocab_size_divisible_by=table.make_vocab_size_divisible_by,
         source=table.source,

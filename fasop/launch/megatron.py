@@ -152,6 +152,13 @@ def split_layer_flags(p: PlanSpec, model: Any, opts: LaunchOptions, where: str) 
     return [("--pipeline-model-parallel-layout", pipeline_layout(layers))]
 
 
+def tensor_parallel_flags(p: PlanSpec) -> list[tuple[str, ...]]:
+    """`--sequence-parallel`, and `--tp-comm-overlap` (Transformer Engine's userbuffers; Megatron-LM's defaults for
+    which collectives overlap, as fasop.cost.tpoverlap models them) when the plan runs them."""
+    return [flag for flag, on in ((("--sequence-parallel",), p.sequence_parallel),
+                                  (("--tp-comm-overlap",), p.tp_comm_overlap)) if on]
+
+
 def recompute_flags(p: PlanSpec) -> list[tuple[str, ...]]:
     """Activation recomputation: `--recompute-granularity`, and for full recomputation its method and layers."""
     if p.recompute == "none":
@@ -170,6 +177,10 @@ def _newer_model_flags(model: Any) -> list[tuple[str, ...]]:
         newer.append(("--num-query-groups", str(model.num_query_groups)))
     if model.ffn_activation == "swiglu":
         newer.append(("--swiglu",))
+    elif model.ffn_activation == "squared-relu":
+        newer.append(("--squared-relu",))
+    if model.grad_reduce_in_bf16:
+        newer.append(("--grad-reduce-in-bf16",))
     if model.normalization == "rmsnorm":
         newer.append(("--normalization", "RMSNorm"))
     if model.position_embedding == "rope":

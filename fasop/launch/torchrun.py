@@ -5,7 +5,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fasop.launch.megatron import ENTRY_SCRIPTS, data_flags, model_flags, recompute_flags, split_layer_flags, training_flags
+from fasop.launch.megatron import (
+    ENTRY_SCRIPTS,
+    data_flags,
+    model_flags,
+    recompute_flags,
+    split_layer_flags,
+    tensor_parallel_flags,
+    training_flags,
+)
 from fasop.launch.network import network_lines
 from fasop.launch.options import LaunchOptions
 from fasop.launch.resume import EXIT_DURATION_VARIABLE
@@ -21,8 +29,7 @@ def run_inter_script(plan: Plan, model: Any, cluster: Any, p: PlanSpec, opts: La
     entry_value = quote(entry) if os.path.isabs(entry) else f'"$MEGATRON_PATH"/{quote(entry)}'
     parallel: list[tuple[str, ...]] = [("--tensor-model-parallel-size", str(p.tp)), ("--pipeline-model-parallel-size", str(p.pp))]
     parallel += split_layer_flags(p, model, opts, where)
-    if p.sequence_parallel:
-        parallel.append(("--sequence-parallel",))
+    parallel += tensor_parallel_flags(p)
     parallel += recompute_flags(p)
     if p.distributed_optimizer:
         parallel.append(("--use-distributed-optimizer",))

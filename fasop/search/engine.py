@@ -160,7 +160,7 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  placement_limit: int = PLACEMENT_LIMIT, keep: int | None = None,
                  workers: int | None = None, profiles: dict[str, GpuProfile] | None = None,
                  overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES,
-                 sequence_parallel: bool = True, use_all: bool = False) -> SearchResult:
+                 sequence_parallel: bool = True, tp_comm_overlap: bool = True, use_all: bool = False) -> SearchResult:
     """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
@@ -169,11 +169,12 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     profiles: already loaded profiles (by GPU type) instead of reading profiles_dir.
     overlap: Megatron's --overlap-grad-reduce, and --overlap-param-gather with the distributed optimizer.
     recompute: the recompute modes to consider (each plan takes its best); sequence_parallel: on when tp > 1.
+    tp_comm_overlap: Megatron's --tp-comm-overlap wherever it runs and hides time (fasop.search.space).
     use_all: only plans on every node; by default plans that leave whole node types idle compete too
     (node_type_subsets), and `idle` says how the best of each subset compares.
     """
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
-                     sequence_parallel)
+                     sequence_parallel, tp_comm_overlap)
     if not tensor_degrees(inputs):
         profiled = {g: p.tensor_degrees for g, p in inputs.profiles.items()}
         raise InputError("profiles", f"no tensor degree dividing {cluster.gpus_per_node} GPUs per node, the attention "
@@ -219,7 +220,7 @@ def _subset_inputs(inputs: Inputs, clusters: list[Cluster]) -> list[Inputs]:
     """`inputs` on each cluster of `clusters` (the first is inputs.cluster), with the profiles read once."""
     return [inputs if sub is inputs.cluster else
             prepare(inputs.model, sub, inputs.gbs, None, inputs.distributed_optimizer, inputs.profiles, inputs.overlap,
-                    inputs.recompute, inputs.sequence_parallel) for sub in clusters]
+                    inputs.recompute, inputs.sequence_parallel, inputs.tp_comm_overlap) for sub in clusters]
 
 
 @dataclass(frozen=True)

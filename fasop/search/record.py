@@ -60,6 +60,7 @@ def plan_rows(inputs: Inputs, plans: list[tuple[Config, Geometry, bool]], costs:
             "timing": "exact-schedule",
             **{key: value for key, value in recompute.items() if value is not None},
             "sequence_parallel": config.sequence_parallel,
+            **({"tp_comm_overlap": True} if config.tp_comm_overlap else {}),  # left out when off
             "step_time_s": step,
             "throughput_samples_per_s": config.gbs / step,
             "tokens_per_s": config.gbs * model.seq_length / step,

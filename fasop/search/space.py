@@ -19,6 +19,7 @@ from fasop.cost.config import (
     with_recompute,
 )
 from fasop.cost.memory import head_fits
+from fasop.cost.tpoverlap import overlap_error, overlap_pays
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
@@ -78,6 +79,7 @@ class Inputs:
     overlap: bool = True  # Megatron's --overlap-grad-reduce, and --overlap-param-gather with the distributed optimizer
     recompute: tuple[str, ...] = RECOMPUTE_MODES  # the recompute modes to consider, lightest first
     sequence_parallel: bool = True  # on whenever tp > 1
+    tp_comm_overlap: bool = True  # --tp-comm-overlap wherever Megatron runs it and it hides time
 
 
 # The most GPUs one plan spans: every placement's rank geometry (fasop.cost.communication) holds a node per rank,
@@ -87,7 +89,8 @@ MAX_PLAN_GPUS = 2**18
 
 def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None,
             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None,
-            overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES, sequence_parallel: bool = True) -> Inputs:
+            overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES, sequence_parallel: bool = True,
+            tp_comm_overlap: bool = True) -> Inputs:
     """Checked inputs of one search; `profiles` (already loaded, e.g. for many compositions) skips the files."""
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
     if cluster.num_gpus > MAX_PLAN_GPUS:
@@ -102,7 +105,7 @@ def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir
         profiles = load_profiles(model, gpus, profiles_dir, specs=merged_specs(own=cluster.gpus))
     modes = tuple(mode for mode in RECOMPUTE_MODES if mode in recompute)  # lightest first, once each
     return Inputs(model, cluster, {g: profiles[g] for g in gpus}, gbs, distributed_optimizer, overlap, modes,
-                  sequence_parallel)
+                  sequence_parallel, tp_comm_overlap)
 
 
 def tensor_degrees(inputs: Inputs) -> list[int]:
@@ -171,10 +174,12 @@ def groups(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int =
         nodes, exhaustive = placements(cluster, tp * dp, placement_limit)
         geos = [geometry(cluster, placement, tp, dp, pp) for placement in nodes]
         signatures = [_signature(geo) for geo in geos]
+        sequence_parallel = inputs.sequence_parallel and sequence_parallel_on(tp)
         configs = [Config(tp, dp, pp, 1, inputs.gbs, split, inputs.distributed_optimizer,
                           overlap_grad_reduce=inputs.overlap,
                           overlap_param_gather=param_gather_overlaps(inputs.overlap, inputs.distributed_optimizer),
-                          sequence_parallel=inputs.sequence_parallel and sequence_parallel_on(tp))
+                          sequence_parallel=sequence_parallel,
+                          tp_comm_overlap=tp_comm_overlap_on(inputs, tp, sequence_parallel, mbs_values))
                    for split in encoder_splits(model, pp)]
         stage_sets = [embedding_stages(model, config) for config in configs]
         embedded = [with_embedding_groups(cluster, geo, stage_sets) for geo in geos]  # [placement][split]
@@ -187,6 +192,15 @@ def groups(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int =
             variants = tuple(with_recompute(config, mode) for mode in recompute_modes(inputs))
             result.append(Group(variants[0], list(unique.values()), mbs_values, exhaustive, oversized, variants))
     return result
+
+
+def tp_comm_overlap_on(inputs: Inputs, tp: int, sequence_parallel: bool, mbs_values: list[int]) -> bool:
+    """Whether the search's plans at `tp` run --tp-comm-overlap: where asked, Megatron runs it on every GPU type of
+    the cluster, and it hides time at every micro-batch size there (fasop.cost.tpoverlap.overlap_pays). Then it
+    only shortens layers, so it is simply on rather than searched both ways."""
+    model = inputs.model
+    return (inputs.tp_comm_overlap and overlap_error(model, tp, sequence_parallel, tuple(inputs.profiles)) is None
+            and overlap_pays(model, inputs.profiles, tp, tuple(mbs_values)))
 
 
 def recompute_modes(inputs: Inputs) -> tuple[str, ...]:

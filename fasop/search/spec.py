@@ -18,6 +18,7 @@ from fasop.cost.config import (
     sequence_parallel_on,
     virtual_stages_error,
 )
+from fasop.cost.tpoverlap import overlap_error
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -29,7 +30,8 @@ Refuse = Callable[[str, str], InputError]  # (field, problem) -> the error namin
 # The Plan fields a specification is made of, named as plan_spec takes them.
 SHAPE_FIELDS = ("tp", "dp", "pp", "mbs", "gbs", "placement", "layers_per_stage", "encoder_stages",
                 "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "virtual_stages",
-                "layers_per_virtual_stage", "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel")
+                "layers_per_virtual_stage", "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel",
+                "tp_comm_overlap")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class PlanSpec:
     recompute_method: str | None
     recompute_num_layers: int | None
     sequence_parallel: bool
+    tp_comm_overlap: bool = False
 
     @property
     def num_microbatches(self) -> int:
@@ -66,7 +69,7 @@ class PlanSpec:
                       overlap_grad_reduce=self.overlap_grad_reduce, overlap_param_gather=self.overlap_param_gather,
                       virtual_stages=self.virtual_stages, recompute=self.recompute,
                       recompute_method=self.recompute_method, recompute_num_layers=self.recompute_num_layers,
-                      sequence_parallel=self.sequence_parallel)
+                      sequence_parallel=self.sequence_parallel, tp_comm_overlap=self.tp_comm_overlap)
 
 
 def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: int, placement: Sequence[str],
@@ -75,12 +78,14 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
               overlap_param_gather: bool | None = None, virtual_stages: int = 1,
               layers_per_virtual_stage: Sequence[int] | None = None, recompute: str = "none",
               recompute_method: str | None = None, recompute_num_layers: int | None = None,
-              sequence_parallel: bool | None = None, gpus_per_node: int | None = None,
+              sequence_parallel: bool | None = None, tp_comm_overlap: bool = False,
+              gpus_per_node: int | None = None,
               where: str | None = None) -> PlanSpec:
     """The plan checked against `model` and `cluster`. Arguments are named as plan files name their fields;
     None: fasop's default (the model's global batch, the encoder stages the layers imply, parameters gathered
     during the forward when the optimizer is distributed and gradients reduced during the backward, sequence
-    parallelism when tp > 1, each stage's layers split evenly over its chunks); full recomputation without a
+    parallelism when tp > 1, each stage's layers split evenly over its chunks; tensor-parallel communication
+    overlap off); full recomputation without a
     method is uniform over every layer. `gpus_per_node`: the launch's own, instead of the cluster's.
     Errors name the argument, or `where` and the field (a plan file's)."""
     def refuse(field: str, problem: str) -> InputError:
@@ -112,8 +117,7 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
     problem = recompute_error(recompute, recompute_method, recompute_num_layers)
     if problem:
         raise refuse("recompute", problem)
-    if sequence_parallel and tp == 1:
-        raise refuse("sequence_parallel", "needs tensor parallelism (tp > 1), as Megatron-LM does")
+    _check_tensor_parallel(model, cluster, placement, tp, sequence_parallel, tp_comm_overlap, refuse)
     spec = PlanSpec(tp=tp, dp=dp, pp=pp, mbs=mbs, gbs=gbs, placement=placement, layers_per_stage=layers,
                     gpus_per_node=gpn, encoder_stages=encoder, distributed_optimizer=distributed_optimizer,
                     overlap_grad_reduce=overlap_grad_reduce,
@@ -121,7 +125,7 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
                                                                overlap_param_gather),
                     virtual_stages=virtual_stages, layers_per_virtual_stage=(), recompute=recompute,
                     recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-                    sequence_parallel=sequence_parallel_on(tp, sequence_parallel))
+                    sequence_parallel=sequence_parallel_on(tp, sequence_parallel), tp_comm_overlap=tp_comm_overlap)
     if pp > 1 and (np.array(layers) < fewest_layers(model, spec.config)).any():
         raise refuse("layers_per_stage", f"every stage needs at least the {spec.config.blocked_layers} layers "
                                          "block recomputation reruns in it" if spec.config.blocked_layers else
@@ -149,6 +153,19 @@ def _check_nodes(cluster: Cluster, placement: tuple[str, ...], refuse: Refuse) -
         used, have = placement.count(name), cluster.node_types[name].count
         if used > have:
             raise refuse("placement", f"uses {used} nodes of type {name}, cluster {cluster.name} has {have}")
+
+
+def _check_tensor_parallel(model: Model, cluster: Cluster, placement: tuple[str, ...], tp: int,
+                           sequence_parallel: bool | None, tp_comm_overlap: bool, refuse: Refuse) -> None:
+    """Sequence parallelism needs tp > 1, as Megatron-LM does; --tp-comm-overlap runs where Megatron-LM and the
+    userbuffers allow it (fasop.cost.tpoverlap.overlap_error)."""
+    if sequence_parallel and tp == 1:
+        raise refuse("sequence_parallel", "needs tensor parallelism (tp > 1), as Megatron-LM does")
+    if tp_comm_overlap:
+        gpus = tuple(sorted({cluster.node_types[name].gpu for name in placement}))
+        problem = overlap_error(model, tp, sequence_parallel_on(tp, sequence_parallel), gpus)
+        if problem:
+            raise refuse("tp_comm_overlap", problem)
 
 
 def _encoder_stages(model: Model, layers: tuple[int, ...], refuse: Refuse) -> int:
