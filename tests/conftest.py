@@ -9,8 +9,10 @@ Every part can be overridden or broken on purpose.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -186,3 +188,17 @@ def tiny(tmp_path):
         return Tiny(root, model_path, cluster_path, folder)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def validate_published():
+    """scripts/validate_published.py imported as a module (a script, not part of the package)."""
+    name = "validate_published_script"
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" /
+                                                  "validate_published.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name while the file runs
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[name]

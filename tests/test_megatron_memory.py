@@ -5,8 +5,6 @@ with grouped-query attention and each FFN activation, the micro-batches in fligh
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import types
 from dataclasses import replace
 from pathlib import Path
@@ -154,13 +152,8 @@ def test_stage_memory_is_the_larger_of_the_passes_and_the_step():
 
 # -- the Nemotron-4 340B run ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def vp():
-    spec = importlib.util.spec_from_file_location("validate_memory", ROOT / "scripts" / "validate_published.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def vp(validate_published):
+    return validate_published
 
 
 def test_nemotron_340b_first_stage_by_hand(vp):

@@ -3,8 +3,6 @@ the wiring of Megatron-LM options, refused inputs, and the generated block of do
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,12 +17,8 @@ DOC = ROOT / "docs" / "validation.md"
 
 
 @pytest.fixture(scope="module")
-def vp():
-    spec = importlib.util.spec_from_file_location("validate_published", ROOT / "scripts" / "validate_published.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+def vp(validate_published):
+    return validate_published
 
 
 @pytest.fixture(scope="module")
