@@ -11,6 +11,9 @@ returns a pandas DataFrame of every plan that fits memory, best first. The comma
                                            fasop search: the same ranked as the command ranks them, plans above
                                            90% of usable GPU memory (memory_headroom) after the others
     fasop.estimate(model, cluster, ...)    fasop estimate: one plan's full breakdown
+    fasop.estimate_stage_groups(model, cluster, fasop.stage_group_spec(model, cluster, ...))
+                                           the same for a plan whose stages (fasop.StageGroup) have their own GPU
+                                           type, tp and dp
     fasop.pareto(model, cluster, ...)      fasop pareto: each composition's best plan and the Pareto front (a DataFrame)
     fasop.compare(model, cluster)          fasop compare: the strategy families side by side (a list of Family)
     fasop.emit(plan, model, cluster, dir)  fasop emit: the plan estimated afresh, its launch scripts written
@@ -24,15 +27,26 @@ from typing import TYPE_CHECKING, Any
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster, load_cluster
 from fasop.inputs.model import Model, load_model
-from fasop.search import PlanSpec, estimate, plan_spec, search, search_plans, search_within_headroom
+from fasop.search import (
+    PlanSpec,
+    StageGroup,
+    estimate,
+    estimate_stage_groups,
+    plan_spec,
+    search,
+    search_plans,
+    search_within_headroom,
+    stage_group_spec,
+)
 
 if TYPE_CHECKING:
     from fasop.launch.write import emit
     from fasop.market.choice import pareto
     from fasop.search.compare import compare
 
-__all__ = ["Cluster", "InputError", "Model", "PlanSpec", "compare", "emit", "estimate", "load_cluster", "load_model",
-           "pareto", "plan_spec", "search", "search_plans", "search_within_headroom"]
+__all__ = ["Cluster", "InputError", "Model", "PlanSpec", "StageGroup", "compare", "emit", "estimate",
+           "estimate_stage_groups", "load_cluster", "load_model", "pareto", "plan_spec", "search", "search_plans",
+           "search_within_headroom", "stage_group_spec"]
 __version__ = "0.1.0"
 
 # Every command imports this package when it starts: the sweep, the strategy families and the launch scripts

@@ -45,12 +45,16 @@ class Chunk(Table):
 
 
 class Stage(Table):
-    """One pipeline stage of a 3D plan: seconds per micro-batch, memory of its most loaded GPU."""
+    """One pipeline stage of a 3D or stage-group plan: seconds per micro-batch, memory of its most loaded GPU."""
 
     stage: Index
     gpu: str  # the stage's GPU type; "A100+A10" for a stage whose ranks span two types
     nodes: list[Index]  # node ranks (positions in the placement) holding the stage
     layers: Index
+    # stage-group plans: the stage's own tensor- and data-parallel degrees and each of its GPUs' micro-batch
+    tp: Count | None = None
+    dp: Count | None = None
+    mbs: Count | None = None
     compute_s: float  # forward and backward of one micro-batch, with the forwards it recomputes
     forward_s: float | None = None  # the forward part of compute_s
     recompute_s: float | None = None  # the recomputed forwards in compute_s
@@ -89,11 +93,11 @@ class Plan(Table):
     cluster_file: str | None = None
     profiles: str | None = None  # the --profiles folder as given; absent: the bundled profiles of the model
     synthesised_profiles: list[str] | None = None  # GPU types without a profile, synthesised from the roofline
-    kind: Literal["3d", "ddp", "zero1", "zero2", "zero3"] = "3d"
+    kind: Literal["3d", "stage-groups", "ddp", "zero1", "zero2", "zero3"] = "3d"
     batch_split: Literal["even", "uneven"] | None = None
     gbs: Count
-    mbs: Count
-    tp: Count
+    mbs: Count  # stage-group plans: the first stage's (each stage's GPUs take mbs x dp / its own dp)
+    tp: Count  # stage-group plans: the first stage's (each stage row has its own)
     dp: Count
     pp: Count
     num_microbatches: Count | None = None
@@ -133,7 +137,10 @@ class Plan(Table):
     memory_capacity_gib: float | None = None
     cost_per_hour_usd: float | None = None
     cost_per_step_usd: float | None = None
-    placement_search: Literal["exhaustive", "type-blocks"] | None = None
+    placement_search: Literal["exhaustive", "type-blocks", "ilp"] | None = None
+    # the integer program's relative gap, (found - bound) / found: of its own plan ("ilp"), or the bound it puts
+    # on a type-blocks plan's placement
+    optimality_gap: float | None = None
     stages: list[Stage] | None = None
     per_type: Annotated[list[TypeShare], Field(min_length=1)] | None = None
     train_steps: Count | None = None
@@ -145,6 +152,9 @@ class Plan(Table):
     def _kind_has_its_rows(self) -> Plan:
         if self.kind in DATA_PARALLEL_KINDS and (self.per_type is None or self.gpus_per_node is None):
             raise ValueError(f"a {self.kind} plan needs per_type and gpus_per_node")
+        if self.kind == "stage-groups" and (self.stages is None or any(
+                s.tp is None or s.dp is None for s in self.stages)):
+            raise ValueError("a stage-groups plan needs stages, each with its gpu, tp and dp")
         return self
 
     @classmethod
@@ -166,6 +176,10 @@ class Plan(Table):
     @property
     def is_data_parallel(self) -> bool:
         return self.kind in DATA_PARALLEL_KINDS
+
+    @property
+    def is_stage_groups(self) -> bool:
+        return self.kind == "stage-groups"
 
 
 def _unchecked(cls: type[Stage], values: dict[str, Any]) -> Stage:

@@ -28,8 +28,9 @@ DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and
 
 @click.command()
 @click.option("--plan", "plan_file", default=None, metavar="FILE",
-              help="Estimate a plan of a plan file (fasop search --output plans.json, or the plan.json of fasop emit) "
-                   "with the model, cluster and profiles it names, instead of the plan options below.")
+              help="Estimate a plan of a plan file (fasop search --output plans.json, or the plan.json of fasop emit; "
+                   "a 3D or stage-groups plan) with the model, cluster and profiles it names, instead of the plan "
+                   "options below.")
 @click.option("--rank", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --plan: which plan of the list (1 = best).")
 @click.option("--model", "model_name", default=None, metavar="NAME|FILE",
@@ -76,8 +77,10 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
     from fasop.search import estimate as run_estimate
     from fasop.search.headroom import memory_load
     from fasop.search.spec import spec_of
+    from fasop.search.stagegroups import estimate_stage_groups, spec_of_stage_groups
 
     ctx = click.get_current_context()
+    groups = None  # the stage-group plan of a plan file of that kind
     given = [name for name in ctx.params if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
     if plan_file is None:
         if "rank" in given:
@@ -96,12 +99,18 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
             raise InputError(_option(ctx, refused[0]), "the plan file gives the plan; leave it out with --plan")
         plan, where = read_plan_file(plan_file, rank), f"{plan_file}: plan {rank}"
         if plan.is_data_parallel:
-            raise InputError(where, f"a {plan.kind} plan: fasop estimate takes 3D plans (fasop emit re-estimates "
-                                    "data-parallel ones)")
+            raise InputError(where, f"a {plan.kind} plan: fasop estimate takes 3D and stage-groups plans (fasop "
+                                    "emit re-estimates data-parallel ones)")
         model, cluster, profiles_dir = _plan_inputs(plan, Path(plan_file), model_name, cluster_name, profiles_dir, where)
-        spec, shape = spec_of(plan, model, cluster, where), {}
+        if plan.is_stage_groups:
+            groups = spec_of_stage_groups(plan, model, cluster, where)
+        else:
+            spec, shape = spec_of(plan, model, cluster, where), {}
     profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
-    plan = run_estimate(model, cluster, spec, profiles_dir=profiles_dir, profiles=profiles, **shape)
+    if groups is None:
+        plan = run_estimate(model, cluster, spec, profiles_dir=profiles_dir, profiles=profiles, **shape)
+    else:
+        plan = estimate_stage_groups(model, cluster, groups, profiles_dir=profiles_dir, profiles=profiles)
     if as_json:
         record = plan.record()
         check_finite(record, "estimate")

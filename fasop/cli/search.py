@@ -82,13 +82,16 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
                    "sequence parallelism on the GPU types of clusters/catalogue/tp-comm-overlap.toml).")
 @click.option("--use-all", is_flag=True,
               help="Only plans on every node (by default plans that leave whole node types idle compete too).")
+@click.option("--stage-groups", is_flag=True,
+              help="Also search stage-group plans, each pipeline stage with its own GPU type, tp and dp, chosen by "
+                   "an integer program (run with FlagScale's heterogeneous mode: fasop emit).")
 @common.memory_headroom_option
 @noise_options
 @run_options
 @common.reports_input_errors
 def search(model_name, cluster_name, gbs, top, all_placements, sort, output, force, train_steps, train_tokens, prune,
            workers, emit_dir, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, recompute_modes,
-           no_sequence_parallel, no_tp_comm_overlap, use_all, memory_headroom, noise, trials, seed, **run):
+           no_sequence_parallel, no_tp_comm_overlap, use_all, stage_groups, memory_headroom, noise, trials, seed, **run):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time, plans above the memory headroom
     after those below it."""
     from fasop.search.headroom import search_within_headroom
@@ -117,7 +120,8 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
                                         train_tokens=train_tokens, sort=sort, progress=progress,
                                         keep=top if prune else None, workers=workers, profiles=profiles,
                                         overlap=overlap, recompute=recompute, sequence_parallel=not no_sequence_parallel,
-                                        tp_comm_overlap=not no_tp_comm_overlap, use_all=use_all)
+                                        tp_comm_overlap=not no_tp_comm_overlap, use_all=use_all,
+                                        stage_groups=stage_groups)
     elapsed = time.perf_counter() - started
     plans = result.plans
     if not plans:

@@ -98,14 +98,19 @@ def format_estimate(row: Plan, model_name: str, cluster_name: str, memory_margin
                     memory_load: float, memory_headroom: float) -> str:
     """One plan's per-stage table and the terms of its step time, memory and price; the step time stretched over
     the error `band`, and its memory load (peak over usable memory) against the headroom."""
-    lines = [f"{model_name} on {cluster_name}: tp={row.tp} dp={row.dp} pp={row.pp} mbs={row.mbs} "
+    groups = row.is_stage_groups  # its rows show each stage's degrees and micro-batch per GPU
+    shape = (f"stage groups pp={row.pp}, {row.mbs * row.dp} samples per micro-batch" if groups else
+             f"tp={row.tp} dp={row.dp} pp={row.pp} mbs={row.mbs}")
+    degrees = f"  {'tp':>3}  {'dp':>3}  {'mbs':>4}" if groups else ""
+    lines = [f"{model_name} on {cluster_name}: {shape} "
              f"({row.num_microbatches} micro-batches), placement {compress_placement(row.placement)}"
              + (f", {row.virtual_stages} virtual stages" if (row.virtual_stages or 1) > 1 else "")
              + f", recompute {recompute_label(row)}, sequence parallelism {'on' if row.sequence_parallel else 'off'}",
-             f"{'stage':>5}  {'gpu':>9}  {'layers':>6}  {'compute s':>9}  {'p2p s':>8}  {'allreduce s':>11}  "
+             f"{'stage':>5}  {'gpu':>9}{degrees}  {'layers':>6}  {'compute s':>9}  {'p2p s':>8}  {'allreduce s':>11}  "
              f"{'mem GiB':>7}  {'of GiB':>6}"]
     for s in row.stages or []:
-        lines.append(f"{s.stage:>5}  {s.gpu:>9}  {s.layers:>6}  {s.compute_s:>9.5f}  {s.p2p_s:>8.5f}  "
+        degrees = f"  {s.tp:>3}  {s.dp:>3}  {s.mbs:>4}" if groups else ""
+        lines.append(f"{s.stage:>5}  {s.gpu:>9}{degrees}  {s.layers:>6}  {s.compute_s:>9.5f}  {s.p2p_s:>8.5f}  "
                      f"{s.dp_allreduce_s:>11.5f}  {s.memory_gib:>7.2f}  {s.memory_capacity_gib:>6.2f}")
     over = memory_load > memory_headroom
     assert row.step_time_s is not None  # an estimate times its plan

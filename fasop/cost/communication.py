@@ -90,7 +90,7 @@ class Geometry:
 
 def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp: int) -> Geometry:
     gpn = cluster.gpus_per_node
-    links = _Links(cluster, placement)
+    links = Links(cluster, placement)
     per_stage = tp * dp
     node = np.arange(per_stage * pp).reshape(pp, dp, tp) // gpn  # [stage, data index, tensor index]
     # a stage owns a contiguous rank block, so it spans a contiguous run of nodes
@@ -119,7 +119,7 @@ def with_embedding_groups(cluster: Cluster, geo: Geometry, stage_sets: list[tupl
     for i, stages in enumerate(stage_sets):
         if len(stages) >= 2:
             by_size.setdefault(len(stages), []).append(i)
-    links = _Links(cluster, geo.placement)
+    links = Links(cluster, geo.placement)
     for size, sets in by_size.items():
         groups = np.stack([geo.node[list(stage_sets[i])].reshape(size, -1).T for i in sets])
         cost, latency = links.allreduce(groups)
@@ -129,7 +129,7 @@ def with_embedding_groups(cluster: Cluster, geo: Geometry, stage_sets: list[tupl
     return result
 
 
-class _Links:
+class Links:
     """The links of one placement: per-GPU intra-node and per-node inter-node bandwidth, derated, and latency."""
 
     def __init__(self, cluster: Cluster, placement: tuple[str, ...]):

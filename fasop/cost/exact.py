@@ -58,7 +58,7 @@ class ScheduleBatch:
     optimizer_layer_s: np.ndarray
     params_fixed: np.ndarray  # parameters per rank, for the bucket count
     params_layer: np.ndarray
-    bucket_params: np.ndarray  # (B,)
+    bucket_params: np.ndarray  # (B,), or (B, P) where stages differ in data-parallel degree
     embedding_allreduce_s: np.ndarray  # (B,)
     overlap_grad_reduce: np.ndarray  # (B,) bool
     overlap_param_gather: np.ndarray  # (B,) bool
@@ -120,7 +120,8 @@ class ScheduleBatch:
         grad = self.grad_fixed_s + self.grad_layer_s * n
         gather = self.gather_fixed_s + self.gather_layer_s * n
         optimizer = self.optimizer_fixed_s + self.optimizer_layer_s * n
-        buckets = np.maximum(1.0, np.ceil((self.params_fixed + self.params_layer * n) / self.bucket_params[:, None]))
+        per_bucket = self.bucket_params if self.bucket_params.ndim == 2 else self.bucket_params[:, None]
+        buckets = np.maximum(1.0, np.ceil((self.params_fixed + self.params_layer * n) / per_bucket))
         # the last backward of each stage: it ends computing before its gradient send upstream (none on stage 0)
         send = np.zeros_like(end)
         send[:, 1:] = self.boundary_s

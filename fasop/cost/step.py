@@ -122,10 +122,7 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     ar_fixed, ar_layer, emb_ar = allreduce_times(model, geos, config, fixed_params, layer_params, k)
     opt_fixed, opt_layer = (np.repeat(t, k, axis=0)
                             for t in optimizer_times(model, cluster, placements, config, fixed_params, layer_params))
-    # the distributed optimizer reduce-scatters the gradients (half the all-reduce's traffic) and all-gathers
-    # the parameters, in the training precision rather than the gradients'
-    grad_share = 0.5 if config.distributed_optimizer else 1.0
-    gather_share = 0.5 * model.precision_bytes / gradient_bytes(model) if config.distributed_optimizer else 0.0
+    grad_share, gather_share = reduction_shares(model, config)
     buckets = np.full(rows, float(bucket_params(config.dp)))
     capacity = np.repeat(stage_capacity_gib(cluster, placements), k, axis=0)
     usable = usable_gib(cluster, capacity)
@@ -133,16 +130,9 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     if config.virtual_stages > 1:
         refused = np.tile([interleaving_error(pp, config.virtual_stages, int(count)) is not None for count in m],
                           len(geos))
-    # the closed form the partitioner optimises charges each stage its gradient reduction, its parameter gather
-    # and its optimizer step; with overlap, only one bucket of the reduction and none of the gather
-    gather = 0.0 if config.overlap_param_gather else gather_share
-    post_fixed = gather * ar_fixed + opt_fixed
-    post_layer = gather * ar_layer + opt_layer
-    if config.overlap_grad_reduce:
-        per_byte = np.repeat(np.array([geo.dp_allreduce_s_per_byte for geo in geos]), k, axis=0)
-        post_fixed = post_fixed + grad_share * per_byte * gradient_bytes(model) * buckets[:, None]
-    else:
-        post_fixed, post_layer = post_fixed + grad_share * ar_fixed, post_layer + grad_share * ar_layer
+    per_byte = np.repeat(np.array([geo.dp_allreduce_s_per_byte for geo in geos]), k, axis=0)
+    post_fixed, post_layer = post_tail(model, config, ar_fixed, ar_layer, opt_fixed, opt_layer, per_byte,
+                                       buckets[:, None])
     for setting in range(len(splits[0][1])):
         variant = splits[0][1][setting]
         # memory does not depend on the placement, only what fits does
@@ -179,6 +169,30 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
             recompute_layer_s=recompute_layer_s, recomputed_per_chunk=np.full(rows, variant.recomputed_per_chunk))
         yield StageCosts(np.tile(mbs, len(geos)), problem, compute.gpu, boundary, exchange, memory,
                          *memory.affine(*recomputed), capacity, emb_ar, fixed_layers, schedule)
+
+
+def reduction_shares(model: Model, config: Config) -> tuple[float, float]:
+    """(gradient, parameter gather): the shares of a gradient all-reduce's time that the gradient reduction and
+    the parameter all-gather take. The distributed optimizer reduce-scatters the gradients (half the
+    all-reduce's traffic) and all-gathers the parameters, in the training precision rather than the gradients'."""
+    if config.distributed_optimizer:
+        return 0.5, 0.5 * model.precision_bytes / gradient_bytes(model)
+    return 1.0, 0.0
+
+
+def post_tail(model: Model, config: Config, ar_fixed: np.ndarray, ar_layer: np.ndarray, opt_fixed: np.ndarray,
+              opt_layer: np.ndarray, per_byte: np.ndarray, buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fixed, per layer) of what the closed form the partitioner optimises charges each stage after its last
+    backward: its gradient reduction, its parameter gather and its optimizer step; with overlap, only one bucket
+    of the reduction (`per_byte`: the all-reduce's seconds per gradient byte; `buckets`: parameters per bucket)
+    and none of the gather."""
+    grad_share, gather_share = reduction_shares(model, config)
+    gather = 0.0 if config.overlap_param_gather else gather_share
+    post_fixed = gather * ar_fixed + opt_fixed
+    post_layer = gather * ar_layer + opt_layer
+    if config.overlap_grad_reduce:
+        return post_fixed + grad_share * per_byte * gradient_bytes(model) * buckets, post_layer
+    return post_fixed + grad_share * ar_fixed, post_layer + grad_share * ar_layer
 
 
 def breakdown(costs: StageCosts, counts: np.ndarray, exact: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:

@@ -26,6 +26,12 @@ SLURM_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 SLURM_LIST = re.compile(r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*")
 
 
+# Paths that FlagScale's runner writes unquoted into the scripts it runs on every node, and Hydra reads as
+# override values (fasop.launch.flagscale_scripts)
+SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")
+SAFE_PATH_RULE = "a path of letters, digits and _ . / + -"
+
+
 SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}", re.ASCII)
 
 
@@ -62,6 +68,7 @@ class LaunchOptions:
     master_port: int = 6000
     megatron_flavor: str = "stock"
     pipeline_split: str = "auto"
+    flagscale_dir: str = "FlagScale"  # stage-group plans: the FlagScale checkout; relative: to the run directory
 
 
 def _check_slurm_names(opts: LaunchOptions, bad: Callable[[str, str], InputError]) -> None:
@@ -110,16 +117,23 @@ def check_options(opts: LaunchOptions, where: str | None = None) -> None:
     if not isinstance(opts.time_limit, str) or not SLURM_TIME.fullmatch(opts.time_limit):
         raise bad("time_limit", f"expected a Slurm time such as 90, 01:30:00 or 1-12:00:00, got {opts.time_limit!r}")
     _check_slurm_names(opts, bad)
-    for key in ("checkpoint_dir", "megatron_path", "entry_script", "data_path", "tokenizer_type", "vocab_file", "merge_file",
-                "tokenizer_model", "container_image", "container_mounts"):
-        value = getattr(opts, key)
-        if value is not None and (not isinstance(value, str) or not value or "\n" in value or "\0" in value):
-            raise bad(key, f"expected a non-empty one-line string, got {value!r}")
+    _check_paths(opts, bad)
     for key in ("exclusive", "smoke_test"):
         if not isinstance(getattr(opts, key), bool):
             raise bad(key, f"expected true or false, got {getattr(opts, key)!r}")
     if any(not isinstance(f, str) or "\n" in f or "\0" in f for f in opts.extra_flags):
         raise bad("extra_flags", "expected one-line strings")
+
+
+def _check_paths(opts: LaunchOptions, bad: Callable[[str, str], InputError]) -> None:
+    """Paths and names that reach scripts quoted: one line each; the FlagScale checkout: a SAFE_PATH."""
+    if not isinstance(opts.flagscale_dir, str) or not SAFE_PATH.fullmatch(opts.flagscale_dir):
+        raise bad("flagscale_dir", f"expected {SAFE_PATH_RULE}, got {opts.flagscale_dir!r}")
+    for key in ("checkpoint_dir", "megatron_path", "entry_script", "data_path", "tokenizer_type", "vocab_file", "merge_file",
+                "tokenizer_model", "container_image", "container_mounts"):
+        value = getattr(opts, key)
+        if value is not None and (not isinstance(value, str) or not value or "\n" in value or "\0" in value):
+            raise bad(key, f"expected a non-empty one-line string, got {value!r}")
 
 
 def _str_map(value: Any, where: str) -> dict[str, str]:
@@ -144,7 +158,7 @@ LAUNCH_KEYS = (
     "partition", "gres_type", "gpus_per_node", "cpus_per_task", "account", "exclusive", "job_name", "time_limit",
     "megatron_path", "entry_script", "data_path", "tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
     "container_image", "container_mounts", "extra_flags", "train_iters", "master_port", "megatron_flavor",
-    "pipeline_split", "checkpoint_dir", "save_interval", "stop_margin_s",
+    "pipeline_split", "checkpoint_dir", "save_interval", "stop_margin_s", "flagscale_dir",
 )
 
 

@@ -31,7 +31,7 @@ def disagreements(given: Any, fresh: Any, key: str) -> list[tuple[str, Any, Any]
 
 def restate_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | None = None,
                  force: bool = False, where: str | None = None) -> tuple[Plan, str | None]:
-    """The plan to launch and a warning, its figures checked against an estimate made afresh from `model`,
+    """The plan (3D or stage-groups) to launch and a warning, its figures checked against an estimate made afresh from `model`,
     `cluster` and the profiles (a plan file may be edited by hand, or older than its inputs).
 
     Refuses a plan whose step time, memory, layer counts or any other figure it states disagrees with the fresh
@@ -41,11 +41,15 @@ def restate_plan(plan: Plan, model: Any, cluster: Any, profiles_dir: str | None 
     from fasop.cost.price import add_training_run
     from fasop.search import estimate  # the search modules load only when a plan is checked
     from fasop.search.spec import spec_of
+    from fasop.search.stagegroups import estimate_stage_groups, spec_of_stage_groups
 
     where = where or f"plan {plan.rank or '?'}"
-    spec = spec_of(plan, model, cluster, where)
     try:
-        fresh = estimate(model, cluster, spec, profiles_dir=profiles_dir)
+        if plan.is_stage_groups:
+            fresh = estimate_stage_groups(model, cluster, spec_of_stage_groups(plan, model, cluster, where),
+                                          profiles_dir=profiles_dir)
+        else:
+            fresh = estimate(model, cluster, spec_of(plan, model, cluster, where), profiles_dir=profiles_dir)
     except InputError as err:
         raise InputError(where, f"cannot be estimated afresh from model {model.name} and cluster {cluster.name} "
                                 f"({err})") from None

@@ -11,7 +11,7 @@ time limit and requeues itself until the last iteration (fasop.launch.resume say
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +74,10 @@ def sbatch_script(plan: Plan, model: Any, cluster: Any, gpus_per_node: int, opts
     return "\n".join(lines + _job_lines(len(runs), opts, cpus[0] if len(set(cpus)) == 1 else None, resume))
 
 
-def _directives(runs: list[tuple[str, int]], model: Any, cluster: Any, gpus_per_node: int,
+def _directives(runs: list[tuple[str, int]], model: Any, cluster: Any, gpus_per_node: int | Mapping[str, int],
                 opts: LaunchOptions, cpus: list[int | None], job_wide: list[str]) -> list[str]:
-    """The #SBATCH lines of each component: one per run of nodes of one type."""
+    """The #SBATCH lines of each component: one per run of nodes of one type; `gpus_per_node` per node type
+    where they differ (stage-group plans)."""
     job_name = opts.job_name or re.sub(r"[^A-Za-z0-9_.+-]", "_", f"fasop-{model.name}")
     lines = []
     for index, (name, count) in enumerate(runs):
@@ -92,8 +93,9 @@ def _directives(runs: list[tuple[str, int]], model: Any, cluster: Any, gpus_per_
         partition, gres = _partition(node_type, opts), _gres_type(node_type, opts)
         if partition:
             lines.append(f"#SBATCH --partition={partition}")
+        gpus = gpus_per_node if isinstance(gpus_per_node, int) else gpus_per_node[name]
         lines += [f"#SBATCH --nodes={count}", "#SBATCH --ntasks-per-node=1",
-                  f"#SBATCH --gres=gpu:{gres + ':' if gres else ''}{gpus_per_node}"]
+                  f"#SBATCH --gres=gpu:{gres + ':' if gres else ''}{gpus}"]
         if cpus[index]:
             lines.append(f"#SBATCH --cpus-per-task={cpus[index]}")
         if opts.exclusive:

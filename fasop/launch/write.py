@@ -27,6 +27,7 @@ from fasop.inputs.cluster import Cluster
 from fasop.inputs.errorband import band_of
 from fasop.inputs.model import Model
 from fasop.launch.dataparallel import render_dp_plan, restate_dp_plan
+from fasop.launch.flagscale import flagscale_launcher_files, render_flagscale
 from fasop.launch.launchers import LAUNCHERS, RENDEZVOUS, launcher_files, launcher_inputs
 from fasop.launch.options import LaunchOptions, check_options, launch_options, split_flags
 from fasop.launch.restate import restate_plan
@@ -87,12 +88,14 @@ def write_files(out_dir: Path, files: Mapping[str, str], force: bool = False, ar
     try:
         for name, text in files.items():
             path = tmp / name
+            path.parent.mkdir(exist_ok=True)  # FlagScale's train/ config group
             path.write_text(text, encoding="utf-8")
             os.chmod(path, (0o777 if name.endswith(".sh") else 0o666) & ~mask)
         if out_dir.is_dir():
             for name in files:
+                (out_dir / name).parent.mkdir(exist_ok=True)
                 os.replace(tmp / name, out_dir / name)
-            tmp.rmdir()
+            shutil.rmtree(tmp)
         else:
             os.chmod(tmp, 0o777 & ~mask)
             os.rename(tmp, out_dir)
@@ -141,10 +144,15 @@ def emit(plan: Plan, model: Model, cluster: Cluster, out_dir: str | os.PathLike,
     check_out_dir(out, force)
     where = where or f"plan {plan.rank or '?'}"
     restate, render = (restate_dp_plan, render_dp_plan) if plan.is_data_parallel else (restate_plan, render_plan)
+    if plan.is_stage_groups:  # FlagScale's heterogeneous mode (fasop.launch.flagscale)
+        render = render_flagscale
     plan, warning = restate(plan, model, cluster, plan.profiles if profiles_dir is None else profiles_dir, force, where)
     options = launch_options(cluster.launch, f"{cluster.file or cluster.name}: launch", **_site_overrides(cluster, site))
     launch = {"launcher": launcher, "hosts_file": hosts_file, "rendezvous": rendezvous, "rendezvous_file": rendezvous_file}
-    files = launcher_files(render(plan, model, cluster, options, where), plan, out, options.master_port, launch)
+    if plan.is_stage_groups:
+        files = flagscale_launcher_files(render(plan, model, cluster, options, where), plan, cluster, out, options, launch)
+    else:
+        files = launcher_files(render(plan, model, cluster, options, where), plan, out, options.master_port, launch)
     model_files = [bundled.resolve(kind, given.file, ".toml") for kind, given in (("models", model), ("clusters", cluster))
                    if given.file]
     _check_outputs(out, files, [*map(Path, inputs), *model_files, *launcher_inputs(launch)])

@@ -6,6 +6,9 @@
     search(model, cluster, ...)        -> the same plans as a pandas DataFrame
     plan_spec(model, cluster, tp=..., ...) -> PlanSpec, one explicit plan checked
     estimate(model, cluster, spec)       -> its record (or estimate(model, cluster, tp=..., ...))
+    stage_group_spec(model, cluster, placement=..., stages=[StageGroup(...), ...], mbs=...)
+                                       -> StageGroupSpec, a plan whose stages have their own GPU type, tp and dp
+    estimate_stage_groups(model, cluster, spec) -> its record
 """
 
 from fasop.search.engine import SearchResult, search_plans
@@ -13,5 +16,7 @@ from fasop.search.estimate import estimate
 from fasop.search.frame import search
 from fasop.search.headroom import search_within_headroom
 from fasop.search.spec import PlanSpec, plan_spec
+from fasop.search.stagegroups import StageGroup, estimate_stage_groups, stage_group_spec
 
-__all__ = ["PlanSpec", "SearchResult", "estimate", "plan_spec", "search", "search_plans", "search_within_headroom"]
+__all__ = ["PlanSpec", "SearchResult", "StageGroup", "estimate", "estimate_stage_groups", "plan_spec", "search",
+           "search_plans", "search_within_headroom", "stage_group_spec"]

@@ -32,6 +32,7 @@ from fasop.search.evaluation import (
     plans_of,
     records,
 )
+from fasop.search.groupsearch import search_stage_groups
 from fasop.search.space import PLACEMENT_LIMIT, Group, Inputs, combinations, groups, max_stages, prepare, tensor_degrees
 
 PARALLEL_NODES = 32  # clusters this large are searched with one process per core
@@ -160,7 +161,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  placement_limit: int = PLACEMENT_LIMIT, keep: int | None = None,
                  workers: int | None = None, profiles: dict[str, GpuProfile] | None = None,
                  overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES,
-                 sequence_parallel: bool = True, tp_comm_overlap: bool = True, use_all: bool = False) -> SearchResult:
+                 sequence_parallel: bool = True, tp_comm_overlap: bool = True, use_all: bool = False,
+                 stage_groups: bool = False) -> SearchResult:
     """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
@@ -172,6 +174,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     tp_comm_overlap: Megatron's --tp-comm-overlap wherever it runs and hides time (fasop.search.space).
     use_all: only plans on every node; by default plans that leave whole node types idle compete too
     (node_type_subsets), and `idle` says how the best of each subset compares.
+    stage_groups: stage-group plans compete too (fasop.search.groupsearch; each stage its own node type, tp and
+    dp, node counts upper bounds).
     """
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
                      sequence_parallel, tp_comm_overlap)
@@ -190,6 +194,9 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
         if combos:
             result.merge(_search(sub, combos, placement_limit, keep, progress if sub is inputs else None, sort, workers))
     rows = result.rows
+    if stage_groups:  # the programs need only find what beats the best plan by time
+        rows += search_stage_groups(inputs, min((r["closed_form_step_s"] for r in rows), default=math.inf)
+                                    if sort == "time" else math.inf)
     if result.closest_plan is not None and rows:
         result.closest_memory_factor = result.closest_plan = None
     for row in rows:

@@ -46,7 +46,8 @@ def over_headroom(plan: Plan, cluster: Cluster, memory_headroom: float) -> bool:
 
 
 def _key(plan: Plan) -> tuple:
-    return plan.tp, plan.dp, plan.pp, tuple(plan.placement), plan.mbs
+    degrees = tuple((s.tp, s.dp) for s in plan.stages or []) if plan.is_stage_groups else ()
+    return plan.tp, plan.dp, plan.pp, tuple(plan.placement), plan.mbs, degrees
 
 
 def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None, *,

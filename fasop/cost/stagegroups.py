@@ -1,0 +1,189 @@
+"""Stage-group plans: pipeline stages that each have their own GPU type, tensor- and data-parallel degree
+(docs/cost-model.md section 11).
+
+How the runtime runs them (FlagScale's heterogeneous mode): every stage processes the same global micro-batch
+of B = dp_0 x mbs_0 samples, so a stage of data-parallel degree d gives each of its GPUs B / d samples, and
+every stage runs the same number of micro-batches per step, G / B. Stage i owns the contiguous rank block that
+follows stage i - 1's, tensor rank fastest, then data rank. Across a boundary whose sides differ in tp or dp,
+the activation (sequence x batch x hidden) is cut into each side's slices (sequence over tp, batch over dp) and
+every source rank sends each destination rank the block their slices share.
+
+A stage's own costs (compute, memory, gradient bytes, optimizer step) are those of the same stage in a uniform
+plan of its degrees on its GPU type: they are taken column by column from fasop.cost.step on such a plan, so a
+stage-group plan whose stages all share one tp and dp costs exactly what the uniform plan of that shape costs.
+What depends on the neighbours (the sends across boundaries, the gradient reduction over the stage's own ranks,
+the tied embedding's all-reduce) is computed on the plan's own rank layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fasop.cost.communication import Geometry, Links, boundary_bytes, geometry, with_embedding_group
+from fasop.cost.config import Config, embedding_stages
+from fasop.cost.exact import ScheduleBatch, bucket_params
+from fasop.cost.memory import StageMemory, gradient_bytes
+from fasop.cost.problem import PartitionBatch
+from fasop.cost.step import StageCosts, post_tail, reduction_shares, stage_costs
+from fasop.inputs.cluster import Cluster
+from fasop.inputs.model import Model
+from fasop.inputs.profiles import GpuProfile
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where the ranks of a stage-group plan land: the node of every rank of every stage."""
+
+    placement: tuple[str, ...]  # node types in node-rank order
+    stage_nodes: tuple[tuple[int, ...], ...]  # node positions hosting each stage
+    rank_node: tuple[np.ndarray, ...]  # per stage, (dp, tp): the node of each rank, tensor rank fastest
+
+
+def group_layout(cluster: Cluster, placement: Sequence[str], degrees: Sequence[tuple[int, int]]) -> GroupLayout:
+    """The layout of stages of (tp, dp) `degrees` on `placement`, each stage's ranks following the previous
+    stage's (the caller has checked that they fill the placement's GPUs)."""
+    gpus = np.array([cluster.node_types[name].gpus_per_node for name in placement])
+    first_gpu = np.cumsum(gpus) - gpus
+    rank_node, stage_nodes = [], []
+    offset = 0
+    for tp, dp in degrees:
+        ranks = offset + np.arange(tp * dp)
+        nodes = np.searchsorted(first_gpu, ranks, side="right") - 1
+        rank_node.append(nodes.reshape(dp, tp))
+        stage_nodes.append(tuple(range(int(nodes[0]), int(nodes[-1]) + 1)))
+        offset += tp * dp
+    return GroupLayout(tuple(placement), tuple(stage_nodes), tuple(rank_node))
+
+
+def slice_overlap(a: int, b: int) -> np.ndarray:
+    """(a, b) share of a dimension that slice i of `a` equal slices and slice j of `b` have in common."""
+    edges_a, edges_b = np.arange(a + 1) * b, np.arange(b + 1) * a  # slice ends in units of 1 / (a b)
+    low = np.maximum(edges_a[:-1, None], edges_b[None, :-1])
+    high = np.minimum(edges_a[1:, None], edges_b[None, 1:])
+    return np.maximum(high - low, 0) / (a * b)
+
+
+def reshard_s(links: Links, cluster: Cluster, src: np.ndarray, dst: np.ndarray, activation_bytes: float) -> float:
+    """Seconds to send one global micro-batch's activation (`activation_bytes` in all) from the ranks `src`
+    (dp_a, tp_a: their nodes) to the ranks `dst` (dp_b, tp_b), every pair exchanging the block its batch and
+    sequence slices share, all at once. A GPU's sends and receives inside its node share its intra-node link,
+    a node's sends and receives to other nodes its network interface; the busiest sets the time, and the slowest
+    pair's latency is paid once."""
+    share = (slice_overlap(src.shape[0], dst.shape[0])[:, None, :, None]
+             * slice_overlap(src.shape[1], dst.shape[1])[None, :, None, :]).reshape(src.size, dst.size)
+    sent = activation_bytes * share
+    src_node, dst_node = src.ravel(), dst.ravel()
+    pairs = sent > 0
+    local = src_node[:, None] == dst_node[None, :]
+    der = cluster.derating
+    local_bytes = np.where(local, sent, 0.0)
+    intra = max((local_bytes.sum(axis=1) * der.p2p_intra_node / links.intra[src_node]).max(initial=0.0),
+                (local_bytes.sum(axis=0) * der.p2p_intra_node / links.intra[dst_node]).max(initial=0.0))
+    crossing = np.where(local, 0.0, sent)
+    nodes = len(links.inter)
+    out = np.bincount(src_node, weights=crossing.sum(axis=1), minlength=nodes)
+    into = np.bincount(dst_node, weights=crossing.sum(axis=0), minlength=nodes)
+    inter = float((np.maximum(out, into) * der.p2p_inter_node / links.inter).max(initial=0.0))
+    latency = np.where(local, links.intra_latency[src_node][:, None],
+                       np.maximum(links.inter_latency[src_node][:, None], links.inter_latency[dst_node][None, :]))
+    return max(intra, inter) + float(latency[pairs].max(initial=0.0))
+
+
+def uniform_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], node_type: str, config: Config,
+                  mbs_values: list[int]) -> StageCosts:
+    """The stage costs of the uniform plan `config` with every stage on nodes of `node_type` (as many as it
+    takes), for each micro-batch size: what each stage of a stage-group plan of these degrees costs on its own."""
+    gpn = cluster.node_types[node_type].gpus_per_node
+    nodes = -(-config.tp * config.dp * config.pp // gpn)
+    sub = cluster.with_counts({node_type: nodes})
+    geo = with_embedding_group(sub, geometry(sub, (node_type,) * nodes, config.tp, config.dp, config.pp),
+                               embedding_stages(model, config))
+    return stage_costs(model, sub, profiles, geo, config, mbs_values)
+
+
+def stage_group_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], configs: Sequence[Config],
+                      layout: GroupLayout) -> tuple[StageCosts, Geometry]:
+    """The costs of one stage-group plan (one row): stage i as configs[i] (its tp, dp, mbs; every config has the
+    plan's pp, global batch and options) on the nodes `layout` gives it. Also a Geometry that carries the
+    plan's placement and stage nodes for the record."""
+    pp = len(configs)
+    columns: dict[tuple, StageCosts] = {}
+    stage_cols = []
+    for config, nodes in zip(configs, layout.stage_nodes):
+        node_type = layout.placement[nodes[0]]
+        key = (node_type, config.tp, config.dp, config.mbs)
+        if key not in columns:
+            columns[key] = uniform_costs(model, cluster, profiles, node_type, config, [config.mbs])
+        stage_cols.append(columns[key])
+
+    def column(get) -> np.ndarray:
+        """(1, pp): stage i's value from its uniform plan's row."""
+        return np.array([[np.asarray(get(costs))[0, i] for i, costs in enumerate(stage_cols)]])
+
+    links = Links(cluster, layout.placement)
+    grad_bytes = gradient_bytes(model)
+    per_byte, latency = np.zeros((1, pp)), np.zeros((1, pp))
+    for i, (config, ranks) in enumerate(zip(configs, layout.rank_node)):
+        if config.dp > 1:  # one data-parallel group per tensor rank
+            cost, lat = links.allreduce(ranks.T[None])
+            per_byte[0, i], latency[0, i] = cost[0], lat[0]
+    sched = [costs.schedule for costs in stage_cols]
+    params_fixed = column(lambda c: c.schedule.params_fixed)
+    params_layer = column(lambda c: c.schedule.params_layer)
+    ar_fixed = per_byte * grad_bytes * params_fixed + latency
+    ar_layer = per_byte * grad_bytes * params_layer
+    first = configs[0]
+    grad_share, gather_share = reduction_shares(model, first)
+    buckets = np.array([[float(bucket_params(c.dp)) for c in configs]])
+    opt_fixed = column(lambda c: c.schedule.optimizer_fixed_s)
+    opt_layer = column(lambda c: c.schedule.optimizer_layer_s)
+    post_fixed, post_layer = post_tail(model, first, ar_fixed, ar_layer, opt_fixed, opt_layer, per_byte, buckets)
+    # one global micro-batch crosses each boundary
+    batch = first.dp * first.mbs
+    activation = boundary_bytes(model, 0, batch, 1)
+    boundary = np.array([[reshard_s(links, cluster, layout.rank_node[i], layout.rank_node[i + 1], activation)
+                          for i in range(pp - 1)]])
+    exchange = np.zeros((1, pp))
+    exchange[:, 1:] += boundary
+    exchange[:, :-1] += boundary
+    emb = np.zeros(1)
+    tied = embedding_stages(model, first)
+    if len(tied) == 2:  # the caller has checked that both ends share tp and dp
+        groups = np.stack([layout.rank_node[s].ravel() for s in tied], axis=-1)
+        cost, lat = links.allreduce(groups[None])
+        emb[0] = cost[0] * grad_bytes * model.padded_vocab(first.tp) * model.hidden_size / first.tp + lat[0]
+    m = np.array([first.gbs // batch])
+    compute_fixed = column(lambda c: c.problem.period_fixed_s - c.exchange_s)  # with recomputed forwards
+    problem = PartitionBatch(
+        segment_of_stage=np.zeros(pp, dtype=int), segment_layers=np.array([model.num_layers]),
+        lo=column(lambda c: np.broadcast_to(c.problem.lo, c.problem.hi.shape)), hi=column(lambda c: c.problem.hi),
+        layer_s=column(lambda c: c.problem.layer_s), period_fixed_s=compute_fixed + exchange,
+        ar_fixed_s=post_fixed, ar_layer_s=post_layer, num_microbatches=m,
+        base_s=compute_fixed.sum(-1) + 2 * boundary.sum(-1) + emb)
+    schedule = ScheduleBatch(
+        fixed_s=column(lambda c: c.schedule.fixed_s), layer_s=column(lambda c: c.schedule.layer_s),
+        fixed_forward_s=column(lambda c: c.schedule.fixed_forward_s),
+        layer_forward_s=column(lambda c: c.schedule.layer_forward_s), boundary_s=boundary, num_microbatches=m,
+        grad_fixed_s=grad_share * ar_fixed, grad_layer_s=grad_share * ar_layer,
+        gather_fixed_s=gather_share * ar_fixed, gather_layer_s=gather_share * ar_layer,
+        optimizer_fixed_s=opt_fixed, optimizer_layer_s=opt_layer, params_fixed=params_fixed,
+        params_layer=params_layer, bucket_params=buckets, embedding_allreduce_s=emb,
+        overlap_grad_reduce=sched[0].overlap_grad_reduce, overlap_param_gather=sched[0].overlap_param_gather,
+        virtual_stages=np.ones(1, dtype=int), wrap_s=np.zeros(1),
+        recompute_fixed_s=column(lambda c: c.schedule.recompute_fixed_s),
+        recompute_layer_s=column(lambda c: c.schedule.recompute_layer_s),
+        recomputed_per_chunk=sched[0].recomputed_per_chunk)
+    memory = StageMemory(*(column(lambda c, name=name: getattr(c.memory, name))
+                           for name in StageMemory.__dataclass_fields__))
+    costs = StageCosts(
+        mbs=np.array([first.mbs]), problem=problem,
+        gpu=(tuple(costs.gpu[0][i] for i, costs in enumerate(stage_cols)),), boundary_s=boundary,
+        exchange_s=exchange, memory=memory, mem_fixed_gib=column(lambda c: c.mem_fixed_gib),
+        mem_layer_gib=column(lambda c: c.mem_layer_gib), capacity_gib=column(lambda c: c.capacity_gib),
+        embedding_allreduce_s=emb, fixed_layers=np.zeros(pp, dtype=int), schedule=schedule)
+    geo = Geometry(layout.placement, tuple((layout.placement[n[0]],) for n in layout.stage_nodes), layout.stage_nodes,
+                   np.zeros(pp - 1), per_byte[0], np.zeros((pp, 1, 1), dtype=int), np.zeros(pp - 1), latency[0])
+    return costs, geo
