@@ -421,10 +421,6 @@ def test_bad_bandwidth(runner, tiny, bandwidth, field):
     assert_input_error(result, "cluster.toml", field, output=output)
 
 
-def test_node_types_differ_in_gpus_per_node(runner, tiny):
-    setup = tiny(nodes={"slow": {"gpus_per_node": 4}})
-    result, output = search_error(runner, setup)
-    assert_input_error(result, "cluster.toml", "gpus_per_node", output=output)
 
 
 def test_unknown_cluster_table(runner, tiny):

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,7 @@ count = 1
 [[node_type]]
 name = "A10G"
 gpu = "A10G"
-gpus_per_node = 8
+gpus_per_node = 4
 intra_node_bandwidth = "64 GB/s"
 inter_node_bandwidth = "50 Gbit/s"
 price_per_hour_usd = 5.0
@@ -82,10 +81,9 @@ SMOKE = LaunchOptions(smoke_test=True)
 
 
 def cluster_of(path: Path, text: str):
-    """The cluster with 4-GPU A10G nodes beside 8-GPU ones (cluster files hold one size for every node type)."""
+    """The cluster of `text`: 4-GPU A10G nodes beside 8-GPU ones."""
     path.write_text(text)
-    cluster = load_cluster(str(path))
-    return replace(cluster, node_types={**cluster.node_types, "A10G": replace(cluster.node_types["A10G"], gpus_per_node=4)})
+    return load_cluster(str(path))
 
 
 @pytest.fixture

@@ -148,24 +148,7 @@ def test_the_layout_puts_each_stages_ranks_after_the_previous_stages_tensor_rank
     assert shared.stage_nodes == ((0,), (0,), (1,), (1,))
 
 
-def test_the_layout_follows_nodes_of_different_sizes():
-    """The cluster loader refuses node types of different GPUs per node (Megatron-LM gives every node the same
-    number of ranks), so the 8-GPU and 4-GPU cluster is built from a loaded one."""
-    base = load_cluster("fasop-1xA100-3xA10")
-    types = dict(base.node_types)
-    types["A100"] = replace(types["A100"], gpus_per_node=8)
-    cluster = replace(base, node_types=types)
-    layout = group_layout(cluster, ["A100", "A10", "A10"], [(4, 1), (2, 2), (2, 2), (4, 1)])
-    assert layout.stage_nodes == ((0,), (0,), (1,), (2,))  # ranks 0-3, 4-7 on the 8-GPU node, then 8-11, 12-15
-    assert layout.rank_node[1].tolist() == [[0, 0], [0, 0]]
-    assert layout.rank_node[2].tolist() == [[1, 1], [1, 1]]
-    spanning = group_layout(cluster, ["A100", "A10", "A10"], [(2, 5), (2, 1), (4, 1)])
-    assert spanning.rank_node[0].tolist() == [[0, 0]] * 4 + [[1, 1]]  # ranks 8, 9: the first A10 node
-    assert spanning.stage_nodes == ((0, 1), (1,), (2,))
-
-
-def test_the_loader_refuses_node_types_of_different_gpus_per_node(tmp_path):
-    text = """
+MIXED_SIZES = """
 [cluster]
 name = "mixed"
 [[node_type]]
@@ -183,12 +166,32 @@ gpus_per_node = 4
 intra_node_bandwidth = "16 GB/s"
 inter_node_bandwidth = "40 Gbit/s"
 price_per_hour_usd = 1.0
-count = 1
+count = 2
 """
+
+
+def test_the_layout_follows_nodes_of_different_sizes(tmp_path):
     path = tmp_path / "mixed.toml"
-    path.write_text(text)
-    with pytest.raises(InputError, match="same GPUs per node"):
-        load_cluster(str(path))
+    path.write_text(MIXED_SIZES)
+    cluster = load_cluster(str(path))
+    layout = group_layout(cluster, ["big", "small", "small"], [(4, 1), (2, 2), (2, 2), (4, 1)])
+    assert layout.stage_nodes == ((0,), (0,), (1,), (2,))  # ranks 0-3, 4-7 on the 8-GPU node, then 8-11, 12-15
+    assert layout.rank_node[1].tolist() == [[0, 0], [0, 0]]
+    assert layout.rank_node[2].tolist() == [[1, 1], [1, 1]]
+    spanning = group_layout(cluster, ["big", "small", "small"], [(2, 5), (2, 1), (4, 1)])
+    assert spanning.rank_node[0].tolist() == [[0, 0]] * 4 + [[1, 1]]  # ranks 8, 9: the first small node
+    assert spanning.stage_nodes == ((0, 1), (1,), (2,))
+
+
+def test_the_loader_takes_node_types_of_different_gpus_per_node(tmp_path):
+    path = tmp_path / "mixed.toml"
+    path.write_text(MIXED_SIZES)
+    cluster = load_cluster(str(path))
+    assert cluster.node_sizes == (4, 8) and cluster.num_gpus == 16 and cluster.num_nodes == 3
+    # plans of one tp and dp need one count: asking for it is refused in one line naming the file and field
+    with pytest.raises(InputError, match=r"mixed\.toml: node_type\.gpus_per_node: expected one GPU count per node"):
+        _ = cluster.gpus_per_node
+    assert cluster.with_counts({"small": 2}).gpus_per_node == 4
 
 
 # -- resharding between stages of different degrees ----------------------------------------------------------

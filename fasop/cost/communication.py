@@ -89,7 +89,7 @@ class Geometry:
 
 
 def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp: int) -> Geometry:
-    gpn = cluster.gpus_per_node
+    gpn = cluster.node_types[placement[0]].gpus_per_node  # the placement's node types hold one count (its spec)
     links = Links(cluster, placement)
     per_stage = tp * dp
     node = np.arange(per_stage * pp).reshape(pp, dp, tp) // gpn  # [stage, data index, tensor index]

@@ -95,8 +95,22 @@ class Cluster:
     error_band: ErrorBand | None = None  # the user's runs' band (a calibrated file); None: the published runs'
 
     @property
+    def node_sizes(self) -> tuple[int, ...]:
+        """The GPU counts per node its node types have, smallest first."""
+        return tuple(sorted({t.gpus_per_node for t in self.node_types.values()}))
+
+    @property
     def gpus_per_node(self) -> int:
-        return next(iter(self.node_types.values())).gpus_per_node
+        """The one GPU count per node of its node types, which stock Megatron-LM, DDP and ZeRO plans need (every
+        node runs as many ranks); a cluster whose node types differ is refused here, never answered for one."""
+        sizes = self.node_sizes
+        if len(sizes) > 1:
+            held = ", ".join(f"{n} {t.gpus_per_node}" for n, t in self.node_types.items())
+            raise InputError(f"{self.file or self.name}: node_type.gpus_per_node",
+                             f"expected one GPU count per node for plans of one tensor and data degree, got {held}; "
+                             "only stage-group plans (each stage its own node type) use nodes of different sizes "
+                             "together")
+        return sizes[0]
 
     @property
     def num_nodes(self) -> int:
@@ -104,7 +118,7 @@ class Cluster:
 
     @property
     def num_gpus(self) -> int:
-        return self.num_nodes * self.gpus_per_node
+        return sum(t.count * t.gpus_per_node for t in self.node_types.values())
 
     @property
     def price_per_hour_usd(self) -> float:
@@ -234,11 +248,6 @@ def load_cluster(cluster_name: str) -> Cluster:
         if table.name in types:
             raise InputError(f"{file}: node_type.{table.name}", "defined twice")
         types[table.name] = _node_type(table, file, catalogue)
-    sizes = {t.gpus_per_node for t in types.values()}
-    if len(sizes) > 1:
-        raise InputError(f"{file}: node_type.gpus_per_node",
-                         "all node types need the same GPUs per node (Megatron-LM gives every node the same number "
-                         f"of ranks), got {sorted(sizes)}")
     if all(t.count == 0 for t in types.values()):
         raise InputError(f"{file}: node_type.count", "expected at least one available node")
     head = cluster.cluster

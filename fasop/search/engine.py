@@ -179,20 +179,27 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     """
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
                      sequence_parallel, tp_comm_overlap)
-    if not tensor_degrees(inputs):
+    one_size = len(cluster.node_sizes) == 1
+    if use_all and not one_size and not stage_groups:
+        raise ArgumentError("use_all", f"the node types of {cluster.name} hold different GPU counts per node "
+                                       f"({', '.join(map(str, cluster.node_sizes))}): only stage-group plans can use "
+                                       "every node", remedy="stage_groups")
+    # plans of one tp and dp run on node types of one size (fasop.inputs.cluster.Cluster.gpus_per_node)
+    subsets = ([cluster] if one_size else []) if use_all else node_type_subsets(cluster)
+    spaces = [(sub, combinations(sub)) for sub in _subset_inputs(inputs, subsets)]
+    if spaces and not any(tensor_degrees(sub) for sub, _ in (spaces[:1] if one_size else spaces)):
         profiled = {g: p.tensor_degrees for g, p in inputs.profiles.items()}
-        raise InputError("profiles", f"no tensor degree dividing {cluster.gpus_per_node} GPUs per node, the attention "
-                                     f"heads and the query groups is profiled for every GPU type {profiled}")
-    spaces = [(sub, combinations(sub)) for sub in _subset_inputs(inputs, [cluster] if use_all else
-                                                                 node_type_subsets(cluster))]
-    if not any(combos for _, combos in spaces):
+        raise InputError("profiles", f"no tensor degree dividing the {', '.join(map(str, cluster.node_sizes))} GPUs "
+                                     f"per node, the attention heads and the query groups is profiled for every GPU "
+                                     f"type {profiled}")
+    if not any(combos for _, combos in spaces) and (one_size or not stage_groups):
         raise ArgumentError("gbs", f"no plan can use a global batch size of {inputs.gbs} on {cluster.num_gpus} GPUs "
                                    "(data-parallel degree must divide it and pipeline stages must not exceed "
                                    f"{max_stages(model)})")
     result = SearchResult([], 0, 0, 0)
-    for sub, combos in spaces:  # the bar follows the whole cluster's search, by far the longest
+    for i, (sub, combos) in enumerate(spaces):  # the bar follows the first, the largest search by far
         if combos:
-            result.merge(_search(sub, combos, placement_limit, keep, progress if sub is inputs else None, sort, workers))
+            result.merge(_search(sub, combos, placement_limit, keep, progress if i == 0 else None, sort, workers))
     rows = result.rows
     if stage_groups:  # the programs need only find what beats the best plan by time
         rows += search_stage_groups(inputs, min((r["closed_form_step_s"] for r in rows), default=math.inf)
@@ -215,12 +222,15 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
 def node_type_subsets(cluster: Cluster) -> list[Cluster]:
     """The cluster, then every cluster of some of its node types (each at its full count), most nodes first:
     a plan that leaves a slow or costly node type idle can be faster or cheaper per sample than any plan on
-    every node. Counts below the full ones are the market's sweep (fasop.market.pareto)."""
+    every node. Counts below the full ones are the market's sweep (fasop.market.pareto). Only sets whose node
+    types hold one GPU count per node are kept, the cluster itself included: a plan of one tensor and data
+    degree gives every node as many ranks (stage-group plans use nodes of different sizes together)."""
     names = list(cluster.node_types)
-    subsets = [kept for size in range(len(names) - 1, 0, -1) for kept in itertools.combinations(names, size)]
+    subsets = [kept for size in range(len(names), 0, -1) for kept in itertools.combinations(names, size)
+               if len({cluster.node_types[name].gpus_per_node for name in kept}) == 1]
     subsets.sort(key=lambda kept: -sum(cluster.node_types[name].count for name in kept))
-    return [cluster, *(cluster.with_counts({name: cluster.node_types[name].count for name in kept})
-                       for kept in subsets)]
+    return [cluster if len(kept) == len(names) else
+            cluster.with_counts({name: cluster.node_types[name].count for name in kept}) for kept in subsets]
 
 
 def _subset_inputs(inputs: Inputs, clusters: list[Cluster]) -> list[Inputs]:

@@ -72,6 +72,8 @@ def stage_options(inputs: Inputs, pp: int, batch: int, mode: str) -> StageOption
         lo = np.maximum(lo, np.broadcast_to(p.lo, p.hi.shape)[0])
     nodes = [tp * dp // inputs.cluster.node_types[name].gpus_per_node for name, tp, dp in degrees]
     table = {key: np.stack(values, axis=1) for key, values in columns.items()}
+    if (table["hi"] < lo[:, None]).all(axis=1).any():  # a position that no option fits: no plan
+        return None
     return StageOptions(node_type=tuple(name for name, _, _ in degrees), tp=np.array([d[1] for d in degrees]),
                         dp=np.array([d[2] for d in degrees]), nodes=np.array(nodes), sum_fixed_s=table["sum"],
                         layer_s=table["layer"], period_fixed_s=table["period"], tail_fixed_s=table["tail_fixed"],

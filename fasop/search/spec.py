@@ -86,14 +86,18 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
     during the forward when the optimizer is distributed and gradients reduced during the backward, sequence
     parallelism when tp > 1, each stage's layers split evenly over its chunks; tensor-parallel communication
     overlap off); full recomputation without a
-    method is uniform over every layer. `gpus_per_node`: the launch's own, instead of the cluster's.
+    method is uniform over every layer. `gpus_per_node`: the launch's own, instead of the placement's node types'.
     Errors name the argument, or `where` and the field (a plan file's)."""
     def refuse(field: str, problem: str) -> InputError:
         return ArgumentError(field, problem) if where is None else InputError(f"{where}: {field}", problem)
 
     placement, layers = tuple(placement), tuple(layers_per_stage)
     _check_nodes(cluster, placement, refuse)
-    gpn = cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
+    sizes = sorted({cluster.node_types[name].gpus_per_node for name in placement})
+    if len(sizes) > 1:
+        raise refuse("placement", f"its node types hold {' and '.join(map(str, sizes))} GPUs per node: a plan of one "
+                                  "tp and dp gives every node as many ranks (stage-group plans mix node sizes)")
+    gpn = (sizes[0] if sizes else cluster.gpus_per_node) if gpus_per_node is None else gpus_per_node
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:  # written into launch scripts as it is
         raise InputError(f"cluster {cluster.name}: gpus_per_node", f"expected an integer >= 1, got {gpn!r}")
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
