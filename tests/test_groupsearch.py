@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from fasop.cli import main
+from fasop.inputs import bundled
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.plans import read_plan_file
@@ -119,3 +120,26 @@ def test_stage_groups_give_the_slow_gpus_work_where_they_pay(small):
     assert all(stage["layers"] >= 1 for stage in best["stages"])
     assert "A10" in best["placement"]
     assert np.isfinite(best["step_time_s"])
+
+
+BUNDLED_CLUSTERS = sorted(path.stem for path in bundled.data_dir("clusters").glob("*.toml"))
+
+
+@pytest.mark.parametrize("cluster_name", BUNDLED_CLUSTERS)
+def test_the_program_finds_the_exhaustive_optimum_on_every_bundled_cluster(cluster_name):
+    """Two-stage programs, where enumerating every pair of options and every layer split runs on any bundled
+    cluster: the program's optimum is the enumeration's, at the largest and the smallest micro-batch that has
+    options, with and without recomputation."""
+    inputs = prepare(load_model("llama2-7b"), load_cluster(cluster_name))
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if inputs.gbs % b == 0
+               and stage_options(inputs, 2, b, "none") is not None]
+    assert batches, "no micro-batch has options"
+    for batch, mode in ((batches[0], "none"), (batches[-1], "none"), (batches[-1], "full")):
+        options = stage_options(inputs, 2, batch, mode)
+        args = (options, inputs.model.num_layers, inputs.gbs // batch, _capacity(inputs))
+        exhaustive = brute_force(*args, same_degrees_first_last=inputs.model.tie_embeddings)
+        found = solve_stage_ilp(*args, same_degrees_first_last=inputs.model.tie_embeddings)
+        assert (exhaustive is None) == (found is None), (batch, mode)
+        if found is not None and exhaustive is not None:
+            assert found.objective_s == pytest.approx(exhaustive.objective_s, rel=1e-9), (batch, mode)
+            assert found.status == "optimal"

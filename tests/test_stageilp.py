@@ -139,7 +139,8 @@ def test_bad_arguments_name_the_python_argument():
 
 
 def test_the_benchmark_runs_on_a_small_instance():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_stage_ilp.py"), "--stages", "2",
-                           "--time-limit", "20"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_stage_ilp.py"), "--model", "gpt2-xl",
+                           "--cluster", "fasop-1xA100-3xA10", "--gbs", "64", "--stages", "2", "--time-limit", "20"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "P = 2:" in done.stdout and "gap" in done.stdout and "Running HiGHS" not in done.stdout
