@@ -29,7 +29,7 @@ def cluster():
 def test_the_bundled_cluster_has_nodes_of_two_sizes(cluster):
     assert {n: (t.gpus_per_node, t.count) for n, t in cluster.node_types.items()} == {"H100": (8, 2), "A10G": (4, 4)}
     assert cluster.node_sizes == (4, 8) and cluster.num_gpus == 32
-    with pytest.raises(InputError, match="h100x8-a10gx4: node_type.gpus_per_node: expected one GPU count per node"):
+    with pytest.raises(InputError, match="h100x8-a10gx4: node_type.gpus_per_node: expected one GPU kind and count"):
         _ = cluster.gpus_per_node
 
 
@@ -49,7 +49,7 @@ def test_use_all_needs_stage_groups(cluster):
     result = CliRunner().invoke(main, ["search", "--model", "llama3-8b", "--cluster", CLUSTER, "--use-all"])
     assert result.exit_code == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("Error")]
-    assert lines == ["Error: --use-all: the node types of h100x8-a10gx4 hold different GPU counts per node (4, 8): "
+    assert lines == ["Error: --use-all: the nodes of h100x8-a10gx4 differ in GPU count or hold several GPU kinds: "
                      "only stage-group plans can use every node (--stage-groups)"]
 
 
@@ -62,7 +62,7 @@ def test_a_uniform_plan_is_estimated_on_one_size_and_refused_across_sizes(cluste
 
 
 def test_compare_refuses_in_one_line(cluster):
-    with pytest.raises(InputError, match="expected one GPU count per node"):
+    with pytest.raises(InputError, match="expected one GPU kind and count per node"):
         compare(load_model("gpt2-xl"), cluster)
 
 

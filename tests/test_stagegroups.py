@@ -189,7 +189,7 @@ def test_the_loader_takes_node_types_of_different_gpus_per_node(tmp_path):
     cluster = load_cluster(str(path))
     assert cluster.node_sizes == (4, 8) and cluster.num_gpus == 16 and cluster.num_nodes == 3
     # plans of one tp and dp need one count: asking for it is refused in one line naming the file and field
-    with pytest.raises(InputError, match=r"mixed\.toml: node_type\.gpus_per_node: expected one GPU count per node"):
+    with pytest.raises(InputError, match=r"mixed\.toml: node_type\.gpus_per_node: expected one GPU kind and count per node"):
         _ = cluster.gpus_per_node
     assert cluster.with_counts({"small": 2}).gpus_per_node == 4
 

@@ -35,11 +35,36 @@ from fasop.inputs.profiles import GpuProfile
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """Where the ranks of a stage-group plan land: the node of every rank of every stage."""
+    """Where the ranks of a stage-group plan land: the node of every rank of every stage, and the physical node
+    of every node position (a node holding several GPU kinds takes a position for each kind a plan runs on it,
+    Cluster.hosts)."""
 
-    placement: tuple[str, ...]  # node types in node-rank order
+    placement: tuple[str, ...]  # node types in node-rank order (blocks of one GPU kind of a node holding several)
     stage_nodes: tuple[tuple[int, ...], ...]  # node positions hosting each stage
     rank_node: tuple[np.ndarray, ...]  # per stage, (dp, tp): the node of each rank, tensor rank fastest
+    node_host: tuple[int, ...] = ()  # the physical node of each node position, in host order
+
+
+def node_hosts(cluster: Cluster, placement: Sequence[str]) -> list[int]:
+    """The physical node of each position of `placement`. A block of a node holding several GPU kinds joins the
+    node of the position before it when that is a block of the same node type earlier in its CUDA device order:
+    a node's ranks are one run in FlagScale's host order, its kinds' blocks in device order; every other
+    position is a node of its own."""
+    hosts: list[int] = []
+    for i, name in enumerate(placement):
+        node = cluster.node_types[name]
+        before = cluster.node_types[placement[i - 1]] if i else None
+        joins = before is not None and node.host != "" and before.host == node.host \
+            and before.host_first_gpu < node.host_first_gpu
+        hosts.append(hosts[-1] if joins else (hosts[-1] + 1 if hosts else 0))
+    return hosts
+
+
+def host_types(cluster: Cluster, placement: Sequence[str]) -> list[str]:
+    """The node type of each physical node of `placement` in host order: a node holding several GPU kinds is
+    named as its [[node_type]] table is (Cluster.hosts), whichever of its kinds the plan runs."""
+    hosts = node_hosts(cluster, placement)
+    return [cluster.node_types[name].host or name for i, name in enumerate(placement) if i == 0 or hosts[i] != hosts[i - 1]]
 
 
 def group_layout(cluster: Cluster, placement: Sequence[str], degrees: Sequence[tuple[int, int]]) -> GroupLayout:
@@ -55,7 +80,23 @@ def group_layout(cluster: Cluster, placement: Sequence[str], degrees: Sequence[t
         rank_node.append(nodes.reshape(dp, tp))
         stage_nodes.append(tuple(range(int(nodes[0]), int(nodes[-1]) + 1)))
         offset += tp * dp
-    return GroupLayout(tuple(placement), tuple(stage_nodes), tuple(rank_node))
+    return GroupLayout(tuple(placement), tuple(stage_nodes), tuple(rank_node), tuple(node_hosts(cluster, placement)))
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: arrays have no single truth value to compare by
+class Hosts:
+    """The physical nodes of a layout's node positions and, inside a node holding several GPU kinds, the link
+    between its kinds (its intra-node link: PCIe through the host, the network never)."""
+
+    index: np.ndarray  # (positions,) the physical node of each position
+    between_kinds_bytes_per_s: np.ndarray  # (positions,) per GPU, towards a GPU of another kind of its node
+    between_kinds_latency_s: np.ndarray  # (positions,)
+
+
+def layout_hosts(cluster: Cluster, layout: GroupLayout) -> Hosts:
+    whole = [cluster.hosts.get(cluster.node_types[name].host, cluster.node_types[name]) for name in layout.placement]
+    return Hosts(np.array(layout.node_host, dtype=int), np.array([t.intra_node_bytes_per_s for t in whole]),
+                 np.array([t.intra_node_latency_s for t in whole]))
 
 
 def slice_overlap(a: int, b: int) -> np.ndarray:
@@ -66,29 +107,43 @@ def slice_overlap(a: int, b: int) -> np.ndarray:
     return np.maximum(high - low, 0) / (a * b)
 
 
-def reshard_s(links: Links, cluster: Cluster, src: np.ndarray, dst: np.ndarray, activation_bytes: float) -> float:
+def reshard_s(links: Links, cluster: Cluster, src: np.ndarray, dst: np.ndarray, activation_bytes: float,
+              hosts: Hosts | None = None) -> float:
     """Seconds to send one global micro-batch's activation (`activation_bytes` in all) from the ranks `src`
-    (dp_a, tp_a: their nodes) to the ranks `dst` (dp_b, tp_b), every pair exchanging the block its batch and
-    sequence slices share, all at once. A GPU's sends and receives inside its node share its intra-node link,
-    a node's sends and receives to other nodes its network interface; the busiest sets the time, and the slowest
-    pair's latency is paid once."""
+    (dp_a, tp_a: their node positions) to the ranks `dst` (dp_b, tp_b), every pair exchanging the block its
+    batch and sequence slices share, all at once. A GPU's sends and receives inside its node share its
+    intra-node link (towards a GPU of another kind of its node, `hosts`' link between kinds), a node's sends and
+    receives to other nodes its network interface; the busiest sets the time, and the slowest pair's latency is
+    paid once. `hosts`: None when every position is a node of its own."""
     share = (slice_overlap(src.shape[0], dst.shape[0])[:, None, :, None]
              * slice_overlap(src.shape[1], dst.shape[1])[None, :, None, :]).reshape(src.size, dst.size)
     sent = activation_bytes * share
     src_node, dst_node = src.ravel(), dst.ravel()
+    if hosts is None:
+        hosts = Hosts(np.arange(len(links.inter)), links.intra, links.intra_latency)
+    src_host, dst_host = hosts.index[src_node], hosts.index[dst_node]
     pairs = sent > 0
-    local = src_node[:, None] == dst_node[None, :]
+    same_block = src_node[:, None] == dst_node[None, :]
+    local = src_host[:, None] == dst_host[None, :]
+    between = local & ~same_block  # two GPU kinds of one node
     der = cluster.derating
-    local_bytes = np.where(local, sent, 0.0)
-    intra = max((local_bytes.sum(axis=1) * der.p2p_intra_node / links.intra[src_node]).max(initial=0.0),
-                (local_bytes.sum(axis=0) * der.p2p_intra_node / links.intra[dst_node]).max(initial=0.0))
+    block_bytes, between_bytes = np.where(same_block, sent, 0.0), np.where(between, sent, 0.0)
+    sends = block_bytes.sum(axis=1) / links.intra[src_node] \
+        + between_bytes.sum(axis=1) / hosts.between_kinds_bytes_per_s[src_node]
+    receives = block_bytes.sum(axis=0) / links.intra[dst_node] \
+        + between_bytes.sum(axis=0) / hosts.between_kinds_bytes_per_s[dst_node]
+    intra = max(sends.max(initial=0.0), receives.max(initial=0.0)) * der.p2p_intra_node
     crossing = np.where(local, 0.0, sent)
-    nodes = len(links.inter)
-    out = np.bincount(src_node, weights=crossing.sum(axis=1), minlength=nodes)
-    into = np.bincount(dst_node, weights=crossing.sum(axis=0), minlength=nodes)
-    inter = float((np.maximum(out, into) * der.p2p_inter_node / links.inter).max(initial=0.0))
-    latency = np.where(local, links.intra_latency[src_node][:, None],
-                       np.maximum(links.inter_latency[src_node][:, None], links.inter_latency[dst_node][None, :]))
+    nodes = int(hosts.index.max()) + 1
+    out = np.bincount(src_host, weights=crossing.sum(axis=1), minlength=nodes)
+    into = np.bincount(dst_host, weights=crossing.sum(axis=0), minlength=nodes)
+    interface = np.zeros(nodes)
+    interface[hosts.index] = links.inter  # the positions of one node share its network interface
+    inter = float((np.maximum(out, into) * der.p2p_inter_node / interface).max(initial=0.0))
+    latency = np.where(same_block, links.intra_latency[src_node][:, None],
+                       np.where(between, hosts.between_kinds_latency_s[src_node][:, None],
+                                np.maximum(links.inter_latency[src_node][:, None],
+                                           links.inter_latency[dst_node][None, :])))
     return max(intra, inter) + float(latency[pairs].max(initial=0.0))
 
 
@@ -144,7 +199,8 @@ def stage_group_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuPro
     # one global micro-batch crosses each boundary
     batch = first.dp * first.mbs
     activation = boundary_bytes(model, 0, batch, 1)
-    boundary = np.array([[reshard_s(links, cluster, layout.rank_node[i], layout.rank_node[i + 1], activation)
+    hosts = layout_hosts(cluster, layout)
+    boundary = np.array([[reshard_s(links, cluster, layout.rank_node[i], layout.rank_node[i + 1], activation, hosts)
                           for i in range(pp - 1)]])
     exchange = np.zeros((1, pp))
     exchange[:, 1:] += boundary

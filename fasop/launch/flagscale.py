@@ -5,6 +5,8 @@ stages may differ in GPU type, tensor- and data-parallel degree and micro-batch.
   `[tp, cp=1, ep=1, dp, pp=stages]`, labelled by node type. FlagScale gives ranks to meshes in the order of
   their label's first place in `hetero_device_types`, then in host order, so a node type that comes back
   after another (A, B, A) takes a label of its own (A, B, A_2): every mesh then gets its own nodes.
+* Hosts (flagscale_hosts): the physical nodes, a hostfile line each with one label and the environment of its
+  label (its GPUs in rank order): a node holding several GPU kinds runs consecutive stages, kind by kind.
 * Rules (flagscale_errors): what FlagScale asserts of a plan (its pre_validate_args and RankMapper).
 * Files (render_flagscale): `flagscale.yaml` (the experiment: runner, per-label environment), `train/fasop.yaml`
   (the training: parallelism, hetero meshes, model shape from fasop.launch.megatron, data, checkpoints as
@@ -18,10 +20,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from fasop.cost.stagegroups import host_types, node_hosts
 from fasop.errors import ArgumentError, InputError
 from fasop.files import comment_line
 from fasop.inputs.names import NAME, NAME_RULE
@@ -174,16 +177,63 @@ def partial_reduce(plan: Plan, model: Any) -> bool:
     return bool(model.tie_embeddings and first.dp != last.dp and plan.distributed_optimizer)
 
 
-def flagscale_nodes(plan: Plan, cluster: Any, meshes: Sequence[Mesh], where: str) -> list[tuple[str, int, str]]:
-    """(node type, GPUs, label) of each node rank; every stage must fill whole nodes of its type."""
-    nodes: list[tuple[str, int, str]] = []
-    for mesh in meshes:
+@dataclass(frozen=True)
+class Host:
+    """One physical node of a FlagScale run, a line of its hostfile."""
+
+    node_type: str  # as hosts files and Slurm name it: a node holding several GPU kinds by its [[node_type]] name
+    slots: int  # the GPUs the plan runs on it
+    label: str  # its device-type label, one of the meshes' on it
+    env: tuple[tuple[str, str], ...]  # what its label exports: its GPUs in rank order, its network settings
+
+
+def flagscale_hosts(plan: Plan, cluster: Any, meshes: Sequence[Mesh], where: str) -> list[Host]:
+    """The plan's physical nodes in host order; every stage must fill whole nodes (or, on a node holding several
+    GPU kinds, its kind's GPUs: fasop.cost.stagegroups.node_hosts). FlagScale gives a host one label and orders
+    ranks by their label's first place in hetero_device_types, then by host: each host takes the label of one
+    of its meshes, never one placed before the previous host's, and shares it only with hosts of the same
+    environment."""
+    mesh_of = []
+    for index, mesh in enumerate(meshes):
         gpus = cluster.node_types[mesh.node_type].gpus_per_node
         if (mesh.tp * mesh.dp) % gpus:
             raise InputError(f"{where}: stages", f"a stage of tp {mesh.tp} x dp {mesh.dp} on {mesh.node_type} does not "
                                                  f"fill whole nodes of {gpus} GPUs")
-        nodes += [(mesh.node_type, gpus, mesh.label)] * (mesh.tp * mesh.dp // gpus * mesh.pp)
-    return nodes
+        mesh_of += [index] * (mesh.tp * mesh.dp // gpus * mesh.pp)
+    placement = plan.placement
+    host_of = node_hosts(cluster, placement)
+    fabrics = {t.network.fabric for t in (cluster.hosts.get(n) or cluster.node_types[n] for n in
+                                          host_types(cluster, placement)) if t.network is not None}
+    first_place = {m.label: i for i, m in reversed(list(enumerate(meshes)))}
+    hosts: list[Host] = []
+    bound: dict[str, tuple[tuple[str, str], ...]] = {}
+    for host in range(host_of[-1] + 1):
+        positions = [i for i, h in enumerate(host_of) if h == host]
+        blocks = [cluster.node_types[placement[i]] for i in positions]
+        whole = cluster.hosts.get(blocks[0].host) or blocks[0]
+        devices = [d for b in blocks for d in range(b.host_first_gpu, b.host_first_gpu + b.gpus_per_node)]
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
+        if blocks[0].host:  # nvidia-smi's indices; CUDA's own order puts the fastest kind first
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        if whole.network is not None:  # node types of different fabrics all use TCP sockets
+            env.update(network_env(whole, SHARED_FABRIC if len(fabrics) > 1 else whole.network.fabric))
+        settings = tuple(sorted(env.items()))
+        after = first_place[hosts[-1].label] if hosts else 0
+        labels = [meshes[mesh_of[i]].label for i in positions]
+        usable = [label for label in dict.fromkeys(labels) if first_place[label] >= after
+                  and bound.get(label, settings) == settings]
+        if not usable:
+            raise InputError(f"{where}: placement", f"FlagScale gives every host of a label one environment: no "
+                                                    f"label of {', '.join(dict.fromkeys(labels))} fits node {host} "
+                                                    f"({whole.name}, GPUs {env['CUDA_VISIBLE_DEVICES']})")
+        bound[usable[0]] = settings
+        hosts.append(Host(whole.name, len(devices), usable[0], settings))
+    return hosts
+
+
+def flagscale_nodes(hosts: Sequence[Host]) -> list[tuple[str, int, str]]:
+    """(node type, GPUs, label) of each host, as the launchers' scripts take them."""
+    return [(host.node_type, host.slots, host.label) for host in hosts]
 
 
 def _entries(flags: Sequence[Sequence[str]]) -> dict[str, Any]:
@@ -253,18 +303,9 @@ def train_config(plan: Plan, model: Any, meshes: Sequence[Mesh], opts: LaunchOpt
     return {"system": system, "model": model_section, "data": _entries(data_flags(model, opts))}
 
 
-def experiment_config(meshes: Sequence[Mesh], cluster: Any, nodes: Sequence[tuple[str, int, str]],
-                      opts: LaunchOptions) -> dict[str, Any]:
-    """flagscale.yaml: the experiment (run.py's config): the runner, and each label's environment."""
-    node_types = [cluster.node_types[name] for name in dict.fromkeys(m.node_type for m in meshes)]
-    fabrics = {t.network.fabric for t in node_types if t.network is not None}
-    per_label: dict[str, dict[str, Any]] = {}
-    for mesh in meshes:
-        node_type = cluster.node_types[mesh.node_type]
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(node_type.gpus_per_node)))}
-        if node_type.network is not None:  # node types of different fabrics all use TCP sockets
-            env.update(network_env(node_type, SHARED_FABRIC if len(fabrics) > 1 else node_type.network.fabric))
-        per_label[mesh.label] = env
+def experiment_config(meshes: Sequence[Mesh], hosts: Sequence[Host], opts: LaunchOptions) -> dict[str, Any]:
+    """flagscale.yaml: the experiment (run.py's config): the runner, and each host label's environment."""
+    per_label = {m.label: dict(host.env) for m in meshes for host in hosts if host.label == m.label}
     # What every label shares is exported by the node script's first lines (quoted here: the runner would quote
     # `NAME=^lo` whole, which is then no assignment); the rest goes through the runner, per label. A value the
     # runner cannot pass (NCCL's `^lo,docker`) that every label setting it agrees on is exported on every node:
@@ -284,8 +325,8 @@ def experiment_config(meshes: Sequence[Mesh], cluster: Any, nodes: Sequence[tupl
             "exp_name": f"fasop-{len(meshes)}-meshes",
             "exp_dir": ".",  # the launchers set the run directory
             "task": {"type": "train", "backend": "megatron", "entrypoint": ENTRYPOINT},
-            "runner": {"backend": "torchrun", "nnodes": len(nodes),
-                       "nproc_per_node": max(slots for _, slots, _ in nodes), "hostfile": "hostfile",
+            "runner": {"backend": "torchrun", "nnodes": len(hosts),
+                       "nproc_per_node": max(host.slots for host in hosts), "hostfile": "hostfile",
                        "rdzv_backend": "static", "master_port": opts.master_port},
             "envs": {"CUDA_DEVICE_MAX_CONNECTIONS": 1, "device_type_specific": per_label},
             **({"cmds": {"before_start": "; ".join(exports)}} if exports else {}),
@@ -293,6 +334,14 @@ def experiment_config(meshes: Sequence[Mesh], cluster: Any, nodes: Sequence[tupl
         "action": "run",
         "hydra": {"run": {"dir": "${experiment.exp_dir}/hydra"}},
     }
+
+
+def launch_view(cluster: Any) -> Any:
+    """The cluster as launchers name its nodes: a node holding several GPU kinds by its own node type (Slurm
+    allocates it whole, as untyped GPUs unless its table names a GRES type), beside every other node type."""
+    hosts = {name: replace(host, gres_type="" if host.gres_type is None else host.gres_type)
+             for name, host in cluster.hosts.items()}
+    return replace(cluster, node_types={**cluster.node_types, **hosts})
 
 
 def describe(plan: Plan, model: Any, cluster: Any, meshes: Sequence[Mesh]) -> str:
@@ -314,10 +363,11 @@ def render_flagscale(plan: Plan, model: Any, cluster: Any, options: LaunchOption
         raise ArgumentError("megatron_flavor", "stage-group plans run on FlagScale (stock Megatron-LM flags)",
                             opts.megatron_flavor)
     meshes = flagscale_meshes(plan)
-    nodes = flagscale_nodes(plan, cluster, meshes, where)
+    hosts = flagscale_hosts(plan, cluster, meshes, where)
+    nodes = flagscale_nodes(hosts)
     if opts.gpus_per_node is not None and any(slots != opts.gpus_per_node for _, slots, _ in nodes):
         raise ArgumentError("gpus_per_node", "stage-group plans use each node type's own", opts.gpus_per_node)
-    train, experiment = train_config(plan, model, meshes, opts), experiment_config(meshes, cluster, nodes, opts)
+    train, experiment = train_config(plan, model, meshes, opts), experiment_config(meshes, hosts, opts)
     _check_words(train, "train", where)
     _check_words(experiment["experiment"]["envs"], "envs", where)
     description = describe(plan, model, cluster, meshes)
@@ -325,7 +375,7 @@ def render_flagscale(plan: Plan, model: Any, cluster: Any, options: LaunchOption
     return {
         f"{CONFIG_NAME}.yaml": yaml_text(experiment, header),
         f"train/{TRAIN_NAME}.yaml": yaml_text(train, header),
-        "sbatch.sh": sbatch_text(description, nodes, model, cluster, opts,
+        "sbatch.sh": sbatch_text(description, nodes, model, launch_view(cluster), opts,
                                  None if opts.smoke_test else exit_duration_min(opts)),
         "plan.json": json.dumps(plan.record(), indent=2, sort_keys=True) + "\n",
     }
@@ -342,12 +392,13 @@ def flagscale_launcher_files(files: Mapping[str, str], plan: Plan, cluster: Any,
         if site["hosts_file"] is not None:
             raise ArgumentError("hosts_file", "applies to the ssh and manual launchers", remedy="launcher")
         return dict(files)
-    meshes = flagscale_meshes(plan)
-    nodes = flagscale_nodes(plan, cluster, meshes, f"plan {plan.rank or '?'}")
-    hosts = read_hosts(site["hosts_file"], plan.placement) if site["hosts_file"] else None
+    nodes = flagscale_nodes(flagscale_hosts(plan, cluster, flagscale_meshes(plan), f"plan {plan.rank or '?'}"))
+    node_types = [node_type for node_type, _, _ in nodes]
+    hosts = read_hosts(site["hosts_file"], node_types) if site["hosts_file"] else None
     description = files["sbatch.sh"].splitlines()[1]  # the plan's "# fasop plan ..." line
     kept = {name: text for name, text in files.items() if name != "sbatch.sh"}
     if site["launcher"] == "ssh":
-        return {**kept, "hosts": hosts_text(plan, hosts), "launch.sh": launch_text(description, nodes, options)}
+        return {**kept, "hosts": hosts_text(plan, hosts, node_types),
+                "launch.sh": launch_text(description, nodes, options)}
     return {**kept, "hostfile": hostfile_text(nodes, hosts),
             "commands.txt": commands_text(description, out_dir.absolute(), options)}

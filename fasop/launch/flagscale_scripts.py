@@ -113,7 +113,7 @@ def sbatch_text(description: str, nodes: Sequence[tuple[str, int, str]], model: 
     limit (Megatron-LM saves and exits then; resubmit to resume from the latest checkpoint)."""
     runs = placement_runs([node_type for node_type, _, _ in nodes])
     cpus = [opts.cpus_per_task or cluster.node_types[name].cpus_per_node for name, _ in runs]
-    gpus = {node_type: slots for node_type, slots, _ in nodes}
+    gpus = {name: cluster.node_types[name].gpus_per_node for name, _ in runs}  # whole nodes: Slurm's gres
     lines = _settings(description, "# Submit from this directory: sbatch sbatch.sh", nodes, opts)
     lines[3:3] = _directives(runs, model, cluster, gpus, opts, cpus, [])
     lines.append("# The allocation's hosts in node-rank order: its components in order, each of one node type.")

@@ -78,8 +78,10 @@ def read_hosts(path: str, placement: Sequence[str]) -> list[str]:
     return hosts
 
 
-def hosts_text(plan: Plan, hosts: Sequence[str] | None) -> str:
-    placement = plan.placement
+def hosts_text(plan: Plan, hosts: Sequence[str] | None, placement: Sequence[str] | None = None) -> str:
+    """The hosts file: `hosts`, or placeholders, beside the node type of each node rank (`placement`, default:
+    the plan's)."""
+    placement = plan.placement if placement is None else placement
     lines = [comment_line(f"Hosts of fasop plan {plan.rank or '?'}, one per node in node-rank order: HOST NODE_TYPE."),
              comment_line(f"HOST is {HOST_RULE}, each machine once.")]
     if hosts is None:

@@ -179,13 +179,16 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     """
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
                      sequence_parallel, tp_comm_overlap)
-    one_size = len(cluster.node_sizes) == 1
-    if use_all and not one_size and not stage_groups:
-        raise ArgumentError("use_all", f"the node types of {cluster.name} hold different GPU counts per node "
-                                       f"({', '.join(map(str, cluster.node_sizes))}): only stage-group plans can use "
-                                       "every node", remedy="stage_groups")
-    # plans of one tp and dp run on node types of one size (fasop.inputs.cluster.Cluster.gpus_per_node)
+    one_size = cluster.one_kind_per_node
+    # plans of one tp and dp run on node types of one size and one GPU kind per node (Cluster.gpus_per_node)
     subsets = ([cluster] if one_size else []) if use_all else node_type_subsets(cluster)
+    if not stage_groups and use_all and not one_size:
+        raise ArgumentError("use_all", f"the nodes of {cluster.name} differ in GPU count or hold several GPU kinds: "
+                                       "only stage-group plans can use every node", remedy="stage_groups")
+    if not stage_groups and not subsets:
+        raise InputError(f"{cluster.file or cluster.name}: node_type.gpus", "every node holds several GPU kinds: only "
+                                                                            "stage-group plans use them",
+                         remedy="stage_groups")
     spaces = [(sub, combinations(sub)) for sub in _subset_inputs(inputs, subsets)]
     if spaces and not any(tensor_degrees(sub) for sub, _ in (spaces[:1] if one_size else spaces)):
         profiled = {g: p.tensor_degrees for g, p in inputs.profiles.items()}
@@ -223,13 +226,14 @@ def node_type_subsets(cluster: Cluster) -> list[Cluster]:
     """The cluster, then every cluster of some of its node types (each at its full count), most nodes first:
     a plan that leaves a slow or costly node type idle can be faster or cheaper per sample than any plan on
     every node. Counts below the full ones are the market's sweep (fasop.market.pareto). Only sets whose node
-    types hold one GPU count per node are kept, the cluster itself included: a plan of one tensor and data
-    degree gives every node as many ranks (stage-group plans use nodes of different sizes together)."""
-    names = list(cluster.node_types)
+    types hold one GPU count per node are kept, the cluster itself included, and no node holding several GPU
+    kinds: a plan of one tensor and data degree gives every node as many ranks of one kind (stage-group plans
+    use such nodes)."""
+    names = [name for name, node in cluster.node_types.items() if not node.host]
     subsets = [kept for size in range(len(names), 0, -1) for kept in itertools.combinations(names, size)
                if len({cluster.node_types[name].gpus_per_node for name in kept}) == 1]
     subsets.sort(key=lambda kept: -sum(cluster.node_types[name].count for name in kept))
-    return [cluster if len(kept) == len(names) else
+    return [cluster if len(kept) == len(cluster.node_types) else
             cluster.with_counts({name: cluster.node_types[name].count for name in kept}) for kept in subsets]
 
 

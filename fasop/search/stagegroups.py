@@ -13,7 +13,8 @@ import numpy as np
 
 from fasop.cost.config import Config, fewest_layers, param_gather_overlaps, recompute_error, sequence_parallel_on
 from fasop.cost.memory import usable_gib
-from fasop.cost.stagegroups import GroupLayout, group_layout, stage_group_costs
+from fasop.cost.price import cost_per_step_usd
+from fasop.cost.stagegroups import GroupLayout, group_layout, host_types, stage_group_costs
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -171,6 +172,10 @@ def stage_group_record(inputs: Any, spec: StageGroupSpec, placement_search: str 
     else:
         row["placement_search"] = placement_search
     cluster = inputs.cluster
+    if cluster.hosts:  # a node holding several GPU kinds is rented whole, whichever of its kinds the plan runs
+        price = sum((cluster.hosts.get(name) or cluster.node_types[name]).price_per_hour_usd
+                    for name in host_types(cluster, spec.placement))
+        row.update(cost_per_hour_usd=price, cost_per_step_usd=cost_per_step_usd(price, row["step_time_s"]))
     row["fits_memory"] = all(s["memory_gib"] <= usable_gib(cluster, s["memory_capacity_gib"]) for s in row["stages"])
     return row
 
@@ -202,7 +207,14 @@ def _check_stage(model: Model, cluster: Cluster, i: int, stage: StageGroup, batc
 
 
 def _check_layout(cluster: Cluster, layout: GroupLayout, stages: tuple[StageGroup, ...], refuse: Refuse) -> None:
-    """Every stage on nodes of its own type, every tensor-parallel group inside one node."""
+    """Every stage on nodes of its own type, every tensor-parallel group inside one node, no more nodes holding
+    several GPU kinds than the cluster has (each runs one run of the pipeline's ranks, fasop.cost.stagegroups)."""
+    for name, used in Counter(host_types(cluster, layout.placement)).items():
+        if name in cluster.hosts and used > cluster.hosts[name].count:
+            kinds = ", ".join(n for n, t in cluster.node_types.items() if t.host == name)
+            raise refuse("placement", f"takes {used} nodes of type {name}, cluster {cluster.name} has "
+                                      f"{cluster.hosts[name].count}: a node's GPU kinds ({kinds}) hold consecutive "
+                                      "stages in that order")
     for i, (stage, nodes, ranks) in enumerate(zip(stages, layout.stage_nodes, layout.rank_node)):
         held = {layout.placement[n] for n in nodes}
         if held != {stage.node_type}:
