@@ -17,6 +17,7 @@ from fasop.inputs.cluster import load_cluster
 from fasop.inputs.errorband import band_of
 from fasop.inputs.model import load_model
 from fasop.market.choice import MAX_MARGIN
+from fasop.market.rent import RENT_TIME_LIMIT_S
 from fasop.plans import Plan, load_plans, select_plan
 from fasop.timeline import MAX_OPERATIONS
 
@@ -59,6 +60,14 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
               help="Report the cheapest run that ends within this (with --budget: the cheapest meeting both).")
 @margin_option
 @click.option("--max-nodes", multiple=True, metavar="TYPE=N", help="Sweep at most N nodes of TYPE (repeatable).")
+@click.option("--rent", is_flag=True,
+              help="Instead of sweeping compositions, let the integer program choose how many nodes of each type to "
+                   "rent, reading each node type's count as its quota (the most one may rent), for a series of caps "
+                   "on the price per hour: stage-group plans (each stage its own node type, tp and dp), and quotas "
+                   "far beyond what a sweep can reach.")
+@click.option("--time-limit", "time_limit_s", type=common.FiniteRange(0, None, min_open=True), default=None,
+              metavar="SECONDS", help="With --rent: the integer program's time over every price cap together "
+                                      f"[default: {RENT_TIME_LIMIT_S:g}].")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write one row per composition to front.csv.")
 @click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -71,12 +80,14 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
 @common.optimizer_option
 @common.reports_input_errors
 def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd, deadline_hours, margin, max_nodes,
-           output, chart, x_axis, force, profiles_dir, allow_profile_mismatch, distributed_optimizer):
+           rent, time_limit_s, output, chart, x_axis, force, profiles_dir, allow_profile_mismatch, distributed_optimizer):
     """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
-    the Pareto front; with --budget or --deadline, which mix to rent, with a margin for the estimates' error."""
-    from fasop.market.choice import sweep_and_choose
-    from fasop.market.pareto import check_limits, compositions
+    the Pareto front; with --budget or --deadline, which mix to rent, with a margin for the estimates' error.
+    With --rent, the integer program chooses the mix within each type's quota."""
+    from fasop.market.pareto import check_limits
 
+    if time_limit_s is not None and not rent:
+        raise InputError("--time-limit", "bounds the integer program of --rent; give --rent as well")
     check_limits(budget_usd, deadline_hours)
     _check_margin(margin, budget_usd, deadline_hours)
     common.check_run_length(train_steps, train_tokens)
@@ -93,34 +104,79 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd,
     outputs = [(path, option) for path, option in ((output, "--output"), (chart, "--chart")) if path is not None]
     common.check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir), force)
     profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
-    todo = compositions(cluster, _max_nodes(max_nodes))
-    batch = gbs or model.global_batch_size
-    caps = ", ".join(f"0-{max(c[n] for c in todo)} {n}" for n in cluster.node_types)
-    click.echo(f"{model.name} on {cluster.name}: {len(todo)} compositions of {caps} nodes ({cluster.gpus_per_node} GPUs each), "
-               f"global batch {batch}, a run of {_run_length(batch, model, train_steps, train_tokens)}")
-    started = time.perf_counter()
-    with common.progress_bar("sweeping") as progress:
-        result = sweep_and_choose(model, cluster, todo, budget_usd=budget_usd, deadline_hours=deadline_hours,
-                                  margin=margin, gbs=gbs,
-                                  train_steps=train_steps, train_tokens=train_tokens,
-                                  distributed_optimizer=distributed_optimizer, progress=progress, profiles=profiles)
-    elapsed = time.perf_counter() - started
+    run = dict(budget_usd=budget_usd, deadline_hours=deadline_hours, margin=margin, gbs=gbs, train_steps=train_steps,
+               train_tokens=train_tokens, distributed_optimizer=distributed_optimizer, profiles=profiles)
+    run_length = _run_length(gbs or model.global_batch_size, model, train_steps, train_tokens)
+    if rent:
+        result = _rent(model, cluster, _max_nodes(max_nodes), time_limit_s, run, run_length)
+    else:
+        result = _sweep(model, cluster, _max_nodes(max_nodes), run, run_length)
     records = result.records
-    click.echo(front_table(records))
-    click.echo(f"run h and run $: estimates; {band_of(cluster.error_band).describe()}.")
-    on_front = sum(r["on_front"] for r in records)
     feasible = sum(r["feasible"] for r in records)
-    click.echo(f"{len(records)} compositions swept in {elapsed:.2f} s, {sum(r['plans_evaluated'] for r in records):,} plans "
-               f"evaluated; {on_front} on the Pareto front (*), {len(records) - feasible} without a plan that fits.")
     if result.choice:
         click.echo(result.choice)
     _write_front(records, output, chart, x_axis, budget_usd, deadline_hours, result.chosen)
     if output is not None:
-        click.echo(f"{len(records)} compositions written to {output}")
+        click.echo(f"{len(records)} {'points' if rent else 'compositions'} written to {output}")
     if chart is not None and feasible:
         click.echo(f"chart written to {chart}")
     elif chart is not None:
         click.echo("no chart: no composition has a plan that fits", err=True)
+
+
+def _sweep(model, cluster, max_nodes: dict[str, int], run: dict, run_length: str):
+    """Every composition swept, its table and what the sweep took."""
+    from fasop.market.choice import sweep_and_choose
+    from fasop.market.pareto import compositions
+
+    todo = compositions(cluster, max_nodes)
+    caps = ", ".join(f"0-{max(c[n] for c in todo)} {n}" for n in cluster.node_types)
+    click.echo(f"{model.name} on {cluster.name}: {len(todo)} compositions of {caps} nodes ({cluster.gpus_per_node} GPUs each), "
+               f"global batch {run['gbs'] or model.global_batch_size}, a run of {run_length}")
+    started = time.perf_counter()
+    with common.progress_bar("sweeping") as progress:
+        result = sweep_and_choose(model, cluster, todo, progress=progress, **run)
+    elapsed = time.perf_counter() - started
+    records = result.records
+    click.echo(front_table(records))
+    click.echo(f"run h and run $: estimates; {band_of(cluster.error_band).describe()}.")
+    click.echo(f"{len(records)} compositions swept in {elapsed:.2f} s, {sum(r['plans_evaluated'] for r in records):,} plans "
+               f"evaluated; {_front_counts(records)}.")
+    return result
+
+
+def _rent(model, cluster, max_nodes: dict[str, int], time_limit_s: float | None, run: dict, run_length: str):
+    """The integer program's walk over price caps, its table (each stage's tp and dp) and what the walk took."""
+    from fasop.market.choice import rent_and_choose
+    from fasop.market.pareto import degrees_text, node_caps
+
+    quotas = node_caps(cluster, max_nodes)
+    click.echo(f"{model.name} on {cluster.name}: what to rent, at most "
+               f"{', '.join(f'{n} {name}' for name, n in quotas.items())} nodes, global batch "
+               f"{run['gbs'] or model.global_batch_size}, a run of {run_length}")
+    result = rent_and_choose(model, cluster, max_nodes=max_nodes, time_limit_s=time_limit_s or RENT_TIME_LIMIT_S, **run)
+    walk = result.rent
+    assert walk is not None  # rent_and_choose returns its walk
+    records = result.records
+    shown = [{**r, **dict(zip(("tp", "dp"), degrees_text(r)))} if r["feasible"] else r for r in records]
+    click.echo(front_table(shown) if records else "no stage-group plan within the quotas")
+    click.echo(f"run h and run $: estimates; {band_of(cluster.error_band).describe()}.")
+    gap = max((r["optimality_gap"] for r in records if r.get("optimality_gap") is not None), default=0.0)
+    click.echo(f"{len(records)} points, each the integer program's fastest stage-group plan under a cap on the price "
+               f"per hour (tp and dp per stage; gap at most {gap:.3%}), found in {walk.elapsed_s:.2f} s, "
+               f"{walk.solves:,} programs solved; {_front_counts(records)}.")
+    if not walk.complete:
+        cheapest = min((r["cost_per_hour_usd"] for r in records), default=None)
+        below = f" below ${cheapest:,.2f} an hour" if cheapest is not None else ""
+        click.echo(f"the walk stopped at its time limit or at {len(records)} points: plans{below} were not sought "
+                   "(raise --time-limit)")
+    return result
+
+
+def _front_counts(records: list[dict]) -> str:
+    feasible = sum(r["feasible"] for r in records)
+    return (f"{sum(r['on_front'] for r in records)} on the Pareto front (*), {len(records) - feasible} without a plan "
+            "that fits")
 
 
 def _run_length(batch: int, model, train_steps: int | None, train_tokens: float | None) -> str:

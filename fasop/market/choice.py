@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fasop.errors import ArgumentError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.errorband import ErrorBand, band_of
 from fasop.inputs.model import Model
 from fasop.market.frontfile import INT_COLUMNS, NODES_PREFIX
-from fasop.market.pareto import check_limits, composition_label, compositions, sweep
+from fasop.market.pareto import check_limits, composition_label, compositions, degrees_text, sweep
+from fasop.market.rent import MAX_POINTS, RENT_TIME_LIMIT_S, RentFront, rent_front
 
 MAX_MARGIN = 10.0  # a margin of 1,000%: beyond that no estimate is worth choosing by
 
@@ -36,7 +38,8 @@ def check_margin(margin: float | None) -> None:
 
 
 def _describe(record: dict) -> str:
-    return (f"{composition_label(record, unit=True)} (tp={record['tp']} dp={record['dp']} pp={record['pp']} "
+    tp, dp = degrees_text(record)
+    return (f"{composition_label(record, unit=True)} (tp={tp} dp={dp} pp={record['pp']} "
             f"mbs={record['mbs']}): {record['train_hours']:,.2f} h, ${record['train_cost_usd']:,.2f}")
 
 
@@ -154,11 +157,24 @@ def _choose_within_both(feasible: list[dict], budget_usd: float, deadline_hours:
 
 @dataclass(frozen=True)
 class Sweep:
-    """A sweep's records, `on_front` marked, and the composition that meets the budget or deadline best."""
+    """A sweep's records (or the integer program's points), `on_front` marked, and the composition that meets the
+    budget or deadline best."""
 
     records: list[dict]
     chosen: dict | None  # one of `records`; None without a budget or deadline, or when no composition meets it
     choice: str  # the line that says which and why ("" without a budget or deadline)
+    rent: RentFront | None = None  # the walk that found the records, when the integer program chose them
+
+
+def _check_choice(budget_usd: float | None, deadline_hours: float | None, margin: float | None,
+                  train_steps: int | None, train_tokens: float | None) -> None:
+    """A budget or a deadline needs the length of the run: the default length would decide which composition
+    meets it."""
+    check_limits(budget_usd, deadline_hours)
+    check_margin(margin)
+    if (budget_usd is not None or deadline_hours is not None) and train_steps is None and train_tokens is None:
+        raise ArgumentError("budget_usd" if budget_usd is not None else "deadline_hours",
+                            "a budget or deadline needs the length of the run: give train_steps or train_tokens")
 
 
 def sweep_and_choose(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | None = None, *,
@@ -167,13 +183,8 @@ def sweep_and_choose(model: Model, cluster: Cluster, compositions: list[dict[str
                      train_steps: int | None = None, train_tokens: float | None = None, profiles_dir: str | None = None,
                      distributed_optimizer: bool = True, allow_profile_mismatch: bool = False,
                      progress: Callable[[int, int], None] | None = None, profiles: dict | None = None) -> Sweep:
-    """`sweep` of `compositions`, then `choose` within `budget_usd` and `deadline_hours` with `margin`. A budget or
-    a deadline needs the length of the run: the default length would decide which composition meets it."""
-    check_limits(budget_usd, deadline_hours)
-    check_margin(margin)
-    if (budget_usd is not None or deadline_hours is not None) and train_steps is None and train_tokens is None:
-        raise ArgumentError("budget_usd" if budget_usd is not None else "deadline_hours",
-                            "a budget or deadline needs the length of the run: give train_steps or train_tokens")
+    """`sweep` of `compositions`, then `choose` within `budget_usd` and `deadline_hours` with `margin`."""
+    _check_choice(budget_usd, deadline_hours, margin, train_steps, train_tokens)
     records = sweep(model, cluster, compositions, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
                     profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer,
                     allow_profile_mismatch=allow_profile_mismatch, progress=progress, profiles=profiles)
@@ -181,13 +192,34 @@ def sweep_and_choose(model: Model, cluster: Cluster, compositions: list[dict[str
     return Sweep(records, chosen, choice)
 
 
+def rent_and_choose(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | None = None,
+                    budget_usd: float | None = None, deadline_hours: float | None = None, margin: float | None = None,
+                    gbs: int | None = None, train_steps: int | None = None, train_tokens: float | None = None,
+                    profiles_dir: str | None = None, distributed_optimizer: bool = True,
+                    allow_profile_mismatch: bool = False, profiles: dict | None = None,
+                    time_limit_s: float = RENT_TIME_LIMIT_S, max_points: int = MAX_POINTS) -> Sweep:
+    """`rent_front` (fasop.market.rent: the integer program chooses node counts up to each type's quota), then
+    `choose` from its points within `budget_usd` and `deadline_hours` with `margin`."""
+    _check_choice(budget_usd, deadline_hours, margin, train_steps, train_tokens)
+    walk = rent_front(model, cluster, max_nodes=max_nodes, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
+                      profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer,
+                      allow_profile_mismatch=allow_profile_mismatch, profiles=profiles, time_limit_s=time_limit_s,
+                      max_points=max_points)
+    chosen, choice = choose(walk.records, budget_usd, deadline_hours, margin, cluster.error_band)
+    return Sweep(walk.records, chosen, choice, walk)
+
+
 def pareto(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | None = None, gbs: int | None = None,
            train_steps: int | None = None, train_tokens: float | None = None, budget_usd: float | None = None,
            deadline_hours: float | None = None, margin: float | None = None, profiles_dir: str | None = None,
-           distributed_optimizer: bool = True, allow_profile_mismatch: bool = False):
+           distributed_optimizer: bool = True, allow_profile_mismatch: bool = False, rent: bool = False,
+           time_limit_s: float = RENT_TIME_LIMIT_S):
     """`fasop pareto` in Python: every composition of `cluster` (at most `max_nodes` nodes of a type, {"A100": 4})
     with its fastest plan and the time and cost of the run, as a pandas DataFrame of one row per composition in
-    sweep order, in the columns of a front file (docs/formats.md); `on_front` marks the Pareto front.
+    sweep order, in the columns of a front file (docs/formats.md); `on_front` marks the Pareto front. With
+    `rent` (`fasop pareto --rent`), one row per point the integer program finds within `time_limit_s`, each node
+    type's count read as its quota (fasop.market.rent), cheapest per hour first; `frame.attrs["complete"]` says
+    whether the walk reached its end.
 
     Node counts and the other integer columns are pandas' nullable Int64 (<NA> where a composition has no plan,
     like the front file's empty cells). `frame.attrs`: `chosen`, the row of the composition that meets
@@ -197,13 +229,19 @@ def pareto(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | None =
     """
     import pandas as pd  # only the Python API needs pandas; the command line starts faster without it
 
-    result = sweep_and_choose(model, cluster, compositions(cluster, max_nodes), budget_usd=budget_usd,
-                              deadline_hours=deadline_hours, margin=margin, gbs=gbs, train_steps=train_steps,
-                              train_tokens=train_tokens, profiles_dir=profiles_dir,
-                              distributed_optimizer=distributed_optimizer, allow_profile_mismatch=allow_profile_mismatch)
+    common: dict[str, Any] = dict(budget_usd=budget_usd, deadline_hours=deadline_hours, margin=margin, gbs=gbs,
+                                  train_steps=train_steps, train_tokens=train_tokens, profiles_dir=profiles_dir,
+                                  distributed_optimizer=distributed_optimizer,
+                                  allow_profile_mismatch=allow_profile_mismatch)
+    if rent:
+        result = rent_and_choose(model, cluster, max_nodes=max_nodes, time_limit_s=time_limit_s, **common)
+    else:
+        result = sweep_and_choose(model, cluster, compositions(cluster, max_nodes), **common)
     frame = pd.DataFrame(result.records)
     frame = frame.astype({column: "Int64" for column in frame.columns
                           if column in INT_COLUMNS or column.startswith(NODES_PREFIX)})
     frame.attrs.update(chosen=next((row for row, record in enumerate(result.records) if record is result.chosen), None),
                        choice=result.choice)
+    if result.rent is not None:
+        frame.attrs["complete"] = result.rent.complete
     return frame

@@ -22,6 +22,9 @@ TAIL_COLUMNS = (
     "step_time_s", "throughput_samples_per_s", "cost_per_hour_usd", "cost_per_step_usd", "train_steps",
     "train_hours", "train_cost_usd", "peak_memory_gib", "plans_evaluated", "out_of_memory", "note",
 )
+# Columns of the points `fasop pareto --rent` finds, stage-group plans (each stage's tp and dp, the integer
+# program's gap), after the others in a file that holds any.
+PROGRAM_COLUMNS = ("kind", "stage_tp", "stage_dp", "placement_search", "optimality_gap")
 # What `read_front_csv` insists on (the rest are informative).
 REQUIRED_COLUMNS = (
     "gpus", "feasible", "on_front", "mbs", "tp", "dp", "pp", "placement", "layers_per_stage", "step_time_s",
@@ -30,13 +33,14 @@ REQUIRED_COLUMNS = (
 INT_COLUMNS = {"gbs", "gpus", "mbs", "tp", "dp", "pp", "num_microbatches", "train_steps", "plans_evaluated",
                "out_of_memory"}
 BOOL_COLUMNS = {"feasible", "on_front"}
-LIST_COLUMNS = {"placement": str, "layers_per_stage": int}
-TEXT_COLUMNS = {"model", "cluster", "note"}
+LIST_COLUMNS = {"placement": str, "layers_per_stage": int, "stage_tp": int, "stage_dp": int}
+TEXT_COLUMNS = {"model", "cluster", "note", "kind", "placement_search"}
 
 
 def columns_of(records: list[dict]) -> list[str]:
     types = [key for key in records[0] if key.startswith(NODES_PREFIX)] if records else []
-    return [*HEAD_COLUMNS, *types, *TAIL_COLUMNS]
+    program = PROGRAM_COLUMNS if any(key in record for record in records for key in PROGRAM_COLUMNS) else ()
+    return [*HEAD_COLUMNS, *types, *TAIL_COLUMNS, *program]
 
 
 def _format(value) -> str:
@@ -74,7 +78,7 @@ def write_front_csv(records: list[dict], path) -> None:
 
 
 def _parse(value: str, column: str, where: str):
-    known = column.startswith(NODES_PREFIX) or column in HEAD_COLUMNS or column in TAIL_COLUMNS
+    known = column.startswith(NODES_PREFIX) or column in (*HEAD_COLUMNS, *TAIL_COLUMNS, *PROGRAM_COLUMNS)
     if column in TEXT_COLUMNS or not known:  # columns added by hand are kept as text
         return value
     if value == "":

@@ -41,10 +41,8 @@ PLAN_FIELDS = ("mbs", "tp", "dp", "pp", "num_microbatches", "placement", "layers
 
 # -- compositions --------------------------------------------------------------------------------------
 
-def compositions(cluster: Cluster, max_nodes: dict[str, int] | None = None) -> list[dict[str, int]]:
-    """Every composition of 0 up to the available count of each node type (capped by `max_nodes`), without
-    the empty one; more than MAX_COMPOSITIONS are refused. Order: the cluster file's node types as digits, the
-    first type most significant, counting up (for A100 and A10: {A100 0, A10 1}, {A100 0, A10 2}, ..., {A100 1, A10 0}, ...)."""
+def node_caps(cluster: Cluster, max_nodes: dict[str, int] | None = None) -> dict[str, int]:
+    """The most nodes of each node type: its available count, capped by `max_nodes`."""
     caps = {name: t.count for name, t in cluster.node_types.items()}
     for name, cap in (max_nodes or {}).items():
         if name not in caps:
@@ -52,16 +50,23 @@ def compositions(cluster: Cluster, max_nodes: dict[str, int] | None = None) -> l
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
             raise ArgumentError("max_nodes", f"expected a node count >= 0 for {name}, got {cap!r}")
         caps[name] = min(caps[name], cap)
+    if not any(caps.values()):
+        raise ArgumentError("max_nodes", "every node type is capped at 0 nodes: nothing to sweep")
+    return caps
+
+
+def compositions(cluster: Cluster, max_nodes: dict[str, int] | None = None) -> list[dict[str, int]]:
+    """Every composition of 0 up to the available count of each node type (capped by `max_nodes`), without
+    the empty one; more than MAX_COMPOSITIONS are refused. Order: the cluster file's node types as digits, the
+    first type most significant, counting up (for A100 and A10: {A100 0, A10 1}, {A100 0, A10 2}, ..., {A100 1, A10 0}, ...)."""
+    caps = node_caps(cluster, max_nodes)
     names = list(caps)
     count = math.prod(caps[n] + 1 for n in names) - 1
     if count > MAX_COMPOSITIONS:
         raise ArgumentError("max_nodes", f"{count:,} compositions to sweep, more than the limit of {MAX_COMPOSITIONS:,} "
                                          "(each is a whole search); cap the node counts of some types")
-    result = [dict(zip(names, counts)) for counts in itertools.product(*(range(caps[n] + 1) for n in names))
-              if any(counts)]
-    if not result:
-        raise ArgumentError("max_nodes", "every node type is capped at 0 nodes: nothing to sweep")
-    return result
+    return [dict(zip(names, counts)) for counts in itertools.product(*(range(caps[n] + 1) for n in names))
+            if any(counts)]
 
 
 all_compositions = compositions  # the name `sweep` can reach under its parameter of the same name
@@ -79,6 +84,14 @@ def node_counts(record: dict) -> dict[str, int]:
     return {key[len(NODES_PREFIX):]: int(value) for key, value in record.items() if key.startswith(NODES_PREFIX)}
 
 
+def degrees_text(record: dict) -> tuple[str, str]:
+    """The plan's tensor and data-parallel degrees as text: one each, or each stage's of a stage-group plan
+    ('4,1,4' and '1,4,1')."""
+    if record.get("stage_tp") and record.get("stage_dp"):
+        return ",".join(map(str, record["stage_tp"])), ",".join(map(str, record["stage_dp"]))
+    return str(record["tp"]), str(record["dp"])
+
+
 def composition_kind(record: dict) -> str | None:
     """The node type of a single-type composition, None for a mixed one."""
     used = [name for name, n in node_counts(record).items() if n]
@@ -87,14 +100,14 @@ def composition_kind(record: dict) -> str | None:
 
 # -- the sweep -----------------------------------------------------------------------------------------
 
-def _empty_record(model: Model, cluster: Cluster, composition: dict[str, int], gbs: int) -> dict:
+def empty_record(model: Model, cluster: Cluster, composition: dict[str, int], gbs: int) -> dict:
     """A row in the order of the front file's columns, its plan fields empty."""
     record: dict = {"model": model.name, "cluster": cluster.name, "gbs": gbs}
     for name in cluster.node_types:
         record[NODES_PREFIX + name] = int(composition.get(name, 0))
     for key in TAIL_COLUMNS:
         record[key] = None
-    record["gpus"] = sum(composition.values()) * cluster.gpus_per_node
+    record["gpus"] = sum(n * cluster.node_types[name].gpus_per_node for name, n in composition.items())
     record["feasible"] = False
     record["on_front"] = False
     record["cost_per_hour_usd"] = sum(t.price_per_hour_usd * composition.get(n, 0) for n, t in cluster.node_types.items())
@@ -120,7 +133,7 @@ class _Composition:
         from fasop.search import search_plans
 
         model, cluster = self.model, self.cluster
-        record = _empty_record(model, cluster, composition, self.gbs)
+        record = empty_record(model, cluster, composition, self.gbs)
         try:
             # only the fastest plan matters: sound lower bounds skip partitions that cannot beat it
             result = search_plans(model, cluster.with_counts(composition), self.gbs, profiles=self.profiles,
@@ -158,6 +171,16 @@ def _checked_compositions(cluster: Cluster, compositions: list[dict[str, int]]) 
     return compositions
 
 
+def cluster_profiles(model: Model, cluster: Cluster, profiles_dir: str | None, allow_profile_mismatch: bool) -> dict:
+    """The profiles of the cluster's GPU types, read once for every composition or program (a missing or malformed
+    one is an error raised here); the profiles and the per-size times they memoise then serve them all."""
+    from fasop.inputs.catalogue import merged_specs
+    from fasop.inputs.profiles import load_profiles
+
+    return load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_profile_mismatch,
+                         merged_specs(own=cluster.gpus))
+
+
 def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | None = None, *,
           gbs: int | None = None, train_steps: int | None = None, train_tokens: float | None = None,
           profiles_dir: str | None = None, distributed_optimizer: bool = True, allow_profile_mismatch: bool = False,
@@ -170,8 +193,6 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
     rounded up); with neither, DEFAULT_TRAIN_STEPS steps. The front does not depend on the run length (time
     and cost of every composition scale with it alike); budgets and deadlines do.
     """
-    from fasop.inputs.catalogue import merged_specs
-    from fasop.inputs.profiles import load_profiles
     from fasop.search.space import check_global_batch
 
     check_run_length(train_steps, train_tokens)
@@ -179,11 +200,8 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
         train_steps = DEFAULT_TRAIN_STEPS
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
     compositions = all_compositions(cluster) if compositions is None else _checked_compositions(cluster, compositions)
-    # problems common to every composition (a missing or malformed profile) are errors, raised once here;
-    # the profiles, and the per-size times they memoise, then serve every composition
     if profiles is None:
-        profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir,
-                                 allow_profile_mismatch, merged_specs(own=cluster.gpus))
+        profiles = cluster_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
     task = _Composition(model, cluster, gbs, train_steps, train_tokens, distributed_optimizer, profiles)
     workers = min(os.cpu_count() or 1, len(compositions) // PARALLEL_COMPOSITIONS)
     if workers <= 1:

@@ -12,7 +12,9 @@ that fits in memory, so every stage term is linear in x with no products of vari
 Z >= period_s(x) and Y >= tail_s(x) at each s; minimise Σ_s sum_s(x) + (m - 1) Z + Y. This is exact: Z and Y
 appear only on the large side of >= rows and with positive weight, so an optimum sets each to its max over the
 stages (with m = 1, Z has no weight and is left out). Tied embeddings (same tp and dp at the first and last
-stage) are one equality per (tp, dp) pair between the two positions' choices.
+stage) are one equality per (tp, dp) pair between the two positions' choices. With `prices` and
+`price_cap_per_hour` (what to rent, fasop.market.rent), one more row holds the dollars per hour of the nodes the
+stages take at or below the cap: Σ_{s,j,n} price[type_j] nodes_j x[s,j,n] <= cap.
 
 Binaries are left out only where no optimum needs them: layer counts that the other positions' fewest and most
 layers rule out, options taking more nodes than their type has, and an option dominated at a position by
@@ -114,7 +116,9 @@ def objective(options: StageOptions, num_microbatches: int, option, layers) -> f
     return float(_objectives(options, num_microbatches, np.asarray(option), np.asarray(layers, dtype=float)))
 
 
-def _check_arguments(options: StageOptions, num_layers: int, num_microbatches: int, capacity: dict[str, int]) -> None:
+def _check_arguments(options: StageOptions, num_layers: int, num_microbatches: int, capacity: dict[str, int],
+                     prices: dict[str, float] | None, price_cap_per_hour: float | None) -> np.ndarray | None:
+    """The arguments checked; the dollars per hour of each option's nodes when a price cap is given."""
     if num_layers < 1:
         raise ArgumentError("num_layers", "must be 1 or more", num_layers)
     if num_microbatches < 1:
@@ -122,13 +126,37 @@ def _check_arguments(options: StageOptions, num_layers: int, num_microbatches: i
     missing = sorted(set(options.node_type) - set(capacity))
     if missing:
         raise ArgumentError("capacity", f"has no node count for node type {missing[0]}")
+    if (prices is None) != (price_cap_per_hour is None):
+        raise ArgumentError("price_cap_per_hour", "needs prices, the dollars per hour of a node of each type (and "
+                                                  "prices needs the cap)")
+    if prices is None or price_cap_per_hour is None:
+        return None
+    if not (np.isfinite(price_cap_per_hour) and price_cap_per_hour >= 0):
+        raise ArgumentError("price_cap_per_hour", "must be a finite number of dollars per hour, 0 or more",
+                            price_cap_per_hour)
+    unpriced = sorted(set(options.node_type) - set(prices))
+    if unpriced:
+        raise ArgumentError("prices", f"has no price for node type {unpriced[0]}")
+    per_node = np.array([prices[node_type] for node_type in options.node_type], dtype=float)
+    if not np.all(np.isfinite(per_node) & (per_node >= 0)):
+        raise ArgumentError("prices", "must hold finite dollars per hour, 0 or more")
+    return per_node * options.nodes
+
+
+def _price_row(option_price: np.ndarray | None, price_cap_per_hour: float | None) -> np.ndarray | None:
+    """Each option's share of the cap, the price row's coefficients (its bound 1: the solver's tolerance on a
+    row is then relative to the cap); None when no cap binds a choice (at a cap of 0 only free options remain)."""
+    if option_price is None or price_cap_per_hour is None or price_cap_per_hour == 0:
+        return None
+    return option_price / price_cap_per_hour
 
 
 def brute_force(options: StageOptions, num_layers: int, num_microbatches: int, capacity: dict[str, int], *,
-                same_degrees_first_last: bool = False) -> Assignment | None:
+                same_degrees_first_last: bool = False, prices: dict[str, float] | None = None,
+                price_cap_per_hour: float | None = None) -> Assignment | None:
     """The best assignment by trying every one (small problems only: J^P option tuples times the layer splits);
     of equal ones, the first in lexicographic order of options, then layers. None when none is feasible."""
-    _check_arguments(options, num_layers, num_microbatches, capacity)
+    option_price = _check_arguments(options, num_layers, num_microbatches, capacity, prices, price_cap_per_hour)
     lo = [int(fewest) for fewest in options.lo]
     heads = list(itertools.product(*(range(fewest, num_layers + 1) for fewest in lo[:-1])))
     splits = np.array(heads, dtype=int).reshape(len(heads), len(lo) - 1)
@@ -139,6 +167,8 @@ def brute_force(options: StageOptions, num_layers: int, num_microbatches: int, c
     fits = np.ones(len(tuples), dtype=bool)
     for node_type, nodes in capacity.items():
         fits &= np.where(kinds[tuples] == node_type, options.nodes[tuples], 0).sum(axis=1) <= nodes
+    if option_price is not None:
+        fits &= option_price[tuples].sum(axis=1) <= price_cap_per_hour
     if same_degrees_first_last:
         fits &= (options.tp[tuples[:, 0]] == options.tp[tuples[:, -1]]) & (options.dp[tuples[:, 0]] == options.dp[tuples[:, -1]])
     tuples = tuples[fits]
@@ -174,8 +204,9 @@ def _undominated(options: StageOptions, position: int, chosen: np.ndarray, most:
     return chosen[~dominated]
 
 
-def _candidates(options: StageOptions, num_layers: int, capacity: dict[str, int],
-                tied: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+def _candidates(options: StageOptions, num_layers: int, capacity: dict[str, int], tied: bool,
+                option_price: np.ndarray | None = None,
+                price_cap_per_hour: float | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """(option, layers) of every binary at each position, by option then layers."""
     lo = options.lo.astype(int)
     hi = np.minimum(options.hi, num_layers).astype(int)
@@ -183,6 +214,8 @@ def _candidates(options: StageOptions, num_layers: int, capacity: dict[str, int]
     fewest = np.maximum(lo, num_layers - most_elsewhere)  # what the other positions cannot take
     most = num_layers - (lo.sum() - lo)  # leaves the other positions their fewest
     fits_nodes = options.nodes <= np.array([capacity[node_type] for node_type in options.node_type])
+    if option_price is not None:
+        fits_nodes &= option_price <= price_cap_per_hour
     found = []
     for s in range(options.positions):
         upper = np.minimum(hi[s], most[s])
@@ -200,12 +233,12 @@ def _row(variables: list[pulp.LpVariable], coefficients: np.ndarray) -> pulp.LpA
 
 
 def _floor(options: StageOptions, candidates: list[tuple[np.ndarray, np.ndarray]], terms: list[np.ndarray],
-           num_layers: int, capacity: dict[str, int]) -> float | None:
+           num_layers: int, capacity: dict[str, int], price_row: np.ndarray | None = None) -> float | None:
     """A lower bound on max_s term_s over every assignment of the candidates, None when none is feasible.
 
     At a threshold θ, option j at position s can hold n_sj(θ) layers: its most there with term <= θ. Were the
-    max θ or less, one whole option at each position (binaries y_sj) within the node capacities would hold L
-    layers: Σ y_sj n_sj(θ) >= L. The floor is the least candidate term at which that small integer program
+    max θ or less, one whole option at each position (binaries y_sj) within the node capacities (and the price
+    cap) would hold L layers: Σ y_sj n_sj(θ) >= L. The floor is the least candidate term at which that small integer program
     (no layer count to choose, no max) is feasible: a bisection, as feasibility grows with θ."""
     positions, count = len(candidates), options.count
     cell = np.concatenate([s * count + js for s, (js, _) in enumerate(candidates)])  # (position, option) of each
@@ -215,6 +248,8 @@ def _floor(options: StageOptions, candidates: list[tuple[np.ndarray, np.ndarray]
     uses = np.array([np.where(np.array(options.node_type) == kind, options.nodes, 0) for kind in kinds])
     rows = [LinearConstraint(np.kron(np.eye(positions), np.ones(count)), 1, 1),
             LinearConstraint(np.tile(uses, positions), -np.inf, [capacity[kind] for kind in kinds])]
+    if price_row is not None:
+        rows.append(LinearConstraint(np.tile(price_row, positions), -np.inf, 1.0))
 
     def holds(threshold: float) -> bool:
         most = np.full(positions * count, -1)
@@ -254,13 +289,14 @@ def _stage_max(prob: pulp.LpProblem, x: list[list[pulp.LpVariable]], candidates:
 
 def _program(options: StageOptions, candidates: list[tuple[np.ndarray, np.ndarray]], num_layers: int,
              num_microbatches: int, capacity: dict[str, int], tied: bool,
-             cutoff_s: float | None = None) -> tuple[pulp.LpProblem, list[list[pulp.LpVariable]]] | None:
-    """The program of the module docstring over the candidate binaries, with F <= `cutoff_s` when given; None
-    when a relaxation is infeasible."""
+             cutoff_s: float | None = None,
+             price_row: np.ndarray | None = None) -> tuple[pulp.LpProblem, list[list[pulp.LpVariable]]] | None:
+    """The program of the module docstring over the candidate binaries, with F <= `cutoff_s` when given and the
+    options' shares of the price cap (`price_row`) adding up to at most 1; None when a relaxation is infeasible."""
     periods = [options.period_fixed_s[s, js] + options.layer_s[s, js] * ns for s, (js, ns) in enumerate(candidates)]
     tails = [options.tail_fixed_s[s, js] + options.tail_layer_s[s, js] * ns for s, (js, ns) in enumerate(candidates)]
-    period_floor = _floor(options, candidates, periods, num_layers, capacity)
-    tail_floor = _floor(options, candidates, tails, num_layers, capacity)
+    period_floor = _floor(options, candidates, periods, num_layers, capacity, price_row)
+    tail_floor = _floor(options, candidates, tails, num_layers, capacity, price_row)
     if period_floor is None or tail_floor is None:
         return None
     prob = pulp.LpProblem("stage_group_plan", pulp.LpMinimize)
@@ -283,6 +319,10 @@ def _program(options: StageOptions, candidates: list[tuple[np.ndarray, np.ndarra
         taken = [np.where(kinds[js] == node_type, options.nodes[js], 0) for js, _ in candidates]
         if sum(int(row.max()) for row in taken) > capacity[node_type]:  # a row that can bind
             prob += (_row(every_x, np.concatenate(taken)) <= capacity[node_type], f"capacity_{number:03d}")
+    if price_row is not None:
+        shares = [price_row[js] for js, _ in candidates]
+        if sum(float(row.max()) for row in shares) > 1:  # a row that can bind
+            prob += (_row(every_x, np.concatenate(shares)) <= 1, "price_cap")
     if tied:
         (first_j, _), (last_j, _) = candidates[0], candidates[-1]
         pairs = sorted({(int(options.tp[j]), int(options.dp[j])) for j in np.concatenate([first_j, last_j])})
@@ -310,20 +350,24 @@ def _quiet_stdout() -> Iterator[None]:
 
 def solve_stage_ilp(options: StageOptions, num_layers: int, num_microbatches: int, capacity: dict[str, int], *,
                     same_degrees_first_last: bool = False, time_limit_s: float = 60.0, gap_rel: float = 1e-4,
-                    cutoff_s: float | None = None) -> Assignment | None:
+                    cutoff_s: float | None = None, prices: dict[str, float] | None = None,
+                    price_cap_per_hour: float | None = None) -> Assignment | None:
     """The best assignment (module docstring) within `time_limit_s` and relative gap `gap_rel`. None when no
-    assignment is feasible, or when `cutoff_s` is given and none has F at or below it.
+    assignment is feasible, or when `cutoff_s` is given and none has F at or below it. With `prices` (dollars
+    per hour of a node of each type) and `price_cap_per_hour`, only assignments whose nodes cost at most the cap
+    (within HiGHS's feasibility tolerance, 1e-6 of the cap) are feasible.
     Raises TimeoutError when the time limit passes before any assignment is found."""
-    _check_arguments(options, num_layers, num_microbatches, capacity)
+    option_price = _check_arguments(options, num_layers, num_microbatches, capacity, prices, price_cap_per_hour)
     if time_limit_s <= 0:
         raise ArgumentError("time_limit_s", "must be more than 0 seconds", time_limit_s)
     if gap_rel < 0:
         raise ArgumentError("gap_rel", "must be 0 or more", gap_rel)
     tied = same_degrees_first_last and options.positions > 1
-    candidates = _candidates(options, num_layers, capacity, tied)
+    candidates = _candidates(options, num_layers, capacity, tied, option_price, price_cap_per_hour)
     if any(len(js) == 0 for js, _ in candidates):
         return None
-    program = _program(options, candidates, num_layers, num_microbatches, capacity, tied, cutoff_s)
+    program = _program(options, candidates, num_layers, num_microbatches, capacity, tied, cutoff_s,
+                       _price_row(option_price, price_cap_per_hour))
     if program is None:
         return None
     prob, x = program
