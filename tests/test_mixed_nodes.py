@@ -5,7 +5,9 @@ does."""
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from click.testing import CliRunner
 from test_emit_flagscale import MODEL_TOML, hostfile_rows, manual_files, plan_of, read_yaml, schema_errors
 
 from fasop.cli import main
-from fasop.cost.stagegroups import host_types, node_hosts
+from fasop.cost.stagegroups import host_labels, host_types, label_places, node_hosts
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
@@ -218,3 +220,69 @@ def test_a_host_takes_a_later_mesh_label_when_an_earlier_one_has_another_environ
     assert [(slots, label) for _, slots, label in rows] == [(2, "ws.RTX4090"), (4, "ws.RTX3090")]
     assert schema_errors(train, model, [2, 4]) == []
     assert mesh_gpus(train, rows, labels) == [[(0, 0), (0, 1), (1, 0), (1, 1)], [(1, 2), (1, 3)]]
+
+
+def test_labels_follow_flagscale_meshes_and_refuse_hosts_that_need_two_environments(tmp_path, model):
+    assert label_places([("A", 4, 2), ("A", 4, 2), ("A", 2, 4), ("B", 4, 2), ("A", 4, 2)]) == [0, 0, 0, 2, 3]
+    text = MIXED_TOML.format(kind="").replace("count = 2\n", "count = 3\n")
+    cluster = mixed(tmp_path, text=text)
+    # stage 0 on the 4090s of nodes 0 and 1, stage 1 on the 3090s of nodes 1 and 2: node 1 runs all four GPUs
+    # and node 2 only its 3090s, yet both can only take stage 1's label
+    placement = ["ws.RTX4090", "ws.RTX4090", "ws.RTX3090", "ws.RTX3090"]
+    assert node_hosts(cluster, placement) == [0, 1, 1, 2]
+    assert host_labels(cluster, placement, [0, 0, 1, 1]) is None
+    plan = plan_of([("ws.RTX4090", 1, 4, 6, [0, 1]), ("ws.RTX3090", 1, 4, 6, [2, 3])], batch=4)
+    with pytest.raises(InputError, match="FlagScale gives a host one label and every host of a label one environment"):
+        manual_files(plan, model, cluster, tmp_path)
+
+
+THREE_WORKSTATIONS_AND_A10 = MIXED_TOML.format(kind="").replace("count = 2\n", "count = 3\n") + """
+[[node_type]]
+name = "A10"
+gpu = "A10"
+gpus_per_node = 4
+intra_node_bandwidth = "31.5 GB/s"
+inter_node_bandwidth = "10 Gbit/s"
+price_per_hour_usd = 2.0
+count = 2
+"""
+
+
+def test_every_rank_lands_where_the_layout_puts_it(tmp_path, model):
+    """Every pipeline of two or three stages, each on one or two blocks of one kind (tp 1), on three
+    workstations and two A10 nodes: FlagScale's rank mapping of the emitted files runs each position's GPUs in
+    pipeline order, or the emitter refuses exactly where host_labels finds no labels."""
+    cluster = mixed(tmp_path, text=THREE_WORKSTATIONS_AND_A10)
+    choices = [(name, blocks) for name in ("ws.RTX4090", "ws.RTX3090", "A10") for blocks in (1, 2)]
+    checked = refused = 0
+    for pp in (2, 3):
+        for stages in itertools.product(choices, repeat=pp):
+            rows, position = [], 0
+            for name, blocks in stages:
+                dp = cluster.node_types[name].gpus_per_node * blocks
+                rows.append((name, 1, dp, 12 // pp, list(range(position, position + blocks))))
+                position += blocks
+            placement = [name for name, blocks in stages for _ in range(blocks)]
+            used = Counter(host_types(cluster, placement))
+            if used["ws"] > 3 or used["A10"] > 2:
+                continue
+            plan = plan_of(rows, gbs=16, batch=8)
+            labels = label_places([(name, 1, dp) for name, _, dp, _, _ in rows])
+            position_label = [labels[s] for s, (_, blocks) in enumerate(stages) for _ in range(blocks)]
+            if host_labels(cluster, placement, position_label) is None:
+                with pytest.raises(InputError, match="no labels give each node"):
+                    manual_files(plan, model, cluster, tmp_path)
+                refused += 1
+                continue
+            files = manual_files(plan, model, cluster, tmp_path)
+            train, rows_ = read_yaml(files["train/fasop.yaml"]), hostfile_rows(files["hostfile"])
+            envs = read_yaml(files["flagscale.yaml"])["experiment"]["envs"]["device_type_specific"]
+            assert schema_errors(train, model, [slots for _, slots, _ in rows_]) == []
+            hosts = node_hosts(cluster, placement)
+            expected = [(hosts[p], device) for p, name in enumerate(placement)
+                        for device in range(cluster.node_types[name].host_first_gpu,
+                                            cluster.node_types[name].host_first_gpu
+                                            + cluster.node_types[name].gpus_per_node)]
+            assert [gpu for mesh in mesh_gpus(train, rows_, envs) for gpu in mesh] == expected, stages
+            checked += 1
+    assert checked > 100 and refused > 0

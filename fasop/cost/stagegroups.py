@@ -67,6 +67,44 @@ def host_types(cluster: Cluster, placement: Sequence[str]) -> list[str]:
     return [cluster.node_types[name].host or name for i, name in enumerate(placement) if i == 0 or hosts[i] != hosts[i - 1]]
 
 
+def label_places(stage_keys: Sequence[tuple[str, int, int]]) -> list[int]:
+    """Each stage's label, as FlagScale's heterogeneous mode lists them: stages of one (node type, tp, dp) in a
+    row form a mesh, meshes of one node type in a row share a label (one of a node type that comes back gets a
+    label of its own); a label is named by the place of its first mesh in hetero_device_types."""
+    places: list[int] = []
+    mesh = -1
+    for s, key in enumerate(stage_keys):
+        if s == 0 or key != stage_keys[s - 1]:
+            mesh += 1
+        starts = s == 0 or key[0] != stage_keys[s - 1][0]
+        places.append(mesh if starts else places[-1])
+    return places
+
+
+def host_labels(cluster: Cluster, placement: Sequence[str], position_label: Sequence[int]) -> list[int] | None:
+    """The label of each physical node: FlagScale gives a host one label, exports that label's environment
+    (which GPUs it runs) on it, and orders ranks by the place of their host's label, then by host. So each host
+    takes one of its positions' labels (`position_label`, label_places), never one placed before the previous
+    host's, and shares it only with hosts that run the same GPUs; None when no choice fits."""
+    hosts = node_hosts(cluster, placement)
+    bound: dict[int, tuple[str, ...]] = {}
+    chosen: list[int] = []
+    start = 0
+    for host in range(hosts[-1] + 1 if hosts else 0):
+        end = start
+        while end < len(hosts) and hosts[end] == host:
+            end += 1
+        runs = tuple(placement[start:end])  # its blocks: its GPUs and its network settings
+        usable = [label for label in dict.fromkeys(position_label[start:end])
+                  if label >= (chosen[-1] if chosen else 0) and bound.get(label, runs) == runs]
+        if not usable:
+            return None
+        bound[usable[0]] = runs
+        chosen.append(usable[0])
+        start = end
+    return chosen
+
+
 def group_layout(cluster: Cluster, placement: Sequence[str], degrees: Sequence[tuple[int, int]]) -> GroupLayout:
     """The layout of stages of (tp, dp) `degrees` on `placement`, each stage's ranks following the previous
     stage's (the caller has checked that they fill the placement's GPUs)."""

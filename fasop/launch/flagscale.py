@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fasop.cost.stagegroups import host_types, node_hosts
+from fasop.cost.stagegroups import host_labels, host_types, node_hosts
 from fasop.errors import ArgumentError, InputError
 from fasop.files import comment_line
 from fasop.inputs.names import NAME, NAME_RULE
@@ -188,28 +188,27 @@ class Host:
 
 
 def flagscale_hosts(plan: Plan, cluster: Any, meshes: Sequence[Mesh], where: str) -> list[Host]:
-    """The plan's physical nodes in host order; every stage must fill whole nodes (or, on a node holding several
-    GPU kinds, its kind's GPUs: fasop.cost.stagegroups.node_hosts). FlagScale gives a host one label and orders
-    ranks by their label's first place in hetero_device_types, then by host: each host takes the label of one
-    of its meshes, never one placed before the previous host's, and shares it only with hosts of the same
-    environment."""
-    mesh_of = []
-    for index, mesh in enumerate(meshes):
+    """The plan's physical nodes in host order, each with its label (fasop.cost.stagegroups.host_labels) and
+    that label's environment; every stage must fill whole nodes (or, on a node holding several GPU kinds, its
+    kind's GPUs: fasop.cost.stagegroups.node_hosts)."""
+    position_label = []
+    for mesh in meshes:
         gpus = cluster.node_types[mesh.node_type].gpus_per_node
         if (mesh.tp * mesh.dp) % gpus:
             raise InputError(f"{where}: stages", f"a stage of tp {mesh.tp} x dp {mesh.dp} on {mesh.node_type} does not "
                                                  f"fill whole nodes of {gpus} GPUs")
-        mesh_of += [index] * (mesh.tp * mesh.dp // gpus * mesh.pp)
+        position_label += [[m.label for m in meshes].index(mesh.label)] * (mesh.tp * mesh.dp // gpus * mesh.pp)
     placement = plan.placement
+    chosen = host_labels(cluster, placement, position_label)
+    if chosen is None:
+        raise InputError(f"{where}: placement", "FlagScale gives a host one label and every host of a label one "
+                                                "environment: no labels give each node of this plan the GPUs it runs")
     host_of = node_hosts(cluster, placement)
     fabrics = {t.network.fabric for t in (cluster.hosts.get(n) or cluster.node_types[n] for n in
                                           host_types(cluster, placement)) if t.network is not None}
-    first_place = {m.label: i for i, m in reversed(list(enumerate(meshes)))}
     hosts: list[Host] = []
-    bound: dict[str, tuple[tuple[str, str], ...]] = {}
-    for host in range(host_of[-1] + 1):
-        positions = [i for i, h in enumerate(host_of) if h == host]
-        blocks = [cluster.node_types[placement[i]] for i in positions]
+    for host, label in enumerate(chosen):
+        blocks = [cluster.node_types[name] for name, h in zip(placement, host_of) if h == host]
         whole = cluster.hosts.get(blocks[0].host) or blocks[0]
         devices = [d for b in blocks for d in range(b.host_first_gpu, b.host_first_gpu + b.gpus_per_node)]
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
@@ -217,17 +216,7 @@ def flagscale_hosts(plan: Plan, cluster: Any, meshes: Sequence[Mesh], where: str
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         if whole.network is not None:  # node types of different fabrics all use TCP sockets
             env.update(network_env(whole, SHARED_FABRIC if len(fabrics) > 1 else whole.network.fabric))
-        settings = tuple(sorted(env.items()))
-        after = first_place[hosts[-1].label] if hosts else 0
-        labels = [meshes[mesh_of[i]].label for i in positions]
-        usable = [label for label in dict.fromkeys(labels) if first_place[label] >= after
-                  and bound.get(label, settings) == settings]
-        if not usable:
-            raise InputError(f"{where}: placement", f"FlagScale gives every host of a label one environment: no "
-                                                    f"label of {', '.join(dict.fromkeys(labels))} fits node {host} "
-                                                    f"({whole.name}, GPUs {env['CUDA_VISIBLE_DEVICES']})")
-        bound[usable[0]] = settings
-        hosts.append(Host(whole.name, len(devices), usable[0], settings))
+        hosts.append(Host(whole.name, len(devices), meshes[label].label, tuple(sorted(env.items()))))
     return hosts
 
 

@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 
 from fasop.cost.config import Config, param_gather_overlaps, sequence_parallel_on, with_recompute
-from fasop.cost.stagegroups import host_types, uniform_costs
+from fasop.cost.stagegroups import host_labels, host_types, label_places, uniform_costs
 from fasop.search.space import Inputs, divisors, max_stages, recompute_modes
 from fasop.search.stagegroups import StageGroup, stage_group_record, stage_group_spec
 from fasop.search.stageilp import Assignment, StageOptions, solve_stage_ilp
@@ -141,15 +141,19 @@ def search_stage_groups(inputs: Inputs, upper_bound_s: float = np.inf,
 
 def _record(inputs: Inputs, options: StageOptions, found: Assignment, pp: int, batch: int, mode: str) -> dict | None:
     """The plan record of the program's assignment, timed by the exact schedule; None when the nodes holding
-    several GPU kinds cannot host its stages in pipeline order (the program counts each kind's blocks, not the
-    nodes that hold them)."""
+    several GPU kinds cannot host its stages in pipeline order, or FlagScale cannot label them so (the program
+    counts each kind's blocks, not the nodes that hold them)."""
     stages = [StageGroup(options.node_type[j], int(options.tp[j]), int(options.dp[j]), n)
               for j, n in zip(found.option, found.layers)]
     placement = [s.node_type for s, j in zip(stages, found.option) for _ in range(int(options.nodes[j]))]
     cluster = inputs.cluster
-    if any(used > cluster.hosts[name].count for name, used in Counter(host_types(cluster, placement)).items()
-           if name in cluster.hosts):
-        return None
+    if cluster.hosts:
+        labels = label_places([(s.node_type, s.tp, s.dp) for s in stages])
+        position_label = [labels[s] for s, j in enumerate(found.option) for _ in range(int(options.nodes[j]))]
+        if host_labels(cluster, placement, position_label) is None or any(
+                used > cluster.hosts[name].count for name, used in Counter(host_types(cluster, placement)).items()
+                if name in cluster.hosts):
+            return None
     full = with_recompute(Config(1, 1, pp, 1, inputs.gbs, 0, True), mode)
     spec = stage_group_spec(inputs.model, inputs.cluster, placement=placement, stages=stages,
                             mbs=batch // stages[0].dp, gbs=inputs.gbs, distributed_optimizer=inputs.distributed_optimizer,
