@@ -13,13 +13,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from test_emit_flagscale import MODEL_TOML, hostfile_rows, manual_files, plan_of, read_yaml, schema_errors
+from test_emit_flagscale import (
+    MODEL_TOML,
+    SMOKE,
+    hostfile_rows,
+    manual_files,
+    plan_of,
+    read_yaml,
+    schema_errors,
+)
 
 from fasop.cli import main
 from fasop.cost.stagegroups import host_labels, host_types, label_places, node_hosts
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
+from fasop.launch.flagscale import flagscale_launcher_files, render_flagscale
 from fasop.search.stagegroups import StageGroup, estimate_stage_groups, stage_group_spec
 
 WORKSTATIONS = "workstations-4090-3090"
@@ -286,3 +295,18 @@ def test_every_rank_lands_where_the_layout_puts_it(tmp_path, model):
             assert [gpu for mesh in mesh_gpus(train, rows_, envs) for gpu in mesh] == expected, stages
             checked += 1
     assert checked > 100 and refused > 0
+
+
+def test_slurm_and_ssh_name_a_node_holding_several_kinds_by_its_node_type(tmp_path, model):
+    cluster = mixed(tmp_path)
+    plan = plan_of([("ws.RTX4090", 1, 2, 4, [0]), ("ws.RTX3090", 1, 2, 4, [1]), ("ws.RTX4090", 1, 2, 4, [2])],
+                   batch=2)
+    files = render_flagscale(plan, model, cluster, SMOKE)
+    sbatch = files["sbatch.sh"]
+    # Slurm allocates both nodes whole, as untyped GPUs; the hostfile runs four GPUs on one and two on the other
+    assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gres=gpu:4" in sbatch and "hetjob" not in sbatch
+    assert "NODE_SLOTS=(4 2)" in sbatch and "NODE_LABELS=(ws.RTX4090 ws.RTX4090_2)" in sbatch
+    site = {"launcher": "ssh", "hosts_file": None, "rendezvous": "tcp", "rendezvous_file": None}
+    ssh = flagscale_launcher_files(files, plan, cluster, tmp_path / "run", SMOKE, site)
+    assert [line.split()[-1] for line in ssh["hosts"].splitlines() if not line.startswith("#")] == ["ws", "ws"]
+    assert "NODE_TYPES=(ws ws)" in ssh["launch.sh"]
