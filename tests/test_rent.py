@@ -123,7 +123,7 @@ def test_the_walk_stops_at_its_point_limit_with_the_fastest_plan(bert):
     cluster = load_cluster("fasop-1xA100-3xA10")
     whole = rent_front(bert, cluster, gbs=16)
     first = rent_front(bert, cluster, gbs=16, max_points=1)
-    assert not first.complete and len(first.records) == 1
+    assert first.stopped_by == "the point limit" and len(first.records) == 1
     assert first.records[0]["step_time_s"] == min(r["step_time_s"] for r in whole.records)
 
 

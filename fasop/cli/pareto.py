@@ -165,11 +165,11 @@ def _rent(model, cluster, max_nodes: dict[str, int], time_limit_s: float | None,
     click.echo(f"{len(records)} points, each the integer program's fastest stage-group plan under a cap on the price "
                f"per hour (tp and dp per stage; gap at most {gap:.3%}), found in {walk.elapsed_s:.2f} s, "
                f"{walk.solves:,} programs solved; {_front_counts(records)}.")
-    if not walk.complete:
+    if walk.stopped_by is not None:
         cheapest = min((r["cost_per_hour_usd"] for r in records), default=None)
         below = f" below ${cheapest:,.2f} an hour" if cheapest is not None else ""
-        click.echo(f"the walk stopped at its time limit or at {len(records)} points: plans{below} were not sought "
-                   "(raise --time-limit)")
+        more = " (raise --time-limit)" if walk.stopped_by == "the time limit" else ""
+        click.echo(f"the walk stopped at {walk.stopped_by}: plans{below} were not sought{more}")
     return result
 
 

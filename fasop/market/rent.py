@@ -70,8 +70,12 @@ class RentFront:
     quotas: dict[str, int]  # the most nodes of each type it could rent
     programs: int  # programs (depth, micro-batch, recompute mode) with options
     solves: int  # integer programs solved over the walk
-    complete: bool  # the walk reached a cap no plan meets; False: stopped by max_points or the time limit
+    stopped_by: str | None  # "the time limit" or "the point limit"; None when the walk reached a cap no plan meets
     elapsed_s: float
+
+    @property
+    def complete(self) -> bool:
+        return self.stopped_by is None
 
 
 def rent_front(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | None = None, gbs: int | None = None,
@@ -96,7 +100,7 @@ def rent_front(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | No
     inputs = prepare(model, cluster.with_counts(quotas), gbs, profiles_dir, distributed_optimizer, profiles)
     prices = {name: node.price_per_hour_usd for name, node in inputs.cluster.node_types.items()}
     programs = _programs(inputs)
-    points, solves, complete = _walk(inputs, programs, prices, started + time_limit_s, max_points)
+    points, solves, stopped_by = _walk(inputs, programs, prices, started + time_limit_s, max_points)
     if train_steps is None and train_tokens is None:
         train_steps = DEFAULT_TRAIN_STEPS
     plans: list[dict | None] = []
@@ -116,7 +120,7 @@ def rent_front(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | No
         fits = plan.pop("fits_memory")
         records.append(_front_record(model, cluster, inputs.gbs, plan, fits, solved))
     mark_front(records)
-    return RentFront(records, plans, quotas, len(programs), solves, complete, time.monotonic() - started)
+    return RentFront(records, plans, quotas, len(programs), solves, stopped_by, time.monotonic() - started)
 
 
 def _programs(inputs: Inputs) -> list[_Program]:
@@ -135,9 +139,9 @@ def _programs(inputs: Inputs) -> list[_Program]:
 
 
 def _walk(inputs: Inputs, programs: list[_Program], prices: dict[str, float], deadline: float,
-          max_points: int) -> tuple[list[tuple[_Program, Assignment, int]], int, bool]:
+          max_points: int) -> tuple[list[tuple[_Program, Assignment, int]], int, str | None]:
     """The optimum at each cap, from no cap down (program, its assignment, the programs solved for it), the
-    programs solved in all, and whether the walk reached a cap no plan meets."""
+    programs solved in all, and what stopped the walk before a cap no plan meets (None: nothing did)."""
     points: list[tuple[_Program, Assignment, int]] = []
     solves = 0
     cap = np.inf
@@ -145,16 +149,16 @@ def _walk(inputs: Inputs, programs: list[_Program], prices: dict[str, float], de
         try:
             best, solved = _best_at(inputs, programs, prices, cap, deadline)
         except TimeoutError:  # the budget ran out within this cap: the points so far stand
-            return points, solves, False
+            return points, solves, "the time limit"
         solves += solved
         if best is None:
-            return points, solves, True
+            return points, solves, None
         assert best.found is not None  # _best_at returns a program with its answer
         points.append((best, best.found, solved))
         if best.price_per_hour_usd <= 0:  # free nodes: no cheaper plan
-            return points, solves, True
+            return points, solves, None
         cap = best.price_per_hour_usd * (1 - PRICE_RESOLUTION)
-    return points, solves, False
+    return points, solves, "the point limit"
 
 
 def _best_at(inputs: Inputs, programs: list[_Program], prices: dict[str, float], cap: float,
@@ -163,7 +167,10 @@ def _best_at(inputs: Inputs, programs: list[_Program], prices: dict[str, float],
     programs solved to find it; raises TimeoutError when the deadline passes first."""
     model = inputs.model
     capacity = {name: node.count for name, node in inputs.cluster.node_types.items()}
-    best: _Program | None = None
+    # the fastest answer the cap still affords bounds every program from above before any is solved again
+    affordable = [p for p in programs if not p.empty and p.found is not None and p.price_per_hour_usd <= cap]
+    best = min(affordable, key=lambda p: (p.found.objective_s if p.found else np.inf, p.bound_s, p.pp, p.batch, p.mode),
+               default=None)
     solved = 0
     for program in sorted(programs, key=lambda p: (p.bound_s, p.pp, p.batch, p.mode)):
         best_s = best.found.objective_s if best is not None and best.found is not None else None
