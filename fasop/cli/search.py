@@ -121,7 +121,7 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
                                         keep=top if prune else None, workers=workers, profiles=profiles,
                                         overlap=overlap, recompute=recompute, sequence_parallel=not no_sequence_parallel,
                                         tp_comm_overlap=not no_tp_comm_overlap, use_all=use_all,
-                                        stage_groups=stage_groups)
+                                        stage_groups=stage_groups, bound_placements=top)
     elapsed = time.perf_counter() - started
     plans = result.plans
     if not plans:
@@ -178,9 +178,14 @@ def _echo_notes(result, top, cluster) -> None:
     if result.dominated:
         click.echo(f"{result.dominated} layer partitions skipped: another recompute mode, virtual size or encoder split "
                    "of the same plan is provably never slower.")
-    if any(plan.placement_search != "exhaustive" for plan in result.plans[:top]):
-        click.echo("note: placements of some plans were searched as type blocks and their rotations, a heuristic "
-                   "(within 1% of exhaustive search on the tested clusters; docs/cost-model.md section 1).")
+    blocks = [plan for plan in result.plans[:top] if plan.placement_search == "type-blocks"]
+    if blocks:
+        bounded = [plan for plan in blocks if plan.optimality_gap is not None]
+        gaps = ("; the integer program bounds the best placement of each one's shape: plan "
+                + ", plan ".join(f"{plan.rank} within {plan.optimality_gap:.2%}" for plan in bounded)
+                if bounded else "")
+        click.echo(f"note: placements of {len(blocks)} of these plans were searched as type blocks and their "
+                   f"rotations, a heuristic{gaps} (docs/cost-model.md sections 1 and 11).")
     for choice in result.idle:
         counts = {name: cluster.node_types[name].count for name in choice.idle}
         idle = ", ".join(f"{name} ({n} node{'s' if n > 1 else ''})" for name, n in counts.items())

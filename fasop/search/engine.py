@@ -33,6 +33,7 @@ from fasop.search.evaluation import (
     records,
 )
 from fasop.search.groupsearch import search_stage_groups
+from fasop.search.placementbound import placement_gaps
 from fasop.search.space import PLACEMENT_LIMIT, Group, Inputs, combinations, groups, max_stages, prepare, tensor_degrees
 
 PARALLEL_NODES = 32  # clusters this large are searched with one process per core
@@ -162,7 +163,7 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  workers: int | None = None, profiles: dict[str, GpuProfile] | None = None,
                  overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES,
                  sequence_parallel: bool = True, tp_comm_overlap: bool = True, use_all: bool = False,
-                 stage_groups: bool = False) -> SearchResult:
+                 stage_groups: bool = False, bound_placements: int = 0) -> SearchResult:
     """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
@@ -176,6 +177,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     (node_type_subsets), and `idle` says how the best of each subset compares.
     stage_groups: stage-group plans compete too (fasop.search.groupsearch; each stage its own node type, tp and
     dp, node counts upper bounds).
+    bound_placements: of the first this many plans, those whose placement was searched as type blocks get the
+    integer program's optimality_gap (fasop.search.placementbound).
     """
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
                      sequence_parallel, tp_comm_overlap)
@@ -219,6 +222,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     result.rows = []
     with _without_cyclic_gc():
         result.plans = [Plan.trusted({"rank": rank, **row}) for rank, row in enumerate(rows, start=1)]
+    if bound_placements:
+        result.plans[:bound_placements] = placement_gaps(inputs, result.plans[:bound_placements])
     return result
 
 

@@ -47,20 +47,29 @@ def option_degrees(inputs: Inputs, batch: int) -> list[tuple[str, int, int]]:
 def stage_options(inputs: Inputs, pp: int, batch: int, mode: str) -> StageOptions | None:
     """The options of every stage of a `pp`-stage pipeline whose micro-batch holds `batch` samples, under
     recompute mode `mode` (None: no option)."""
-    degrees = option_degrees(inputs, batch)
-    if not degrees:
+    configs = []
+    for name, tp, dp in option_degrees(inputs, batch):
+        sp = inputs.sequence_parallel and sequence_parallel_on(tp)
+        configs.append((name, with_recompute(Config(tp, dp, pp, batch // dp, inputs.gbs, 0, inputs.distributed_optimizer,
+                                                    overlap_grad_reduce=inputs.overlap,
+                                                    overlap_param_gather=param_gather_overlaps(
+                                                        inputs.overlap, inputs.distributed_optimizer),
+                                                    sequence_parallel=sp), mode)))
+    return options_of(inputs, configs)
+
+
+def options_of(inputs: Inputs, configs: list[tuple[str, Config]]) -> StageOptions | None:
+    """The options (node type, config) of every stage, each costed at every position as the same position of the
+    uniform plan `config` on that node type (every config has the same pp); None: no option, or a position that
+    no option fits."""
+    if not configs:
         return None
+    pp = configs[0][1].pp
     columns: dict[str, list[np.ndarray]] = {key: [] for key in ("sum", "layer", "period", "tail_fixed", "tail_layer",
                                                                   "hi")}
     lo = np.zeros(pp, dtype=int)
-    for name, tp, dp in degrees:
-        sp = inputs.sequence_parallel and sequence_parallel_on(tp)
-        config = with_recompute(Config(tp, dp, pp, batch // dp, inputs.gbs, 0, inputs.distributed_optimizer,
-                                       overlap_grad_reduce=inputs.overlap,
-                                       overlap_param_gather=param_gather_overlaps(inputs.overlap,
-                                                                                  inputs.distributed_optimizer),
-                                       sequence_parallel=sp), mode)
-        costs = uniform_costs(inputs.model, inputs.cluster, inputs.profiles, name, config, [batch // dp])
+    for name, config in configs:
+        costs = uniform_costs(inputs.model, inputs.cluster, inputs.profiles, name, config, [config.mbs])
         p = costs.problem
         compute = p.period_fixed_s[0] - costs.exchange_s[0]
         sends = np.r_[costs.boundary_s[0], 0.0]
@@ -71,12 +80,12 @@ def stage_options(inputs: Inputs, pp: int, batch: int, mode: str) -> StageOption
         columns["tail_layer"].append(p.ar_layer_s[0])
         columns["hi"].append(p.hi[0])
         lo = np.maximum(lo, np.broadcast_to(p.lo, p.hi.shape)[0])
-    nodes = [tp * dp // inputs.cluster.node_types[name].gpus_per_node for name, tp, dp in degrees]
     table = {key: np.stack(values, axis=1) for key, values in columns.items()}
     if (table["hi"] < lo[:, None]).all(axis=1).any():  # a position that no option fits: no plan
         return None
-    return StageOptions(node_type=tuple(name for name, _, _ in degrees), tp=np.array([d[1] for d in degrees]),
-                        dp=np.array([d[2] for d in degrees]), nodes=np.array(nodes), sum_fixed_s=table["sum"],
+    nodes = [-(-config.tp * config.dp // inputs.cluster.node_types[name].gpus_per_node) for name, config in configs]
+    return StageOptions(node_type=tuple(name for name, _ in configs), tp=np.array([c.tp for _, c in configs]),
+                        dp=np.array([c.dp for _, c in configs]), nodes=np.array(nodes), sum_fixed_s=table["sum"],
                         layer_s=table["layer"], period_fixed_s=table["period"], tail_fixed_s=table["tail_fixed"],
                         tail_layer_s=table["tail_layer"], lo=lo, hi=table["hi"].astype(int))
 
