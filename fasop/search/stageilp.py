@@ -29,6 +29,7 @@ the same inputs give the same assignment (under a time limit the result also dep
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import sys
@@ -45,6 +46,7 @@ SEED = 0  # HiGHS's random seed, fixed so that repeated solves take the same pat
 # HiGHS's tolerances (1e-6 by default) let a proven bound stop about that far short of the optimum: a relative
 # difference between bound and objective below this is no gap
 NO_GAP = 1e-6
+_C_LIBRARY = ctypes.CDLL(None)  # the process's C library, for fflush
 BRUTE_FORCE_CELLS = 1 << 20  # (assignment, layer split, position) cells brute_force evaluates at once
 
 
@@ -335,8 +337,10 @@ def _program(options: StageOptions, candidates: list[tuple[np.ndarray, np.ndarra
 
 @contextlib.contextmanager
 def _quiet_stdout() -> Iterator[None]:
-    """HiGHS prints its banner to the process's standard output on its first use whatever its options say;
-    output that a command writes to stdout must not carry it."""
+    """HiGHS prints its banner to the process's standard output on its first use whatever its options say, and
+    some solver paths print debugging lines with C's printf; output that a command writes to stdout must not carry
+    them. C's stdout buffer is flushed before the descriptor comes back (into a file or a pipe it is fully
+    buffered, and would otherwise reach the real stdout when the process exits)."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
@@ -344,6 +348,7 @@ def _quiet_stdout() -> Iterator[None]:
             os.dup2(devnull.fileno(), 1)
         yield
     finally:
+        _C_LIBRARY.fflush(None)
         os.dup2(saved, 1)
         os.close(saved)
 
