@@ -162,10 +162,11 @@ def test_emit_never_replaces_an_input(tiny):
 
 
 def test_importing_fasop_loads_none_of_it():
-    """The command line imports fasop on every start: pandas, charts, torch, the sweep and the launch scripts load
-    when first used."""
+    """The command line imports fasop on every start: pandas, charts, torch, the integer programs' solver, the
+    sweep and the launch scripts load when first used."""
     code = ("import sys, fasop; print(sorted(m for m in sys.modules if m.split('.')[0] in ('pandas', 'matplotlib', "
-            "'torch') or m.startswith(('fasop.launch', 'fasop.market', 'fasop.search.compare'))))")
+            "'torch', 'pulp', 'highspy') or m.startswith(('fasop.launch', 'fasop.market', 'fasop.search.compare', "
+            "'fasop.search.stageilp', 'scipy.optimize'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     from fasop.launch.write import emit

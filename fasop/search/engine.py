@@ -32,8 +32,6 @@ from fasop.search.evaluation import (
     plans_of,
     records,
 )
-from fasop.search.groupsearch import search_stage_groups
-from fasop.search.placementbound import placement_gaps
 from fasop.search.space import PLACEMENT_LIMIT, Group, Inputs, combinations, groups, max_stages, prepare, tensor_degrees
 
 PARALLEL_NODES = 32  # clusters this large are searched with one process per core
@@ -208,6 +206,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
             result.merge(_search(sub, combos, placement_limit, keep, progress if i == 0 else None, sort, workers))
     rows = result.rows
     if stage_groups:  # the programs need only find what beats the best plan by time
+        from fasop.search.groupsearch import search_stage_groups  # the solver's imports: only when asked
+
         rows += search_stage_groups(inputs, min((r["closed_form_step_s"] for r in rows), default=math.inf)
                                     if sort == "time" else math.inf)
     if result.closest_plan is not None and rows:
@@ -222,7 +222,9 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     result.rows = []
     with _without_cyclic_gc():
         result.plans = [Plan.trusted({"rank": rank, **row}) for rank, row in enumerate(rows, start=1)]
-    if bound_placements:
+    if any(plan.placement_search == "type-blocks" for plan in result.plans[:bound_placements]):
+        from fasop.search.placementbound import placement_gaps  # the solver's imports: only when needed
+
         result.plans[:bound_placements] = placement_gaps(inputs, result.plans[:bound_placements])
     return result
 

@@ -26,7 +26,10 @@ from fasop.search.stageilp import Assignment, StageOptions, solve_stage_ilp
 # deepest stage-group pipeline searched: each depth is an integer program of its own, and deeper pipelines
 # than this are rarely worth their bubble on clusters fasop plans
 MAX_GROUP_STAGES = 16
-SOLVE_TIME_LIMIT_S = 60.0  # the whole search's budget for the solver; each program gets what is left
+SOLVE_TIME_LIMIT_S = 60.0  # the whole search's budget for the solver
+# each program's share of it: a deep pipeline's program (the lowest lower bounds, so solved first) can take minutes
+# to prove, and would leave the shallower ones, which often hold the best plan, no time at all
+PROGRAM_TIME_LIMIT_S = 10.0
 
 
 def option_degrees(inputs: Inputs, batch: int) -> list[tuple[str, int, int]]:
@@ -109,8 +112,8 @@ def search_stage_groups(inputs: Inputs, upper_bound_s: float = np.inf,
                         time_limit_s: float = SOLVE_TIME_LIMIT_S) -> list[dict]:
     """The best stage-group plan of every pipeline depth, micro-batch and recompute mode whose closed form can be
     below `upper_bound_s` (a plan already found) and below the best such plan found so far, as plan records with
-    their `optimality_gap`; programs are solved in order of their lower bounds (lower_bound_s) until the rest
-    cannot pass or `time_limit_s` is spent."""
+    their `optimality_gap`; programs are solved in order of their lower bounds (lower_bound_s), each for at most
+    PROGRAM_TIME_LIMIT_S, until the rest cannot pass or `time_limit_s` is spent."""
     model, cluster = inputs.model, inputs.cluster
     if model.is_encoder_decoder:
         return []
@@ -126,18 +129,24 @@ def search_stage_groups(inputs: Inputs, upper_bound_s: float = np.inf,
                     cases.append((lower_bound_s(options, model.num_layers, inputs.gbs // batch), pp, batch, mode,
                                   options))
     cases.sort(key=lambda case: case[:4])
+    # first the most promising program of each depth, shallow first (they solve fastest and set a cutoff for the
+    # rest), then every other program by its lower bound
+    firsts = sorted({case[1]: case for case in reversed(cases)}.values(), key=lambda case: case[1])
     best = upper_bound_s
     rows = []
-    for bound, pp, batch, mode, options in cases:
+    for bound, pp, batch, mode, options in firsts + [case for case in cases if case not in firsts]:
         left = deadline - time.monotonic()
-        if bound >= best or left <= 0:
+        if left <= 0:
             break
+        if bound >= best:
+            continue
         try:
             found = solve_stage_ilp(options, model.num_layers, inputs.gbs // batch, capacity,
-                                    same_degrees_first_last=model.tie_embeddings, time_limit_s=left,
+                                    same_degrees_first_last=model.tie_embeddings,
+                                    time_limit_s=min(left, PROGRAM_TIME_LIMIT_S),
                                     cutoff_s=best if np.isfinite(best) else None)
-        except TimeoutError:  # the budget ran out before this program found a plan
-            break
+        except TimeoutError:  # its share ran out before it found a plan
+            continue
         if found is None:
             continue
         row = _record(inputs, options, found, pp, batch, mode)
