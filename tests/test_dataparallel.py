@@ -231,7 +231,8 @@ def test_plan_files_refuse_an_unknown_kind(tmp_path):
     plan = {"rank": 1, "gbs": 8, "mbs": 1, "tp": 1, "dp": 8, "pp": 1, "placement": ["A10"], "layers_per_stage": [2]}
     path = tmp_path / "plans.json"
     path.write_text(json.dumps([{**plan, "kind": "fsdp"}]))
-    with pytest.raises(InputError, match="kind: expected one of '3d', 'stage-groups', 'ddp', 'zero1', 'zero2' or 'zero3', got 'fsdp'"):
+    with pytest.raises(InputError, match="kind: expected one of '3d', 'stage-groups', 'ddp', 'zero1', 'zero2' or "
+                                         "'zero3', got 'fsdp'"):
         load_plans(path)
     path.write_text(json.dumps([plan]))  # plans written before kinds existed are 3D plans
     assert load_plans(path)[0].gbs == 8
