@@ -4,6 +4,9 @@ stage-group search, a catalogue too large to sweep, the front file and the comma
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -178,3 +181,11 @@ def test_the_api_rents_with_the_same_walk(bert):
                          deadline_hours=1.0)
     assert frame.attrs["complete"] and (frame["kind"] == "stage-groups").all()
     assert frame.attrs["chosen"] is not None and "cheapest within the deadline" in frame.attrs["choice"]
+
+
+def test_the_pareto_command_loads_the_solver_only_when_the_walk_runs():
+    code = ("import sys; from click.testing import CliRunner; from fasop.cli import main; "
+            "r = CliRunner().invoke(main, ['pareto', '--help']); assert r.exit_code == 0, r.output; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pulp', 'highspy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

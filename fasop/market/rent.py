@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,9 +35,10 @@ from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.market.pareto import DEFAULT_TRAIN_STEPS, PLAN_FIELDS, cluster_profiles, empty_record, mark_front, node_caps
-from fasop.search.groupsearch import MAX_GROUP_STAGES, _record, lower_bound_s, stage_options
 from fasop.search.space import Inputs, divisors, max_stages, prepare, recompute_modes
-from fasop.search.stageilp import Assignment, StageOptions, solve_stage_ilp
+
+if TYPE_CHECKING:  # the solver and its scipy and pulp imports load when a walk runs, not with `fasop pareto`
+    from fasop.search.stageilp import Assignment, StageOptions
 
 RENT_TIME_LIMIT_S = 300.0  # the walk's budget for the solver, all caps together
 MAX_POINTS = 64  # caps solved at most: a front of more points than this is more than a choice needs
@@ -85,6 +87,8 @@ def rent_front(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | No
     """The walk of the module docstring over `cluster`'s node types, each up to its `count` (capped by
     `max_nodes`) at its price per hour, with the run of `train_steps` steps or `train_tokens` tokens
     (DEFAULT_TRAIN_STEPS steps without either) for each point's hours and dollars."""
+    from fasop.search.groupsearch import _record
+
     if model.is_encoder_decoder:
         raise InputError("--rent", f"model {model.name} is an encoder-decoder: the integer program plans stage-group "
                                    "plans, which are for decoder-only models")
@@ -125,6 +129,8 @@ def rent_front(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | No
 
 def _programs(inputs: Inputs) -> list[_Program]:
     """Every program of fasop.search.groupsearch's search, with its lower bound."""
+    from fasop.search.groupsearch import MAX_GROUP_STAGES, lower_bound_s, stage_options
+
     model = inputs.model
     depths = range(2, min(max_stages(model), MAX_GROUP_STAGES, inputs.cluster.num_nodes) + 1)
     programs = []
@@ -165,6 +171,8 @@ def _best_at(inputs: Inputs, programs: list[_Program], prices: dict[str, float],
              deadline: float) -> tuple[_Program | None, int]:
     """The program with the fastest plan whose nodes cost at most `cap` an hour (None: no plan does), and the
     programs solved to find it; raises TimeoutError when the deadline passes first."""
+    from fasop.search.stageilp import solve_stage_ilp
+
     model = inputs.model
     capacity = {name: node.count for name, node in inputs.cluster.node_types.items()}
     # the fastest answer the cap still affords bounds every program from above before any is solved again
@@ -207,6 +215,8 @@ def _best_at(inputs: Inputs, programs: list[_Program], prices: dict[str, float],
 def _capped_bound(program: _Program, prices: dict[str, float], cap: float, num_layers: int, gbs: int) -> float:
     """groupsearch's lower bound over the options whose nodes alone cost at most `cap`; infinite when some
     position has none, or when the cheapest option at every position together cost more."""
+    from fasop.search.groupsearch import lower_bound_s
+
     options = program.options
     price = np.array([prices[name] for name in options.node_type]) * options.nodes
     usable = (options.hi >= options.lo[:, None]) & (price <= cap)
