@@ -112,48 +112,47 @@ def search_stage_groups(inputs: Inputs, upper_bound_s: float = np.inf,
                         time_limit_s: float = SOLVE_TIME_LIMIT_S) -> list[dict]:
     """The best stage-group plan of every pipeline depth, micro-batch and recompute mode whose closed form can be
     below `upper_bound_s` (a plan already found) and below the best such plan found so far, as plan records with
-    their `optimality_gap`; programs are solved in order of their lower bounds (lower_bound_s), each for at most
-    PROGRAM_TIME_LIMIT_S, until the rest cannot pass or `time_limit_s` is spent."""
+    their `optimality_gap`. Depth by depth, shallow first, the programs are built and the one of lowest lower
+    bound (lower_bound_s) solved; then the others in order of their lower bounds; each for at most
+    PROGRAM_TIME_LIMIT_S, until the rest cannot pass or `time_limit_s` (building included) is spent."""
     model, cluster = inputs.model, inputs.cluster
     if model.is_encoder_decoder:
         return []
-    capacity = {name: node.count for name, node in cluster.node_types.items()}
-    depths = range(2, min(max_stages(model), MAX_GROUP_STAGES, cluster.num_nodes) + 1)
     deadline = time.monotonic() + time_limit_s
-    cases = []
-    for pp in depths:
-        for batch in divisors(inputs.gbs):
-            for mode in recompute_modes(inputs):
-                options = stage_options(inputs, pp, batch, mode)
-                if options is not None:
-                    cases.append((lower_bound_s(options, model.num_layers, inputs.gbs // batch), pp, batch, mode,
-                                  options))
-    cases.sort(key=lambda case: case[:4])
-    # first the most promising program of each depth, shallow first (they solve fastest and set a cutoff for the
-    # rest), then every other program by its lower bound
-    firsts = sorted({case[1]: case for case in reversed(cases)}.values(), key=lambda case: case[1])
     best = upper_bound_s
-    rows = []
-    for bound, pp, batch, mode, options in firsts + [case for case in cases if case not in firsts]:
+    rows: list[dict] = []
+
+    def solve(case: tuple) -> None:
+        nonlocal best
+        bound, pp, batch, mode, options = case
         left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        if bound >= best:
-            continue
+        if bound >= best or left <= 0:
+            return
         try:
             found = solve_stage_ilp(options, model.num_layers, inputs.gbs // batch, capacity,
                                     same_degrees_first_last=model.tie_embeddings,
                                     time_limit_s=min(left, PROGRAM_TIME_LIMIT_S),
                                     cutoff_s=best if np.isfinite(best) else None)
         except TimeoutError:  # its share ran out before it found a plan
-            continue
-        if found is None:
-            continue
-        row = _record(inputs, options, found, pp, batch, mode)
-        if row is None:  # its stages do not fit the nodes holding several GPU kinds: the next program's may
-            continue
-        best = min(best, found.objective_s)
-        rows.append(row)
+            return
+        row = None if found is None else _record(inputs, options, found, pp, batch, mode)
+        if found is not None and row is not None:  # None: no labels of the multi-kind nodes fit its stages
+            best = min(best, found.objective_s)
+            rows.append(row)
+
+    capacity = {name: node.count for name, node in cluster.node_types.items()}
+    later = []
+    for pp in range(2, min(max_stages(model), MAX_GROUP_STAGES, cluster.num_nodes) + 1):
+        if time.monotonic() >= deadline:
+            break
+        cases = sorted(((lower_bound_s(options, model.num_layers, inputs.gbs // batch), pp, batch, mode, options)
+                        for batch in divisors(inputs.gbs) for mode in recompute_modes(inputs)
+                        if (options := stage_options(inputs, pp, batch, mode)) is not None), key=lambda c: c[:4])
+        if cases:
+            solve(cases[0])  # the most promising of this depth: shallow ones solve fast and cut off the rest
+            later += cases[1:]
+    for case in sorted(later, key=lambda c: c[:4]):
+        solve(case)
     return [row for row in rows if row.pop("fits_memory")]
 
 
