@@ -245,7 +245,8 @@ def plot_stages(plan: Plan, out_path, *, title: str | None = None) -> dict[str, 
 
 def stage_names(plan: Plan) -> list[str]:
     """'stage 0 · A100 · layers 1-4' for each stage of a 3D plan: the model's layers numbered from 1 in
-    pipeline order (encoder, then decoder); an interleaved stage lists the layers of each of its model chunks."""
+    pipeline order (encoder, then decoder); an interleaved stage lists the layers of each of its model chunks; a
+    stage of a stage-group plan also names its degrees ('stage 0 · A10G tp2 dp32 · layers 1-3')."""
     pp, v = plan.pp, plan.virtual_stages or 1
     counts = plan.layers_per_virtual_stage if v > 1 and plan.layers_per_virtual_stage else plan.layers_per_stage
     ends = np.cumsum(counts)
@@ -253,7 +254,8 @@ def stage_names(plan: Plan) -> list[str]:
     for stage in plan.stages or []:
         spans = [(int(ends[k] - counts[k]) + 1, int(ends[k])) for k in range(stage.stage, len(counts), pp)]
         layers = ",".join(f"{a}-{b}" if b > a else str(b) for a, b in spans if b >= a) or "none"
-        names.append(f"stage {stage.stage} · {stage.gpu} · layers {layers}")
+        degrees = f" tp{stage.tp} dp{stage.dp}" if plan.is_stage_groups else ""
+        names.append(f"stage {stage.stage} · {stage.gpu}{degrees} · layers {layers}")
     return names
 
 

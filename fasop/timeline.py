@@ -86,10 +86,14 @@ def plan_op_times(plan: Plan, where: str) -> OpTimes:
 
 
 def timeline_title(plan: Plan, times: OpTimes) -> str:
-    """'plan 1: tp=1 dp=2 pp=4 mbs=1 vp=2, 64 micro-batches, pipeline 1.02 s'."""
+    """'plan 1: tp=1 dp=2 pp=4 mbs=1 vp=2, 64 micro-batches, pipeline 1.02 s'; a stage-group plan names its
+    micro-batch across the data-parallel ranks, each stage's degrees being in its row's name (fasop.plot)."""
     v = plan.virtual_stages or 1
-    return (f"plan {plan.rank}: tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}" + (f" vp={v}" if v > 1 else "")
-            + f", {plan.num_microbatches} micro-batches, pipeline {float(times.makespan_s[0]):.4g} s")
+    shape = (f"stage groups, pp={plan.pp}, micro-batch {plan.mbs * plan.dp} across each stage's dp"
+             if plan.is_stage_groups else
+             f"tp={plan.tp} dp={plan.dp} pp={plan.pp} mbs={plan.mbs}" + (f" vp={v}" if v > 1 else ""))
+    return (f"plan {plan.rank}: {shape}, {plan.num_microbatches} micro-batches, "
+            f"pipeline {float(times.makespan_s[0]):.4g} s")
 
 
 def _segments(times: OpTimes, plan: int) -> dict[str, list[tuple[int, float, float, int]]]:

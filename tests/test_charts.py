@@ -183,3 +183,20 @@ def test_timeline_rows_are_named_and_numbers_only_fill_bars_wide_enough(microbat
         x = text.get_position()[0]
         stage = round(text.get_position()[1])
         assert width < 2.0 * float(forward[0, stage]) * px_per_s, (text.get_text(), x)  # its backward: 2x
+
+
+def test_a_stage_group_plans_rows_and_title_name_each_stages_degrees():
+    from fasop.inputs.cluster import load_cluster
+    from fasop.inputs.model import load_model
+    from fasop.search.stagegroups import StageGroup, estimate_stage_groups, stage_group_spec
+    from fasop.timeline import plan_op_times, timeline_title
+
+    model, cluster = load_model("gpt2-xl"), load_cluster("fasop-1xA100-3xA10")
+    stages = [StageGroup("A100", 4, 1, 24), StageGroup("A10", 2, 2, 8), StageGroup("A10", 4, 1, 8),
+              StageGroup("A10", 4, 1, 8)]
+    spec = stage_group_spec(model, cluster, placement=["A100", "A10", "A10", "A10"], stages=stages, mbs=4)
+    plan = estimate_stage_groups(model, cluster, spec).model_copy(update={"rank": 1})
+    assert stage_names(plan) == ["stage 0 · A100 tp4 dp1 · layers 1-24", "stage 1 · A10 tp2 dp2 · layers 25-32",
+                                 "stage 2 · A10 tp4 dp1 · layers 33-40", "stage 3 · A10 tp4 dp1 · layers 41-48"]
+    title = timeline_title(plan, plan_op_times(plan, "plan"))
+    assert title.startswith("plan 1: stage groups, pp=4, micro-batch 4 across each stage's dp, 16 micro-batches")
