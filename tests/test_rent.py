@@ -130,6 +130,20 @@ def test_the_walk_stops_at_its_point_limit_with_the_fastest_plan(bert):
     assert first.records[0]["step_time_s"] == min(r["step_time_s"] for r in whole.records)
 
 
+def test_a_program_out_of_time_widens_the_gap_or_stops_the_walk(bert, monkeypatch):
+    """With almost no time per program, a program's unproven lower bound enters its cap's gap, and a cap whose
+    programs all run out of time ends the walk at the time limit rather than as complete."""
+    from fasop.search import groupsearch
+
+    monkeypatch.setattr(groupsearch, "PROGRAM_TIME_LIMIT_S", 1e-6)
+    walk = rent_front(bert, load_cluster("fasop-1xA100-3xA10"), gbs=16)
+    whole = rent_front(bert, load_cluster("fasop-1xA100-3xA10"), gbs=16, max_points=1)
+    assert walk.stopped_by in (None, "the time limit")
+    for record in walk.records:
+        assert 0 <= record["optimality_gap"] <= 1
+        assert record["step_time_s"] >= whole.records[0]["step_time_s"] * (1 - 1e-9)
+
+
 def test_an_encoder_decoder_model_has_no_stage_group_plans():
     with pytest.raises(InputError, match="decoder-only"):
         rent_front(load_model("t5"), load_cluster("fasop-1xA100-3xA10"))

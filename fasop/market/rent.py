@@ -109,8 +109,10 @@ def rent_front(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | No
         train_steps = DEFAULT_TRAIN_STEPS
     plans: list[dict | None] = []
     records = []
-    for program, found, solved in reversed(points):
+    for program, found, solved, gap in reversed(points):
         plan = _record(inputs, program.options, found, program.pp, program.batch, program.mode)
+        if plan is not None:
+            plan["optimality_gap"] = gap  # of the best plan at its cap, not only of its own program
         plans.append(plan)
         if plan is None:
             used: Counter[str] = Counter()
@@ -145,22 +147,25 @@ def _programs(inputs: Inputs) -> list[_Program]:
 
 
 def _walk(inputs: Inputs, programs: list[_Program], prices: dict[str, float], deadline: float,
-          max_points: int) -> tuple[list[tuple[_Program, Assignment, int]], int, str | None]:
-    """The optimum at each cap, from no cap down (program, its assignment, the programs solved for it), the
-    programs solved in all, and what stopped the walk before a cap no plan meets (None: nothing did)."""
-    points: list[tuple[_Program, Assignment, int]] = []
+          max_points: int) -> tuple[list[tuple[_Program, Assignment, int, float]], int, str | None]:
+    """The optimum at each cap, from no cap down (program, its assignment, the programs solved for it, the
+    relative gap to the least bound at that cap), the programs solved in all, and what stopped the walk before a
+    cap no plan meets (None: nothing did)."""
+    points: list[tuple[_Program, Assignment, int, float]] = []
     solves = 0
     cap = np.inf
     while len(points) < max_points:
         try:
-            best, solved = _best_at(inputs, programs, prices, cap, deadline)
+            best, solved, unproven_s = _best_at(inputs, programs, prices, cap, deadline)
         except TimeoutError:  # the budget ran out within this cap: the points so far stand
             return points, solves, "the time limit"
         solves += solved
-        if best is None:
-            return points, solves, None
+        if best is None:  # no plan at this cap, unless a program ran out of time before finding one
+            return points, solves, None if np.isinf(unproven_s) else "the time limit"
         assert best.found is not None  # _best_at returns a program with its answer
-        points.append((best, best.found, solved))
+        found = best.found
+        gap = max(found.gap, (found.objective_s - unproven_s) / found.objective_s if found.objective_s else 0.0)
+        points.append((best, found, solved, gap))
         if best.price_per_hour_usd <= 0:  # free nodes: no cheaper plan
             return points, solves, None
         cap = best.price_per_hour_usd * (1 - PRICE_RESOLUTION)
@@ -168,9 +173,12 @@ def _walk(inputs: Inputs, programs: list[_Program], prices: dict[str, float], de
 
 
 def _best_at(inputs: Inputs, programs: list[_Program], prices: dict[str, float], cap: float,
-             deadline: float) -> tuple[_Program | None, int]:
-    """The program with the fastest plan whose nodes cost at most `cap` an hour (None: no plan does), and the
-    programs solved to find it; raises TimeoutError when the deadline passes first."""
+             deadline: float) -> tuple[_Program | None, int, float]:
+    """The program with the fastest plan whose nodes cost at most `cap` an hour (None: no plan does), the
+    programs solved to find it, and the least lower bound of the programs whose optimum at this cap is not proven
+    (each program gets at most groupsearch's PROGRAM_TIME_LIMIT_S: one hard program cannot hold up the walk; its
+    bound then widens the point's gap); raises TimeoutError when the deadline passes first."""
+    from fasop.search.groupsearch import PROGRAM_TIME_LIMIT_S
     from fasop.search.stageilp import solve_stage_ilp
 
     model = inputs.model
@@ -180,6 +188,7 @@ def _best_at(inputs: Inputs, programs: list[_Program], prices: dict[str, float],
     best = min(affordable, key=lambda p: (p.found.objective_s if p.found else np.inf, p.bound_s, p.pp, p.batch, p.mode),
                default=None)
     solved = 0
+    unproven_s = np.inf
     for program in sorted(programs, key=lambda p: (p.bound_s, p.pp, p.batch, p.mode)):
         best_s = best.found.objective_s if best is not None and best.found is not None else None
         if program.empty or (best_s is not None and program.bound_s >= best_s):
@@ -194,10 +203,15 @@ def _best_at(inputs: Inputs, programs: list[_Program], prices: dict[str, float],
             if left <= 0:
                 raise TimeoutError("the walk's time limit passed")
             capped = not np.isinf(cap)
-            found = solve_stage_ilp(program.options, model.num_layers, inputs.gbs // program.batch, capacity,
-                                    same_degrees_first_last=model.tie_embeddings, time_limit_s=left, cutoff_s=best_s,
-                                    prices=prices if capped else None, price_cap_per_hour=cap if capped else None)
             solved += 1
+            try:
+                found = solve_stage_ilp(program.options, model.num_layers, inputs.gbs // program.batch, capacity,
+                                        same_degrees_first_last=model.tie_embeddings,
+                                        time_limit_s=min(left, PROGRAM_TIME_LIMIT_S), cutoff_s=best_s,
+                                        prices=prices if capped else None, price_cap_per_hour=cap if capped else None)
+            except TimeoutError:  # its share ran out before it found a plan
+                unproven_s = min(unproven_s, program.bound_s)
+                continue
             program.found = found
             if found is None:  # none at this cap, or none as fast as the best so far
                 program.empty = best_s is None
@@ -207,9 +221,11 @@ def _best_at(inputs: Inputs, programs: list[_Program], prices: dict[str, float],
             program.price_per_hour_usd = _price(program.options, found, prices)
             program.bound_s = max(program.bound_s, found.bound_s)
         assert program.found is not None
+        if program.found.status != "optimal":
+            unproven_s = min(unproven_s, program.bound_s)
         if best_s is None or program.found.objective_s < best_s:
             best = program
-    return best, solved
+    return best, solved, unproven_s
 
 
 def _capped_bound(program: _Program, prices: dict[str, float], cap: float, num_layers: int, gbs: int) -> float:
