@@ -79,7 +79,8 @@ def run_case(name: str, images: Path) -> None:
     print(_row("uniform, by price per sample", cheapest))
     if rows:
         best = Plan.trusted({"rank": 1, **min(rows, key=lambda row: row["step_time_s"])})
-        print(_row("stage-group", best, f"{solved_s:.0f} s, {len(rows)} programs, gap {best.optimality_gap:.2%}"))
+        print(_row("stage-group", best, f"{solved_s:.0f} s, {len(rows)} program{'s' if len(rows) > 1 else ''}, "
+                                 f"gap {best.optimality_gap:.2%}"))
         _timeline(fastest, images / f"timeline-{name}-uniform.png")
         _timeline(best, images / f"timeline-{name}-stage-groups.png")
     else:
