@@ -415,6 +415,9 @@ def test_launch_sh_reads_the_hosts_file(tmp_path, model, cluster):
     (run / "hosts").write_text("n0 H100\nn1 H100\n")
     result = subprocess.run(["bash", str(run / "launch.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "node type H100, but the plan places A10G at node rank 1" in result.stderr
+    (run / "hosts").write_text("n0 H100\nn1 A10G\nN1 A10G\nn3 H100\n")  # FlagScale lists each host once
+    result = subprocess.run(["bash", str(run / "launch.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "line 3: host N1 is on line 2 too" in result.stderr
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")

@@ -20,7 +20,7 @@ from typing import Any
 
 from fasop.errors import ArgumentError
 from fasop.files import comment_line
-from fasop.launch.launchers import HOST, HOST_RULE
+from fasop.launch.launchers import HOST, hosts_file_lines
 from fasop.launch.options import SAFE_PATH, SAFE_PATH_RULE, LaunchOptions
 from fasop.launch.shell import quote
 from fasop.launch.slurm import _directives
@@ -132,27 +132,13 @@ def sbatch_text(description: str, nodes: Sequence[tuple[str, int, str]], model: 
 
 
 def hosts_check_lines(node_types: Sequence[str]) -> list[str]:
-    """launch.sh: HOSTS read from the hosts file (`HOST NODE_TYPE` in node-rank order), checked against the plan."""
+    """launch.sh: HOSTS read from the hosts file (`HOST NODE_TYPE` in node-rank order), checked against the plan as
+    the SSH launcher's launch.sh checks it (FlagScale's hostfile too lists each host once)."""
     return [
         "NODE_TYPES=(" + " ".join(quote(node_type) for node_type in node_types) + ")",
         'HOSTS_FILE="${1:-$RUN_DIR/hosts}"',
-        '[[ -f "$HOSTS_FILE" ]] || fail "no hosts file $HOSTS_FILE"',
         f"HOST_PATTERN={quote('^' + HOST.pattern + '$')}",
-        "HOSTS=()",
-        "line_number=0",
-        'while IFS= read -r line || [[ -n "$line" ]]; do',
-        "    line_number=$((line_number + 1))",
-        '    read -ra fields <<< "${line%%#*}"',
-        "    if (( ${#fields[@]} == 0 )); then continue; fi",
-        '    where="$HOSTS_FILE: line $line_number"',
-        '    (( ${#fields[@]} == 2 )) || fail "$where: expected HOST NODE_TYPE"',
-        f'    [[ "${{fields[0]}}" =~ $HOST_PATTERN ]] || fail "$where: host \'${{fields[0]}}\': expected {HOST_RULE}"',
-        '    rank=${#HOSTS[@]}',
-        '    (( rank < NNODES )) || fail "$where: more hosts than the plan\'s $NNODES nodes"',
-        '    [[ "${fields[1]}" == "${NODE_TYPES[rank]}" ]] ||',
-        '        fail "$where: node type ${fields[1]}, but the plan places ${NODE_TYPES[rank]} at node rank $rank"',
-        '    HOSTS+=("${fields[0]}")',
-        'done < "$HOSTS_FILE"',
+        *hosts_file_lines(),
     ]
 
 

@@ -145,6 +145,16 @@ def _hosts_check_lines() -> list[str]:
         "for name in \"${FORWARD_NAMES[@]}\"; do",
         '    [[ "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || fail "FORWARD_ENV: \'$name\' is not a variable name"',
         "done",
+        *hosts_file_lines(),
+        'MASTER_ADDR="${HOSTS[0]#*@}"',
+    ]
+
+
+def hosts_file_lines() -> list[str]:
+    """Bash that reads HOSTS from "$HOSTS_FILE" as read_hosts does (`HOST NODE_TYPE` per line in node-rank order,
+    each host once and of the node type NODE_TYPES places there, NNODES of them), HOST_PATTERN checking each name;
+    it needs fail()."""
+    return [
         '[[ -f "$HOSTS_FILE" ]] || fail "no hosts file $HOSTS_FILE"',
         "HOSTS=()",
         "declare -A LINE_OF  # machine name (lower case, without USER@) -> the line that lists it",
@@ -169,7 +179,6 @@ def _hosts_check_lines() -> list[str]:
         '    HOSTS+=("${fields[0]}")',
         'done < "$HOSTS_FILE"',
         '(( ${#HOSTS[@]} == NNODES )) || fail "$HOSTS_FILE: lists ${#HOSTS[@]} hosts, the plan has $NNODES nodes"',
-        'MASTER_ADDR="${HOSTS[0]#*@}"',
     ]
 
 
