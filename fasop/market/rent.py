@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fasop.cost.price import add_training_run, check_run_length
-from fasop.errors import InputError
+from fasop.errors import ArgumentError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.market.pareto import DEFAULT_TRAIN_STEPS, PLAN_FIELDS, cluster_profiles, empty_record, mark_front, node_caps
@@ -90,12 +90,12 @@ def rent_front(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | No
     from fasop.search.groupsearch import _record
 
     if model.is_encoder_decoder:
-        raise InputError("--rent", f"model {model.name} is an encoder-decoder: the integer program plans stage-group "
-                                   "plans, which are for decoder-only models")
+        raise ArgumentError("model", "an encoder-decoder model: the integer program plans stage-group plans, which "
+                                     "are for decoder-only models", model.name)
     if time_limit_s <= 0:
-        raise InputError("--time-limit", f"expected a positive number of seconds, got {time_limit_s:g}")
+        raise ArgumentError("time_limit_s", "expected a positive number of seconds", time_limit_s)
     if max_points < 1:
-        raise InputError("max_points", f"expected 1 or more caps, got {max_points}")
+        raise ArgumentError("max_points", "expected 1 or more caps", max_points)
     started = time.monotonic()
     check_run_length(train_steps, train_tokens)
     quotas = node_caps(cluster, max_nodes)
