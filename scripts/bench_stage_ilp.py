@@ -17,8 +17,8 @@ import time
 
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.search.groupsearch import lower_bound_s, stage_options
-from fasop.search.space import divisors, prepare, recompute_modes
+from fasop.search.groupsearch import programs
+from fasop.search.space import prepare
 from fasop.search.stageilp import _candidates, solve_stage_ilp
 
 
@@ -36,18 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{model.name} on {cluster.name}: {cluster.num_nodes} nodes, global batch {inputs.gbs}")
     for stages in args.stages:
         started = time.perf_counter()
-        cases = []
-        for batch in divisors(inputs.gbs):
-            for mode in recompute_modes(inputs):
-                options = stage_options(inputs, stages, batch, mode)
-                if options is not None:
-                    bound = lower_bound_s(options, model.num_layers, inputs.gbs // batch)
-                    cases.append((bound, batch, mode, options))
+        cases = programs(inputs, stages)
         built = time.perf_counter() - started
         if not cases:
             print(f"P = {stages}: no options")
             continue
-        bound, batch, mode, options = min(cases, key=lambda case: case[:3])
+        bound, _, batch, mode, options = cases[0]
         binaries = sum(len(js) for js, _ in _candidates(options, model.num_layers, capacity, model.tie_embeddings))
         started = time.perf_counter()
         found = solve_stage_ilp(options, model.num_layers, inputs.gbs // batch, capacity,

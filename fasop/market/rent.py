@@ -35,7 +35,7 @@ from fasop.errors import ArgumentError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.market.pareto import DEFAULT_TRAIN_STEPS, PLAN_FIELDS, cluster_profiles, empty_record, mark_front, node_caps
-from fasop.search.space import Inputs, divisors, max_stages, prepare, recompute_modes
+from fasop.search.space import Inputs, prepare
 
 if TYPE_CHECKING:  # the solver and its scipy and pulp imports load when a walk runs, not with `fasop pareto`
     from fasop.search.stageilp import Assignment, StageOptions
@@ -87,7 +87,7 @@ def rent_front(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | No
     """The walk of the module docstring over `cluster`'s node types, each up to its `count` (capped by
     `max_nodes`) at its price per hour, with the run of `train_steps` steps or `train_tokens` tokens
     (DEFAULT_TRAIN_STEPS steps without either) for each point's hours and dollars."""
-    from fasop.search.groupsearch import _record
+    from fasop.search.groupsearch import plan_record
 
     if model.is_encoder_decoder:
         raise ArgumentError("model", "an encoder-decoder model: the integer program plans stage-group plans, which "
@@ -110,7 +110,7 @@ def rent_front(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | No
     plans: list[dict | None] = []
     records = []
     for program, found, solved, gap in reversed(points):
-        plan = _record(inputs, program.options, found, program.pp, program.batch, program.mode)
+        plan = plan_record(inputs, program.options, found, program.pp, program.batch, program.mode)
         if plan is not None:
             plan["optimality_gap"] = gap  # of the best plan at its cap, not only of its own program
         plans.append(plan)
@@ -131,19 +131,10 @@ def rent_front(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | No
 
 def _programs(inputs: Inputs) -> list[_Program]:
     """Every program of fasop.search.groupsearch's search, with its lower bound."""
-    from fasop.search.groupsearch import MAX_GROUP_STAGES, lower_bound_s, stage_options
+    from fasop.search.groupsearch import group_depths, programs
 
-    model = inputs.model
-    depths = range(2, min(max_stages(model), MAX_GROUP_STAGES, inputs.cluster.num_nodes) + 1)
-    programs = []
-    for pp in depths:
-        for batch in divisors(inputs.gbs):
-            for mode in recompute_modes(inputs):
-                options = stage_options(inputs, pp, batch, mode)
-                if options is not None:
-                    bound = lower_bound_s(options, model.num_layers, inputs.gbs // batch)
-                    programs.append(_Program(pp, batch, mode, options, bound))
-    return programs
+    return [_Program(pp, batch, mode, options, bound) for depth in group_depths(inputs)
+            for bound, pp, batch, mode, options in programs(inputs, depth)]
 
 
 def _walk(inputs: Inputs, programs: list[_Program], prices: dict[str, float], deadline: float,

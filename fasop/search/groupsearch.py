@@ -108,6 +108,20 @@ def lower_bound_s(options: StageOptions, num_layers: int, num_microbatches: int)
     return float(least.sum() + fastest * spare + (num_microbatches - 1) * max(period.max(), average) + tail.max())
 
 
+def group_depths(inputs: Inputs) -> range:
+    """The pipeline depths a stage-group plan of `inputs` may have."""
+    return range(2, min(max_stages(inputs.model), MAX_GROUP_STAGES, inputs.cluster.num_nodes) + 1)
+
+
+def programs(inputs: Inputs, pp: int) -> list[tuple[float, int, int, str, StageOptions]]:
+    """(lower bound, pp, micro-batch, recompute mode, options) of every program of a `pp`-stage pipeline that has
+    options, lowest lower bound first (lower_bound_s)."""
+    found = [(lower_bound_s(options, inputs.model.num_layers, inputs.gbs // batch), pp, batch, mode, options)
+             for batch in divisors(inputs.gbs) for mode in recompute_modes(inputs)
+             if (options := stage_options(inputs, pp, batch, mode)) is not None]
+    return sorted(found, key=lambda program: program[:4])
+
+
 def search_stage_groups(inputs: Inputs, upper_bound_s: float = np.inf,
                         time_limit_s: float = SOLVE_TIME_LIMIT_S) -> list[dict]:
     """The best stage-group plan of every pipeline depth, micro-batch and recompute mode whose closed form can be
@@ -135,19 +149,17 @@ def search_stage_groups(inputs: Inputs, upper_bound_s: float = np.inf,
                                     cutoff_s=best if np.isfinite(best) else None)
         except TimeoutError:  # its share ran out before it found a plan
             return
-        row = None if found is None else _record(inputs, options, found, pp, batch, mode)
+        row = None if found is None else plan_record(inputs, options, found, pp, batch, mode)
         if found is not None and row is not None:  # None: no labels of the multi-kind nodes fit its stages
             best = min(best, found.objective_s)
             rows.append(row)
 
     capacity = {name: node.count for name, node in cluster.node_types.items()}
     later = []
-    for pp in range(2, min(max_stages(model), MAX_GROUP_STAGES, cluster.num_nodes) + 1):
+    for pp in group_depths(inputs):
         if time.monotonic() >= deadline:
             break
-        cases = sorted(((lower_bound_s(options, model.num_layers, inputs.gbs // batch), pp, batch, mode, options)
-                        for batch in divisors(inputs.gbs) for mode in recompute_modes(inputs)
-                        if (options := stage_options(inputs, pp, batch, mode)) is not None), key=lambda c: c[:4])
+        cases = programs(inputs, pp)
         if cases:
             solve(cases[0])  # the most promising of this depth: shallow ones solve fast and cut off the rest
             later += cases[1:]
@@ -156,7 +168,7 @@ def search_stage_groups(inputs: Inputs, upper_bound_s: float = np.inf,
     return [row for row in rows if row.pop("fits_memory")]
 
 
-def _record(inputs: Inputs, options: StageOptions, found: Assignment, pp: int, batch: int, mode: str) -> dict | None:
+def plan_record(inputs: Inputs, options: StageOptions, found: Assignment, pp: int, batch: int, mode: str) -> dict | None:
     """The plan record of the program's assignment, timed by the exact schedule; None when the nodes holding
     several GPU kinds cannot host its stages in pipeline order, or FlagScale cannot label them so (the program
     counts each kind's blocks, not the nodes that hold them)."""
