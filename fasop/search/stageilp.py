@@ -256,8 +256,9 @@ def _floor(options: StageOptions, candidates: list[tuple[np.ndarray, np.ndarray]
     def holds(threshold: float) -> bool:
         most = np.full(positions * count, -1)
         np.maximum.at(most, cell[term <= threshold], layers[term <= threshold])
-        done = milp(-np.maximum(most, 0), integrality=np.ones(len(most)), bounds=Bounds(0, (most >= 0).astype(float)),
-                    constraints=rows)
+        with _quiet_stdout():  # scipy's own copy of HiGHS prints debugging lines too
+            done = milp(-np.maximum(most, 0), integrality=np.ones(len(most)),
+                        bounds=Bounds(0, (most >= 0).astype(float)), constraints=rows)
         return done.status == 0 and -done.fun >= num_layers - 0.5
 
     levels = np.unique(term)
@@ -338,9 +339,9 @@ def _program(options: StageOptions, candidates: list[tuple[np.ndarray, np.ndarra
 @contextlib.contextmanager
 def _quiet_stdout() -> Iterator[None]:
     """HiGHS prints its banner to the process's standard output on its first use whatever its options say, and
-    some solver paths print debugging lines with C's printf; output that a command writes to stdout must not carry
-    them. C's stdout buffer is flushed before the descriptor comes back (into a file or a pipe it is fully
-    buffered, and would otherwise reach the real stdout when the process exits)."""
+    some solver paths (in pulp's highspy and in scipy's own copy) print debugging lines with C's printf; output
+    that a command writes to stdout must not carry them. C's stdout buffer is flushed before the descriptor comes
+    back (into a file or a pipe it is fully buffered, and would otherwise reach the real stdout at exit)."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
