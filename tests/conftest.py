@@ -105,6 +105,17 @@ def toml_table(header: str, fields: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+LLAMA_STYLE = {"architecture": "decoder", "seq_length": 2048, "vocab_size": 32000, "tie_embeddings": False,
+               "position_embedding": "rope", "normalization": "rmsnorm", "ffn_activation": "swiglu",
+               "linear_bias": False, "flash_attention": True, "dropout": False, "precision": "bf16"}
+
+
+def llama_toml(**fields: Any) -> str:
+    """A model file of a Llama-style decoder (rotary positions, RMSNorm, SwiGLU, no biases, bf16): `fields` give
+    its name and shape and override the rest (None leaves a field out)."""
+    return toml_table("[model]", merged(LLAMA_STYLE, fields))
+
+
 def merged(base: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     """`base` with `overrides` applied; an override of None removes the key."""
     result = dict(base)

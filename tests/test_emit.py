@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from conftest import llama_toml
 
 from fasop.cli import main
 from fasop.cli.emit import emit
@@ -51,27 +52,8 @@ count = 2
 gres_type = "small"
 """
 
-LLAMA_TOML = """\
-[model]
-name = "tiny-llama"
-architecture = "decoder"
-num_layers = 8
-hidden_size = 512
-num_attention_heads = 8
-num_query_groups = 2
-ffn_hidden_size = 1376
-seq_length = 2048
-vocab_size = 32000
-tie_embeddings = false
-position_embedding = "rope"
-normalization = "rmsnorm"
-ffn_activation = "swiglu"
-linear_bias = false
-flash_attention = true
-dropout = false
-precision = "bf16"
-global_batch_size = 32
-"""
+LLAMA_TOML = llama_toml(name="tiny-llama", num_layers=8, hidden_size=512, num_attention_heads=8, num_query_groups=2,
+                        ffn_hidden_size=1376, global_batch_size=32)
 
 
 SMOKE = LaunchOptions(smoke_test=True)  # a short run on mock data: the plan's split, shape and site options alone

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import llama_toml
 
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import load_cluster
@@ -55,27 +56,13 @@ count = 2
 network = {{ fabric = "ethernet", socket_ifname = "eth0" }}
 """
 
-MODEL_TOML = """\
-[model]
-name = "llama-12"
-architecture = "decoder"
-num_layers = 12
-hidden_size = 1024
-num_attention_heads = 16
-num_query_groups = 4
-ffn_hidden_size = 2816
-seq_length = 2048
-vocab_size = 32000
-tie_embeddings = {tied}
-position_embedding = "rope"
-normalization = "rmsnorm"
-ffn_activation = "swiglu"
-linear_bias = false
-flash_attention = true
-dropout = false
-precision = "bf16"
-global_batch_size = 16
-"""
+
+
+def model_toml(tied: bool, **changes: Any) -> str:
+    return llama_toml(**{"name": "llama-12", "num_layers": 12, "hidden_size": 1024, "num_attention_heads": 16,
+                         "num_query_groups": 4, "ffn_hidden_size": 2816, "tie_embeddings": tied,
+                         "global_batch_size": 16, **changes})
+
 
 SMOKE = LaunchOptions(smoke_test=True)
 
@@ -93,7 +80,7 @@ def cluster(tmp_path):
 
 def model_of(tmp_path: Path, tied: bool = False):
     path = tmp_path / f"llama-{tied}.toml"
-    path.write_text(MODEL_TOML.format(tied=str(tied).lower()))
+    path.write_text(model_toml(tied))
     return load_model(str(path))
 
 
@@ -326,9 +313,8 @@ def test_stages_must_follow_node_rank_order_on_whole_nodes(model, cluster):
 
 def test_encoder_decoder_models_are_refused(tmp_path, cluster):
     path = tmp_path / "t5.toml"
-    path.write_text(MODEL_TOML.format(tied="false").replace(
-        'architecture = "decoder"\nnum_layers = 12', 'architecture = "encoder-decoder"\nencoder_num_layers = 6\n'
-        'decoder_num_layers = 6').replace("seq_length = 2048", "encoder_seq_length = 512\ndecoder_seq_length = 128"))
+    path.write_text(model_toml(False, architecture="encoder-decoder", num_layers=None, encoder_num_layers=6,
+                               decoder_num_layers=6, seq_length=None, encoder_seq_length=512, decoder_seq_length=128))
     assert any("GPT-style" in e for e in flagscale_errors(plan_of(THREE_TYPES), load_model(str(path))))
 
 
