@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from test_emit_flagscale import (
-    MODEL_TOML,
     SMOKE,
     hostfile_rows,
     manual_files,
+    model_toml,
     plan_of,
     read_yaml,
     schema_errors,
@@ -54,7 +54,7 @@ def mixed(tmp_path: Path, kind: str = "", text: str | None = None):
 @pytest.fixture
 def model(tmp_path):
     path = tmp_path / "llama-12.toml"
-    path.write_text(MODEL_TOML.format(tied="false"))
+    path.write_text(model_toml(False))
     return load_model(str(path))
 
 
