@@ -1,5 +1,5 @@
 """`python -m fasop` is the `fasop` command."""
 
-from fasop.cli import main
+from fasop.cli import run
 
-main()
+run()

@@ -35,7 +35,8 @@ def partitioned(inputs, batch: steps.DepthBatch):
     """The partition and schedule of every problem of a batch that no lighter mode dominates (no pruning)."""
     keys, plan, weight = steps.plan_keys(batch, inputs.cluster, "time")
     found = [np.full(int(plan.max()) + 1, np.inf)]
-    counts, terms, solved, beaten = steps.partition_modes(batch, np.zeros(len(plan)), None, plan, weight, found)
+    counts, terms, solved, beaten = steps.partition_modes(batch, np.zeros(len(plan)), None, plan, weight, found,
+                                                          np.zeros(len(plan), dtype=bool))
     return keys, plan, counts, terms, solved, beaten
 
 

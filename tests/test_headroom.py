@@ -49,6 +49,25 @@ def test_pruned_headroom_search_returns_the_unpruned_best(instance, sort, headro
         assert pruned == ranked[:keep]
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(), st.sampled_from(["time", "cost"]), st.integers(0, 2**16))
+def test_excluded_plans_are_left_out_and_nothing_else_changes(instance, sort, pick):
+    """The second search of the headroom leaves out the plans the first found room for: the rest rank as in the
+    whole search, with the same counts of plans out of memory."""
+    model, cluster, profiles = instance
+    options = dict(profiles=profiles, sort=sort, workers=1)
+    try:
+        whole = search_plans(model, cluster, **options)
+    except InputError:
+        reject()
+    keys = sorted(map(_key, whole.plans))
+    excluded = frozenset(key for i, key in enumerate(keys) if pick >> (i % 16) & 1)
+    rest = search_plans(model, cluster, exclude=excluded, **options)
+    kept = [plan for plan in whole.plans if _key(plan) not in excluded]
+    assert rest.plans == [plan.model_copy(update={"rank": rank}) for rank, plan in enumerate(kept, start=1)]
+    assert (rest.plans_evaluated, rest.out_of_memory) == (whole.plans_evaluated - len(excluded), whole.out_of_memory)
+
+
 def test_headroom_one_is_the_plain_search():
     model, cluster, profiles = next(iter(_small()))
     plain = search_plans(model, cluster, profiles=profiles, workers=1).plans

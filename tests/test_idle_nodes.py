@@ -11,7 +11,7 @@ from test_cli_search import invoke, ok
 
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.search.engine import IdleChoice, idle_choices, node_type_subsets, search_plans
+from fasop.search.engine import IdleChoice, idle_bests, idle_choices, merge_idle_bests, node_type_subsets, search_plans
 
 KEY = ("tp", "dp", "pp", "mbs", "placement", "layers_per_stage", "recompute", "virtual_stages", "step_time_s")
 
@@ -75,13 +75,15 @@ def test_idle_choices_name_the_subset_that_beats_every_node():
     cluster = load_cluster("h100-a100-a10g")
     rows = [_row(["H100", "A100", "A10G"], 10.0, 8.0), _row(["H100", "A100"], 9.0, 7.5), _row(["H100"], 12.0, 5.0),
             _row(["A10G"], 30.0, 6.0)]
-    assert idle_choices(rows, cluster) == [IdleChoice(("A10G",), "step_time_s", 9.0, 10.0),
-                                           IdleChoice(("A100", "A10G"), "cost_per_step_usd", 5.0, 8.0)]
+    expected = [IdleChoice(("A10G",), "step_time_s", 9.0, 10.0), IdleChoice(("A100", "A10G"), "cost_per_step_usd", 5.0, 8.0)]
+    assert idle_choices(idle_bests(rows, cluster)) == expected
+    # the rows of two searches (below the memory headroom and above it) merge into the same answer
+    assert idle_choices(merge_idle_bests(idle_bests(rows[:2], cluster), idle_bests(rows[2:], cluster))) == expected
     # nothing beats every node: nothing to say
-    assert idle_choices([_row(["H100", "A100", "A10G"], 1.0, 1.0), _row(["H100"], 2.0, 1.0)], cluster) == []
+    assert idle_choices(idle_bests([_row(["H100", "A100", "A10G"], 1.0, 1.0), _row(["H100"], 2.0, 1.0)], cluster)) == []
     # no plan fits on every node
-    assert idle_choices([_row(["H100"], 2.0, 1.0)], cluster) == [IdleChoice(("A100", "A10G"), "step_time_s", 2.0, None),
-                                                               IdleChoice(("A100", "A10G"), "cost_per_step_usd", 1.0, None)]
+    assert idle_choices(idle_bests([_row(["H100"], 2.0, 1.0)], cluster)) == [
+        IdleChoice(("A100", "A10G"), "step_time_s", 2.0, None), IdleChoice(("A100", "A10G"), "cost_per_step_usd", 1.0, None)]
 
 
 def test_a_fast_node_type_alone_is_at_least_matched():

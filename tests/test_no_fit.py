@@ -24,7 +24,8 @@ def unfit_problems(inputs):
     for batch in batches.values():
         _, plan, weight = steps.plan_keys(batch, inputs.cluster, "time")
         found = [np.full(int(plan.max()) + 1, np.inf)]
-        _, terms, solved, beaten = steps.partition_modes(batch, np.zeros(len(plan)), None, plan, weight, found)
+        _, terms, solved, beaten = steps.partition_modes(batch, np.zeros(len(plan)), None, plan, weight, found,
+                                                         np.zeros(len(plan), dtype=bool))
         unfit.append((batch, np.flatnonzero(np.isinf(terms["step_time_s"]) & (solved | beaten))))
     return unfit
 

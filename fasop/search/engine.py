@@ -9,7 +9,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -68,7 +68,15 @@ class SearchResult:
     closest_memory_factor: float | None = None  # when nothing fits: how much more memory the closest plan needs
     closest_plan: Config | None = None
     plans: list[Plan] = field(default_factory=list)
-    idle: list[IdleChoice] = field(default_factory=list)  # plans leaving node types idle that beat all-node plans
+    # the best step time and price per step of the plans leaving each set of node types idle (() for none)
+    idle_bests: dict[tuple[str, ...], tuple[float, float]] = field(default_factory=dict)
+    # (node types searched, tp, dp) of every plan found out of memory: where a search with more memory can find more
+    unfit_combos: set[tuple[tuple[str, ...], int, int]] = field(default_factory=set)
+
+    @property
+    def idle(self) -> list[IdleChoice]:
+        """Plans leaving node types idle that beat every plan on all nodes."""
+        return idle_choices(self.idle_bests)
 
     def merge(self, other: SearchResult) -> None:
         self.rows += other.rows
@@ -80,6 +88,8 @@ class SearchResult:
         if other.closest_memory_factor is not None and (self.closest_memory_factor is None
                                                         or other.closest_memory_factor < self.closest_memory_factor):
             self.closest_memory_factor, self.closest_plan = other.closest_memory_factor, other.closest_plan
+        self.idle_bests = merge_idle_bests(self.idle_bests, other.idle_bests)
+        self.unfit_combos |= other.unfit_combos
 
 
 def _oversized_plans(todo: list[Group]) -> int:
@@ -93,13 +103,30 @@ def _oversized_plans(todo: list[Group]) -> int:
     return sum(len(placements_of[combo]) * n for combo, n in oversized.items())
 
 
+def _without(todo: list[Group], exclude: frozenset[tuple]) -> list[Group]:
+    """The groups of `todo` without the placements and micro-batch sizes whose every plan is in `exclude`; the
+    plans of `exclude` the rest still holds are left out problem by problem (_evaluate_depth)."""
+    kept = []
+    for group in todo:
+        config = group.config
+        wanted = [(geo, [mbs for mbs in group.mbs_values
+                         if (config.tp, config.dp, config.pp, geo.placement, int(mbs)) not in exclude])
+                  for geo in group.geos]
+        geos = [geo for geo, sizes in wanted if sizes]
+        if geos:
+            sizes = {mbs for _, some in wanted for mbs in some}
+            kept.append(replace(group, geos=geos, mbs_values=[mbs for mbs in group.mbs_values if mbs in sizes]))
+    return kept
+
+
 def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int = PLACEMENT_LIMIT,
              keep: int | None = None, progress: Callable[[int, int], None] | None = None,
-             sort: str = "time") -> SearchResult:
+             sort: str = "time", exclude: frozenset[tuple] = frozenset()) -> SearchResult:
     """Plans of the given (tp, dp) combinations, unranked. With `keep`, partition problems whose lower bound
-    cannot reach the keep-th best plan by `sort` found so far are skipped (they cannot be among the best)."""
+    cannot reach the keep-th best plan by `sort` found so far are skipped (they cannot be among the best).
+    Plans whose key (plan_keys) is in `exclude` are neither solved nor counted, out of memory or otherwise."""
     with _without_cyclic_gc():
-        return _evaluate(inputs, combos, placement_limit, keep, progress, sort)
+        return _evaluate(inputs, combos, placement_limit, keep, progress, sort, exclude)
 
 
 @dataclass
@@ -116,23 +143,29 @@ class _Tally:
 
 
 def _evaluate_depth(tally: _Tally, inputs: Inputs, batch: DepthBatch, bound: np.ndarray, keep: int | None,
-                    sort: str) -> None:
+                    sort: str, exclude: frozenset[tuple]) -> None:
     """Partition, schedule and rank the problems of one pipeline depth, into `tally`."""
     keys, plan, weight = plan_keys(batch, inputs.cluster, sort)
+    excluded = np.array([key in exclude for key in keys], dtype=bool) if exclude else np.zeros(len(keys), dtype=bool)
     tally.found.append(np.full(int(plan.max()) + 1, np.inf))
-    counts, terms, solved, beaten = partition_modes(batch, bound, keep, plan, weight, tally.found)
+    counts, terms, solved, beaten = partition_modes(batch, bound, keep, plan, weight, tally.found, excluded)
     tally.solved += int(solved.sum())
     tally.pruned += len(plan) - int(solved.sum()) - int(beaten.sum())
-    tally.dominated += int(beaten.sum())
-    tally.best.update(best_of_plans(batch, keys, plan, counts, terms))
+    tally.dominated += int((beaten & ~excluded).sum())
+    best = best_of_plans(batch, keys, plan, counts, terms)
+    tally.best.update((key, candidate) for key, candidate in best.items() if key not in exclude)
     tally.skipped.update(keys[i] for i in np.flatnonzero(~solved & ~beaten).tolist())
-    tally.unfit.append((batch, np.flatnonzero(np.isinf(terms["step_time_s"]) & (solved | beaten))))
+    tally.unfit.append((batch, np.flatnonzero(np.isinf(terms["step_time_s"]) & (solved | beaten) & ~excluded)))
 
 
 def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int, keep: int | None,
-              progress: Callable[[int, int], None] | None, sort: str) -> SearchResult:
+              progress: Callable[[int, int], None] | None, sort: str, exclude: frozenset[tuple]) -> SearchResult:
     """The steps of fasop.search.evaluation in turn, pipeline depths most promising first."""
     todo = groups(inputs, combos, placement_limit)
+    oversized = _oversized_plans(todo)
+    unfit_combos = {(group.config.tp, group.config.dp) for group in todo if group.oversized}
+    if exclude:
+        todo = _without(todo, exclude)
     batches, unbuilt = depth_batches(inputs, plans_of(todo))
     # bounds prune what cannot reach the kept plans, and heavier recompute modes that cannot beat a lighter one
     bounded = bool(keep) or len(inputs.recompute) > 1
@@ -140,14 +173,16 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
     tally = _Tally(dominated=unbuilt)
     done, total = 0, sum(batch.placements for batch in batches.values())
     for pp in sorted(batches, key=lambda pp: bounds[pp].min()):
-        _evaluate_depth(tally, inputs, batches[pp], bounds[pp], keep, sort)
+        _evaluate_depth(tally, inputs, batches[pp], bounds[pp], keep, sort, exclude)
         done += batches[pp].placements
         if progress:
             progress(done, total)
     rows = records(inputs, tally.best, batches)
-    oom = sum(1 for key, candidate in tally.best.items() if np.isinf(candidate.step_time_s) and key not in tally.skipped)
-    oversized = _oversized_plans(todo)
-    result = SearchResult(rows, len(tally.best) + oversized, tally.solved, oom + oversized, tally.pruned, tally.dominated)
+    unfit = [key for key, candidate in tally.best.items() if np.isinf(candidate.step_time_s) and key not in tally.skipped]
+    result = SearchResult(rows, len(tally.best) + oversized, tally.solved, len(unfit) + oversized, tally.pruned,
+                          tally.dominated)
+    names = tuple(inputs.cluster.node_types)
+    result.unfit_combos = {(names, tp, dp) for tp, dp in unfit_combos | {key[:2] for key in unfit}}
     closest = None if rows else closest_fit(tally.unfit, inputs.cluster)
     if closest is not None:
         result.closest_memory_factor, result.closest_plan = closest
@@ -161,7 +196,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  workers: int | None = None, profiles: dict[str, GpuProfile] | None = None,
                  overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES,
                  sequence_parallel: bool = True, tp_comm_overlap: bool = True, use_all: bool = False,
-                 stage_groups: bool = False, bound_placements: int = 0) -> SearchResult:
+                 stage_groups: bool = False, bound_placements: int = 0,
+                 exclude: frozenset[tuple] = frozenset(), only_combos: frozenset[tuple] | None = None) -> SearchResult:
     """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
@@ -177,6 +213,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     dp, node counts upper bounds).
     bound_placements: of the first this many plans, those whose placement was searched as type blocks get the
     integer program's optimality_gap (fasop.search.placementbound).
+    exclude: plans (tp, dp, pp, placement, micro-batch size) to leave out, as if not in the space.
+    only_combos: search only these (node types, tp, dp) (SearchResult.unfit_combos), on every node-type set.
     """
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
                      sequence_parallel, tp_comm_overlap)
@@ -202,8 +240,10 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                                    f"{max_stages(model)})")
     result = SearchResult([], 0, 0, 0)
     for i, (sub, combos) in enumerate(spaces):  # the bar follows the first, the largest search by far
+        combos = _only(sub, combos, only_combos)
         if combos:
-            result.merge(_search(sub, combos, placement_limit, keep, progress if i == 0 else None, sort, workers))
+            result.merge(_search(sub, combos, placement_limit, keep, progress if i == 0 else None, sort, workers,
+                                 exclude))
     rows = result.rows
     if stage_groups:  # the programs need only find what beats the best plan by time
         from fasop.search.groupsearch import search_stage_groups  # the solver's imports: only when asked
@@ -216,7 +256,7 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
         add_training_run(row, model, train_steps, train_tokens)
     rows.sort(key=lambda r: (r[SORT_KEYS[sort]], r["step_time_s"], r["tp"], r["dp"], r["pp"], r["mbs"],
                              r["encoder_stages"], r["placement"]))
-    result.idle = idle_choices(rows, cluster) if not use_all else []
+    result.idle_bests = idle_bests(rows, cluster) if not use_all else {}
     if keep:
         rows = rows[:keep]
     result.rows = []
@@ -227,6 +267,12 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
 
         result.plans[:bound_placements] = placement_gaps(inputs, result.plans[:bound_placements])
     return result
+
+
+def _only(inputs: Inputs, combos: list[tuple[int, int]], only_combos: frozenset[tuple] | None) -> list[tuple[int, int]]:
+    """The (tp, dp) of `combos` that `only_combos` names for the node types of inputs.cluster (all without it)."""
+    names = tuple(inputs.cluster.node_types)
+    return combos if only_combos is None else [(tp, dp) for tp, dp in combos if (names, tp, dp) in only_combos]
 
 
 def node_type_subsets(cluster: Cluster) -> list[Cluster]:
@@ -261,15 +307,32 @@ class IdleChoice:
     every_node: float | None  # the metric of the best plan on every node (None: none fits)
 
 
-def idle_choices(rows: list[dict], cluster: Cluster) -> list[IdleChoice]:
+def idle_bests(rows: list[dict], cluster: Cluster) -> dict[tuple[str, ...], tuple[float, float]]:
+    """The best step time and price per step of the rows leaving each set of node types idle."""
+    best: dict[tuple[str, ...], tuple[float, float]] = {}
+    for row in rows:
+        idle = tuple(name for name in cluster.node_types if name not in row["placement"])
+        time_s, cost = best.get(idle, (math.inf, math.inf))
+        best[idle] = min(time_s, row["step_time_s"]), min(cost, row["cost_per_step_usd"])
+    return best
+
+
+def merge_idle_bests(one: dict[tuple[str, ...], tuple[float, float]],
+                     other: dict[tuple[str, ...], tuple[float, float]]) -> dict[tuple[str, ...], tuple[float, float]]:
+    """The better of both for each set of idle node types (idle_bests of two searches)."""
+    merged = dict(one)
+    for idle, (time_s, cost) in other.items():
+        best_time_s, best_cost = merged.get(idle, (math.inf, math.inf))
+        merged[idle] = min(best_time_s, time_s), min(best_cost, cost)
+    return merged
+
+
+def idle_choices(bests: dict[tuple[str, ...], tuple[float, float]]) -> list[IdleChoice]:
     """For step time and for price per step: the set of idle node types whose best plan beats the best plan on
-    every node, if any."""
+    every node (idle_bests), if any."""
     choices = []
-    for metric in SORT_KEYS.values():
-        best: dict[tuple[str, ...], float] = {}
-        for row in rows:
-            idle = tuple(name for name in cluster.node_types if name not in row["placement"])
-            best[idle] = min(best.get(idle, math.inf), row[metric])
+    for column, metric in enumerate(SORT_KEYS.values()):
+        best = {idle: values[column] for idle, values in bests.items()}
         every_node = best.pop((), None)
         if best:
             idle, value = min(best.items(), key=lambda item: (item[1], item[0]))
@@ -279,19 +342,20 @@ def idle_choices(rows: list[dict], cluster: Cluster) -> list[IdleChoice]:
 
 
 def _search(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int, keep: int | None,
-            progress: Callable[[int, int], None] | None, sort: str, workers: int | None) -> SearchResult:
+            progress: Callable[[int, int], None] | None, sort: str, workers: int | None,
+            exclude: frozenset[tuple]) -> SearchResult:
     """The plans of `combos` on inputs.cluster, unranked: in this process, or in one process per core for large
     clusters (each takes every few combinations, so that each gets all pipeline depths)."""
     if workers is None:
         workers = (os.cpu_count() or 1) if inputs.cluster.num_nodes >= PARALLEL_NODES else 1
     workers = max(1, min(workers, len(combos)))
     if workers == 1:
-        return evaluate(inputs, combos, placement_limit, keep, progress, sort)
+        return evaluate(inputs, combos, placement_limit, keep, progress, sort, exclude)
     result = SearchResult([], 0, 0, 0)
     from concurrent.futures import ProcessPoolExecutor, as_completed  # only here: its import costs a small search
 
     with ProcessPoolExecutor(workers) as pool:
-        futures = [pool.submit(evaluate, inputs, combos[i::workers], placement_limit, keep, None, sort)
+        futures = [pool.submit(evaluate, inputs, combos[i::workers], placement_limit, keep, None, sort, exclude)
                    for i in range(workers)]
         for done, future in enumerate(as_completed(futures), start=1):
             result.merge(future.result())

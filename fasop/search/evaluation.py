@@ -259,11 +259,13 @@ def partition(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray,
 
 
 def partition_modes(batch: DepthBatch, bound: np.ndarray, keep: int | None, plan: np.ndarray, weight: np.ndarray,
-                    found: list[np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, np.ndarray]:
+                    found: list[np.ndarray], excluded: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray],
+                                                                          np.ndarray, np.ndarray]:
     """`partition` of a depth's batch, recompute mode by mode, lightest first: a heavier mode has to beat what the
-    lighter ones reached. (counts, exact step terms, solved mask, mask of the problems dominated or outdone)."""
+    lighter ones reached; `excluded` problems are left alone. (counts, exact step terms, solved mask, mask of the
+    problems dominated, outdone or excluded)."""
     problems, schedule = batch.costs.problem, batch.costs.schedule
-    beaten = np.concatenate([entry.beaten for entry in batch.entries])
+    beaten = np.concatenate([entry.beaten for entry in batch.entries]) | excluded
     counts = np.zeros(problems.lo.shape, dtype=int)
     terms: dict[str, np.ndarray] = {}
     solved = np.zeros(len(problems), dtype=bool)

@@ -4,11 +4,12 @@ err too, and a plan at 98% of a GPU fails on the first allocator spike where one
 
 Each plan (tp, dp, pp, placement, micro-batch size) takes its fastest partition, recompute mode and virtual size
 below the headroom when it has one: that is a search on the cluster whose usable memory is the headroom's share
-(the memory margin divided by the headroom), exact and pruned as any search. Only the plans that do not fit there
-come from the search on the whole memory, flagged. With `keep`, a flagged plan therefore never sets the bound that
-prunes a plan below the headroom: the tight search prunes among plans below it alone, and when it finds fewer than
-`keep` it pruned nothing (its threshold needs `keep` plans), so the flagged plans only fill the places left.
-When no plan is above the headroom, the search on the whole memory is the answer (twice the work otherwise)."""
+(the memory margin divided by the headroom), exact and pruned as any search. Only the plans it finds no room for
+are then searched on the whole memory, flagged: the plans below the headroom are left out of that search, so the
+whole work is one search and the few plans that fit only above the headroom. With `keep`, a flagged plan never
+sets the bound that prunes a plan below the headroom: the tight search prunes among plans below it alone, and when
+it finds fewer than `keep` it pruned nothing (its threshold needs `keep` plans), so the second search fills the
+places left with the best flagged plans."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from fasop.errors import ArgumentError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.plans import Plan
-from fasop.search.engine import SearchResult, search_plans
+from fasop.search.engine import SearchResult, merge_idle_bests, search_plans
 
 DEFAULT_MEMORY_HEADROOM = 0.90  # a policy, not a measured fact: the share of usable memory a plan may fill unflagged
 HEADROOM_TOLERANCE = 1e-9  # memory at the headroom up to rounding counts as below it
@@ -54,21 +55,29 @@ def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = Non
                            memory_headroom: float = DEFAULT_MEMORY_HEADROOM, keep: int | None = None,
                            **options: Any) -> SearchResult:
     """search_plans (its arguments in `options`) with the plans below `memory_headroom` of usable GPU memory ranked
-    first, each at its best below it, then the others (flagged: over_headroom). The counts are those of the search
-    on the whole memory, the partitions solved, pruned and skipped those of both searches."""
+    first, each at its best below it, then the others (flagged: over_headroom). The counts of plans evaluated and
+    out of memory are those of a search on the whole memory, the partitions solved, pruned and skipped those of
+    both searches."""
     memory_headroom = check_headroom(memory_headroom)
-    full = search_plans(model, cluster, gbs, profiles_dir, keep=keep, **options)
-    # every plan below the headroom: each is already at its best below it (with `keep`, a plan left out may
-    # have a variant below the headroom as fast as the last one kept)
-    if memory_headroom == 1 or keep is None and not any(over_headroom(p, cluster, memory_headroom) for p in full.plans):
-        return full
-    options.pop("progress", None)  # the bar followed the longer search
+    if memory_headroom == 1:
+        return search_plans(model, cluster, gbs, profiles_dir, keep=keep, **options)
     tight = search_plans(model, replace(cluster, memory_margin=cluster.memory_margin / memory_headroom), gbs,
                          profiles_dir, keep=keep, **options)
-    below = {_key(plan) for plan in tight.plans}
-    plans = tight.plans + [plan for plan in full.plans if _key(plan) not in below]
-    full.plans = [plan.model_copy(update={"rank": rank}) for rank, plan in enumerate(plans[:keep], start=1)]
-    full.partitions_solved += tight.partitions_solved
-    full.pruned += tight.pruned
-    full.dominated += tight.dominated
-    return full
+    if not tight.out_of_memory:  # every plan fits below the headroom (with `keep`: of those it did not prune)
+        return tight
+    options.pop("progress", None)  # the bar followed the longer search
+    below = frozenset(plan_key[:5] for plan_key in map(_key, tight.plans) if not plan_key[5])
+    # with `keep`: the flagged plans fill the places left, and the search counts the plans out of memory
+    rest = search_plans(model, cluster, gbs, profiles_dir, keep=keep and max(keep - len(tight.plans), 1),
+                        exclude=below, only_combos=frozenset(tight.unfit_combos), **options)
+    known = {_key(plan) for plan in tight.plans}
+    plans = tight.plans + [plan for plan in rest.plans if _key(plan) not in known]
+    rest.plans = [plan.model_copy(update={"rank": rank}) for rank, plan in enumerate(plans[:keep], start=1)]
+    rest.plans_evaluated = tight.plans_evaluated
+    rest.partitions_solved += tight.partitions_solved
+    rest.pruned += tight.pruned
+    rest.dominated += tight.dominated
+    rest.idle_bests = merge_idle_bests(rest.idle_bests, tight.idle_bests)
+    if tight.plans:
+        rest.closest_memory_factor = rest.closest_plan = None
+    return rest
