@@ -119,6 +119,10 @@ class Plan(Table):
     recompute_num_layers: Count | None = None  # full only
     sequence_parallel: bool | None = None
     tp_comm_overlap: bool | None = None  # Megatron's --tp-comm-overlap (Transformer Engine's userbuffers)
+    # an fp8 plan's precision, scaling recipe and --fp8-param-gather (absent: the model file's precision, not fp8)
+    precision: Literal["fp16", "bf16", "fp32", "fp8"] | None = None
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] | None = None
+    fp8_param_gather: bool | None = None
     step_time_s: float | None = None
     throughput_samples_per_s: float | None = None
     tokens_per_s: float | None = None

@@ -15,7 +15,8 @@ LAYERS = {
     "fasop.inputs": 3,
     # the roofline (a cost concept) needs only a model and a GPU spec; the profiles scale measured times by its
     # shape, and the rest of the cost model reads the profiles
-    "fasop.cost.roofline": 3.3, "fasop.inputs.profiles": 3.6,
+    # what FP8 changes (which GPUs run it, casts, bytes) likewise; the roofline prices its GEMMs
+    "fasop.cost.fp8": 3.2, "fasop.cost.roofline": 3.3, "fasop.inputs.profiles": 3.6,
     "fasop.cost": 4, "fasop.plans": 4,
     "fasop.search": 5, "fasop.profile": 5, "fasop.runtime": 5,
     "fasop.market": 6, "fasop.launch": 6, "fasop.calibration": 6,

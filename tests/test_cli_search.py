@@ -397,7 +397,7 @@ def test_malformed_model_toml(runner, tiny, text):
     ({"num_layers": "4"}, "num_layers"),
     ({"hidden_size": 4.5}, "hidden_size"),
     ({"architecture": "mixture"}, "architecture"),
-    ({"precision": "fp8"}, "precision"),
+    ({"precision": "int4"}, "precision"),
     ({"num_attention_heads": 5}, "num_attention_heads"),
 ], ids=["no-hidden_size", "no-num_layers", "no-gbs", "unknown-field", "query-groups", "zero-layers",
         "negative-layers", "string-layers", "float-hidden", "architecture", "precision", "heads-not-dividing"])

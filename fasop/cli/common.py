@@ -20,6 +20,7 @@ from fasop.cost import price
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs import bundled
 from fasop.inputs.catalogue import merged_specs
+from fasop.inputs.model import FP8_RECIPES, PRECISIONS
 from fasop.inputs.names import NAME, NAME_RULE
 from fasop.inputs.profiles import GpuProfile, load_profiles, profile_paths
 from fasop.search.headroom import DEFAULT_MEMORY_HEADROOM
@@ -123,6 +124,25 @@ class FiniteRange(click.FloatRange):
         return number
 
 
+def precision_options(several: bool):
+    """--precision (several precisions ranked together on search and pareto, one on estimate), --fp8-recipe and
+    --fp8-param-gather."""
+    def add(command):
+        command = click.option("--fp8-param-gather", "fp8_param_gather", is_flag=True, default=None,
+                               help="With fp8: keep the parameters in FP8 and all-gather them in FP8 (Megatron's "
+                                    "--fp8-param-gather; needs the distributed optimizer).")(command)
+        command = click.option("--fp8-recipe", type=click.Choice(FP8_RECIPES), default=None,
+                               help="With fp8: Transformer Engine's scaling recipe (Megatron's --fp8-recipe) "
+                                    "[default: the model file's, else delayed].")(command)
+        what = "Precisions to plan in, ranked together" if several else "Precision to train in"
+        return click.option("--precision", "precision", default=None,
+                            metavar="P,P,..." if several else "P",
+                            help=f"{what}: {', '.join(PRECISIONS)} (fp8: Transformer Engine's FP8 GEMMs in the "
+                                 "linear layers, bf16 around them, on the GPU types with FP8 tensor cores) "
+                                 "[default: the model file's].")(command)
+    return add
+
+
 memory_headroom_option = click.option(
     "--memory-headroom", type=FiniteRange(0, 1, min_open=True), default=DEFAULT_MEMORY_HEADROOM, show_default=True,
     metavar="F", help="Flag plans whose peak memory is above this fraction of a GPU's usable memory, and rank them "
@@ -178,12 +198,26 @@ def input_paths(model_name: str, cluster_name: str, model, cluster, profiles_dir
 
 def run_profiles(model, cluster, profiles_dir: str | None, allow_mismatch: bool = False) -> dict[str, GpuProfile]:
     """The profiles of `model` for the GPU types of `cluster` (its own [[gpu]] tables merged over the catalogue),
-    with a note on stderr when some were synthesised."""
+    with a note on stderr when some were synthesised or derived from another precision."""
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_mismatch,
                              merged_specs(own=cluster.gpus))
     note_synthesised(model, profiles)
+    derived = sorted(f"{gpu} (from {p.derived_from})" for gpu, p in profiles.items() if p.derived_from)
+    if derived:
+        click.echo(f"note: {model.precision} times of {', '.join(derived)} derived from its profile file by the "
+                   f"roofline's ratio of {model.precision} to the file's precision, unit by unit and micro-batch size by "
+                   "size (docs/cost-model.md section 12)", err=True)
     note_model_defaults(model)
     return profiles
+
+
+def note_left_out(spaces) -> None:
+    """One line for each precision that leaves node types out, and why."""
+    for space in spaces:
+        if space.left_out:
+            click.echo(f"note: {space.model.precision} plans leave out "
+                       f"{', '.join(sorted(space.left_out))}: {'; '.join(sorted(set(space.left_out.values())))}; "
+                       "stock Megatron-LM runs one FP8 recipe for the whole model")
 
 
 def note_synthesised(model, profiles: dict[str, GpuProfile]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -15,13 +16,13 @@ from fasop.cost.memory import usable_gib
 from fasop.errors import InputError
 from fasop.files import beside, check_finite
 from fasop.inputs.cluster import Cluster, load_cluster
-from fasop.inputs.model import load_model
+from fasop.inputs.model import load_model, with_precision
 from fasop.plans import Plan, expand_placement, read_plan_file
 
 # The options that give a plan's shape: required without --plan, refused with it (the plan file gives them).
 SHAPE_OPTIONS = ("tp", "dp", "pp", "mbs", "placement", "layers_per_stage", "gbs", "distributed_optimizer", "overlap",
                  "virtual_stages", "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel",
-                 "tp_comm_overlap")
+                 "tp_comm_overlap", "precision", "fp8_recipe", "fp8_param_gather")
 REQUIRED_WITHOUT_PLAN = ("model_name", "cluster_name", "tp", "dp", "pp", "mbs", "placement", "layers_per_stage")
 DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and it does not fit GPU memory
 
@@ -64,10 +65,11 @@ DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and
               help="Megatron's --tp-comm-overlap: the layers' tensor-parallel collectives overlapped with their GEMMs "
                    "(needs tp > 1, sequence parallelism and a GPU type of clusters/catalogue/tp-comm-overlap.toml).")
 @common.memory_headroom_option
+@common.precision_options(several=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
 @common.reports_input_errors
 def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_profile_mismatch, memory_headroom, as_json,
-             **shape):
+             precision, fp8_recipe, fp8_param_gather, **shape):
     """Break down the step time, memory and price of one plan: given by --tp, --dp, --pp, --mbs, --placement and
     --layers, or read from a plan file with --plan.
 
@@ -76,6 +78,7 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
     from fasop.inputs.errorband import band_of
     from fasop.search import estimate as run_estimate
     from fasop.search.headroom import memory_load
+    from fasop.search.precision import plan_model
     from fasop.search.spec import spec_of
     from fasop.search.stagegroups import estimate_stage_groups, spec_of_stage_groups
 
@@ -89,6 +92,8 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
         if missing:
             raise InputError(_option(ctx, missing[0]), "missing: give the plan's options, or a plan file with --plan")
         model, cluster = load_model(model_name), load_cluster(cluster_name)
+        if precision is not None or fp8_recipe is not None or fp8_param_gather:
+            model = with_precision(model, precision or model.precision, fp8_recipe, fp8_param_gather)
         shape["placement"] = expand_placement(shape["placement"], "--placement")
         shape["layers_per_stage"] = common.int_list("--layers", shape["layers_per_stage"])
         shape["overlap_grad_reduce"] = shape.pop("overlap")
@@ -102,11 +107,15 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
             raise InputError(where, f"a {plan.kind} plan: fasop estimate takes 3D and stage-groups plans (fasop "
                                     "emit re-estimates data-parallel ones)")
         model, cluster, profiles_dir = _plan_inputs(plan, Path(plan_file), model_name, cluster_name, profiles_dir, where)
+        model = plan_model(model, plan)
         if plan.is_stage_groups:
             groups = spec_of_stage_groups(plan, model, cluster, where)
         else:
             spec, shape = spec_of(plan, model, cluster, where), {}
-    profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
+    placement = groups.placement if groups is not None else (spec.placement if spec is not None else shape["placement"])
+    # an fp8 model has profiles only on FP8 GPUs: those of the plan's node types
+    used = cluster.with_counts(Counter(placement)) if model.fp8 else cluster
+    profiles = common.run_profiles(model, used, profiles_dir, allow_profile_mismatch)
     if groups is None:
         plan = run_estimate(model, cluster, spec, profiles_dir=profiles_dir, profiles=profiles, **shape)
     else:

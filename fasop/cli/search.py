@@ -86,16 +86,17 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
               help="Also search stage-group plans, each pipeline stage with its own GPU type, tp and dp, chosen by "
                    "an integer program (run with FlagScale's heterogeneous mode: fasop emit).")
 @common.memory_headroom_option
+@common.precision_options(several=True)
 @noise_options
 @run_options
 @common.reports_input_errors
 def search(model_name, cluster_name, gbs, top, all_placements, sort, output, force, train_steps, train_tokens, prune,
            workers, emit_dir, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, recompute_modes,
-           no_sequence_parallel, no_tp_comm_overlap, use_all, stage_groups, memory_headroom, noise, trials, seed, **run):
+           no_sequence_parallel, no_tp_comm_overlap, use_all, stage_groups, memory_headroom, precision, fp8_recipe,
+           fp8_param_gather, noise, trials, seed, **run):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time, plans above the memory headroom
     after those below it."""
-    from fasop.search.headroom import search_within_headroom
-    from fasop.search.space import prepare
+    from fasop.search.precision import parse_precisions, precision_spaces, search_precisions
 
     recompute = tuple(mode.strip() for mode in recompute_modes.split(","))
     for value, option in ((trials, "--trials"), (seed, "--seed")):
@@ -112,16 +113,18 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
 
         check_out_dir(emit_dir, force, "emit_dir")
     common.check_outputs(outputs, inputs, force)
-    profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
+    spaces = precision_spaces(model, cluster, None if precision is None else parse_precisions(precision), fp8_recipe,
+                              fp8_param_gather, use_all)
+    space_profiles = [common.run_profiles(space.model, space.cluster, profiles_dir, allow_profile_mismatch)
+                      for space in spaces]
     started = time.perf_counter()
     with common.progress_bar("searching") as progress:
-        result = search_within_headroom(model, cluster, gbs, profiles_dir, memory_headroom=memory_headroom,
-                                        distributed_optimizer=distributed_optimizer, train_steps=train_steps,
-                                        train_tokens=train_tokens, sort=sort, progress=progress,
-                                        keep=top if prune else None, workers=workers, profiles=profiles,
-                                        overlap=overlap, recompute=recompute, sequence_parallel=not no_sequence_parallel,
-                                        tp_comm_overlap=not no_tp_comm_overlap, use_all=use_all,
-                                        stage_groups=stage_groups, bound_placements=top)
+        result = search_precisions(spaces, space_profiles, gbs, profiles_dir, memory_headroom=memory_headroom,
+                                   distributed_optimizer=distributed_optimizer, train_steps=train_steps,
+                                   train_tokens=train_tokens, sort=sort, progress=progress,
+                                   keep=top if prune else None, workers=workers, overlap=overlap, recompute=recompute,
+                                   sequence_parallel=not no_sequence_parallel, tp_comm_overlap=not no_tp_comm_overlap,
+                                   use_all=use_all, stage_groups=stage_groups, bound_placements=top)
     elapsed = time.perf_counter() - started
     plans = result.plans
     if not plans:
@@ -133,10 +136,8 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
         raise InputError(f"--cluster {cluster_name}", f"no plan fits in memory ({result.out_of_memory} plans tried){hint}")
     report = None
     if noise is not None:  # before anything is written: nothing is left behind when it fails
-        prepared = prepare(model, cluster, plans[0].gbs, profiles_dir, distributed_optimizer, profiles, overlap,
-                           recompute, not no_sequence_parallel, not no_tp_comm_overlap)
-        with common.progress_bar("noise trials") as progress:
-            report = noise_report(prepared, plans, noise, trials or DEFAULT_TRIALS, seed or 0, sort, top, progress)
+        settings = (distributed_optimizer, overlap, recompute, not no_sequence_parallel, not no_tp_comm_overlap)
+        report = _noise(spaces, space_profiles, plans, profiles_dir, settings, noise, trials, seed, sort, top)
     notes = _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs, run_settings(run))
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0].gbs}; "
                f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
@@ -145,6 +146,7 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
     click.echo(TIMING_LEGEND)
     _echo_table(plans, top, all_placements, cluster, memory_headroom)
     _echo_notes(result, top, cluster)
+    common.note_left_out(spaces)
     if report is not None:
         click.echo(report)
     if output is not None:
@@ -153,6 +155,18 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
         click.echo(f"launch scripts of plan 1 written to {emit_dir}; submit with: cd {emit_dir} && sbatch sbatch.sh")
         for note in notes:
             click.echo(note, err=True)
+
+
+def _noise(spaces, space_profiles, plans, profiles_dir, settings, noise, trials, seed, sort, top) -> str:
+    """The --noise report of the plans of one precision."""
+    from fasop.search.space import prepare
+
+    if len(spaces) > 1:
+        raise InputError("--noise", "perturbs the plans of one precision: give one --precision")
+    prepared = prepare(spaces[0].model, spaces[0].cluster, plans[0].gbs, profiles_dir, settings[0], space_profiles[0],
+                       *settings[1:])
+    with common.progress_bar("noise trials") as progress:
+        return noise_report(prepared, plans, noise, trials or DEFAULT_TRIALS, seed or 0, sort, top, progress)
 
 
 def _echo_table(plans, top, all_placements, cluster, memory_headroom) -> None:

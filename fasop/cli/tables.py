@@ -36,6 +36,8 @@ def format_table(plans: list[Plan], top: int, all_placements: bool = False,
     ]
     if plans[0].train_cost_usd is not None:
         columns += [("train_hours", "run h", "{:.1f}"), ("train_cost_usd", "run $", "{:,.0f}")]
+    if any(plan.precision is not None for plan in plans[:top]):  # FP8 plans among them: say which
+        columns.insert(1, ("precision", "prec", ""))
     cells = [[title for _, title, _ in columns]]
     if all_placements:
         cells += [[_cell(row, key, fmt, flagged) for key, _, fmt in columns] for row in plans[:top]]
@@ -61,6 +63,8 @@ def _cell(row: Plan, key: str, fmt: str, flagged: Callable[[Plan], bool] | None 
         return recompute_label(row)
     if key == "sequence_parallel":
         return "on" if value else "-"
+    if key == "precision":
+        return value or "-"
     if key == "peak_memory_gib":
         mark = HEADROOM_MARK if flagged is not None and flagged(row) else ""
         return f"{fmt.format(value)}/{fmt.format(row.memory_capacity_gib)}{mark}"
@@ -105,7 +109,9 @@ def format_estimate(row: Plan, model_name: str, cluster_name: str, memory_margin
     lines = [f"{model_name} on {cluster_name}: {shape} "
              f"({row.num_microbatches} micro-batches), placement {compress_placement(row.placement)}"
              + (f", {row.virtual_stages} virtual stages" if (row.virtual_stages or 1) > 1 else "")
-             + f", recompute {recompute_label(row)}, sequence parallelism {'on' if row.sequence_parallel else 'off'}",
+             + f", recompute {recompute_label(row)}, sequence parallelism {'on' if row.sequence_parallel else 'off'}"
+             + (f", fp8 ({row.fp8_recipe} scaling{', parameters gathered in fp8' if row.fp8_param_gather else ''})"
+                if row.precision == "fp8" else ""),
              f"{'stage':>5}  {'gpu':>9}{degrees}  {'layers':>6}  {'compute s':>9}  {'p2p s':>8}  {'allreduce s':>11}  "
              f"{'mem GiB':>7}  {'of GiB':>6}"]
     for s in row.stages or []:

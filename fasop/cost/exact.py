@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from fasop.cost.config import Config, chunk_layers, per_stage, recomputed_layers
-from fasop.cost.memory import optimizer_traffic_bytes
+from fasop.cost.fp8 import weight_cast_bytes
+from fasop.cost.memory import all_layer_params, optimizer_traffic_bytes
 from fasop.cost.schedule import stage_times
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -150,11 +151,14 @@ def optimizer_times(model: Model, cluster: Cluster, placements: list[tuple[tuple
                     fixed_params: np.ndarray, layer_params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(fixed, per layer): (G, pp) seconds of each stage's optimizer step for G placements (the node types hosting
     each stage), a memory-bound pass over its ranks' optimizer state (sharded over the data-parallel group with the
-    distributed optimizer) at the memory bandwidth of the stage's slowest GPU."""
+    distributed optimizer) at the memory bandwidth of the stage's slowest GPU; an fp8 model's layers add the
+    once-a-step FP8 casts of their weights (fasop.cost.fp8)."""
     def slowest(names: tuple[str, ...]) -> float:
         return min(cluster.node_types[n].gpu_memory_bytes_per_s for n in names)
 
     bandwidth: np.ndarray = np.array(per_stage(placements, slowest))
     shard = config.dp if config.distributed_optimizer else 1
     per_param = optimizer_traffic_bytes(model) / shard / bandwidth
-    return fixed_params * per_param, layer_params * per_param
+    cast = weight_cast_bytes(model) / bandwidth
+    whole = all_layer_params(model, config.tp) if config.pp == 1 else 0.0  # one stage: its layers count as fixed
+    return fixed_params * per_param + whole * cast, layer_params * (per_param + cast)

@@ -19,6 +19,7 @@ from typing import TypeVar
 import numpy as np
 
 from fasop.cost.config import RECOMPUTE_MODES, Config, per_stage, recomputed_layers
+from fasop.cost.fp8 import gemm_input_bytes, weight_memory_bytes
 from fasop.cost.pipeline import end_chunks_in_flight, in_flight
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
@@ -40,7 +41,7 @@ def gradient_bytes(model: Model) -> int:
     (megatron/core/distributed/distributed_data_parallel.py: fp32 with grad_reduce_in_fp32, else the parameter's
     dtype): fp32 for bf16 training (Megatron-LM turns on --accumulate-allreduce-grads-in-fp32 for bf16 unless
     --grad-reduce-in-bf16), fp16 for fp16's."""
-    if model.precision == "fp32" or (model.precision == "bf16" and not model.grad_reduce_in_bf16):
+    if model.precision == "fp32" or (model.high_precision == "bf16" and not model.grad_reduce_in_bf16):
         return FP32_BYTES
     return model.precision_bytes
 
@@ -100,12 +101,15 @@ def _attention_activation_bytes(model: Model, q_seq: int, kv_seq: int, mbs: int,
     sequence parallelism (norm and projection inputs, dropout mask), what tensor parallelism splits, and the
     attention-score terms (a s^2 b) that selective recomputation drops."""
     h, qa, kv, a = model.hidden_size, model.attention_width, model.kv_width, model.num_attention_heads
-    p, mask = model.precision_bytes, DROPOUT_MASK_BYTES if model.dropout else 0
+    p, mask, g = model.precision_bytes, DROPOUT_MASK_BYTES if model.dropout else 0, gemm_input_bytes(model)
     b = mbs
-    # input of the norm and of the Q(KV) projection, dropout mask; Q, K, V and input of the output projection
-    kv_input = 0 if cross else p * q_seq * b * h  # cross-attention K/V read the shared encoder output
+    # input of the norm and of the Q(KV) projection (FP8 in an fp8 model: fasop.cost.fp8), dropout mask; Q, K, V
+    # and input of the output projection: flash attention keeps its output for its backward in bf16, and an fp8
+    # model's projection its own FP8 copy of it beside
+    kv_input = 0 if cross else g * q_seq * b * h  # cross-attention K/V read the shared encoder output
     replicated = p * q_seq * b * h + kv_input + mask * q_seq * b * h
-    split = p * q_seq * b * qa + 2 * p * kv_seq * b * kv + p * q_seq * b * qa
+    projection_input = (p if model.flash_attention else 0) + g if model.fp8 else p
+    split = p * q_seq * b * qa + 2 * p * kv_seq * b * kv + projection_input * q_seq * b * qa
     if model.flash_attention:
         scores = 0.0
     else:  # softmax output, and with dropout its mask and output
@@ -114,12 +118,12 @@ def _attention_activation_bytes(model: Model, q_seq: int, kv_seq: int, mbs: int,
 
 
 def _mlp_activation_bytes(model: Model, seq: int, mbs: int) -> np.ndarray:
-    h, f, p = model.hidden_size, model.ffn_hidden_size, model.precision_bytes
+    h, f, p, g = model.hidden_size, model.ffn_hidden_size, model.precision_bytes, gemm_input_bytes(model)
     mask = DROPOUT_MASK_BYTES if model.dropout else 0
-    # fc1's output and fc2's input: SwiGLU's fc1 output is 2f wide; squared ReLU keeps relu's output (pow saves
-    # it too) and its square, as GeLU its input and output
-    hidden = (3 if model.ffn_activation == "swiglu" else 2) * p * seq * mbs * f
-    return np.array([p * seq * mbs * h + mask * seq * mbs * h + p * seq * mbs * h, hidden, 0.0])  # + norm input
+    # fc1's output and fc2's input (FP8 in an fp8 model): SwiGLU's fc1 output is 2f wide; squared ReLU keeps
+    # relu's output (pow saves it too) and its square, as GeLU its input and output
+    hidden = ((2 if model.ffn_activation == "swiglu" else 1) * p + g) * seq * mbs * f
+    return np.array([g * seq * mbs * h + mask * seq * mbs * h + p * seq * mbs * h, hidden, 0.0])  # + norm input
 
 
 @cache
@@ -182,8 +186,13 @@ def stage_params(model: Model, config: Config, segment: np.ndarray) -> tuple[np.
     if model.is_encoder_decoder and not whole:
         fixed_params[min(config.encoder_stages, pp - 1)] += model.decoder_embedding_params(tp)
     if whole:
-        fixed_params[0] += float(np.dot(model.segment_layers, kind_params))
+        fixed_params[0] += all_layer_params(model, tp)
     return fixed_params, kind_params[segment]
+
+
+def all_layer_params(model: Model, tp: int) -> float:
+    """Parameters per rank of every transformer layer: what one stage holding the whole model counts as fixed."""
+    return float(sum(n * model.layer_params(kind) / tp for n, kind in zip(model.segment_layers, model.layer_kinds)))
 
 
 def stage_capacity_gib(cluster: Cluster, placements: list[tuple[tuple[str, ...], ...]]) -> np.ndarray:
@@ -243,6 +252,11 @@ def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: 
     tp, pp, sp = config.tp, config.pp, config.sequence_parallel
     per_param = bytes_per_param(model, config.dp, config.distributed_optimizer)
     step_per_param = per_param + main_gradient_bytes(model, config.dp, config.distributed_optimizer)
+    # an fp8 model's cached FP8 weights: its layers' (the embedding and the output layer stay bf16)
+    fp8_weights = weight_memory_bytes(model)
+    fixed_fp8 = np.zeros(pp)
+    if pp == 1:
+        fixed_fp8[0] = fp8_weights * all_layer_params(model, tp)
     whole_act, selective_act, input_act = (_kind_activation_bytes(model, tp, sp, mode) for mode in RECOMPUTE_MODES)
     full = config.recompute == "full"
     kept_act = selective_act if config.recompute == "selective" else whole_act
@@ -264,12 +278,12 @@ def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: 
     held = in_flight(pp, num_microbatches, config.virtual_stages) * mbs[:, None]  # samples whose activations a stage holds
     one = mbs[:, None] / GIB  # the working layer's micro-batch
     return StageMemory(
-        fixed_gib=(fixed_params * per_param + fixed_act * held + end_act) / GIB + fixed_working * one,
-        layer_gib=(layer_params * per_param + kept_act[segment] * held) / GIB,
+        fixed_gib=(fixed_params * per_param + fixed_fp8 + fixed_act * held + end_act) / GIB + fixed_working * one,
+        layer_gib=(layer_params * (per_param + fp8_weights) + kept_act[segment] * held) / GIB,
         recomputed_gib=recomputed_act[segment] * held / GIB,
         working_gib=working_act[segment] * one,
-        step_fixed_gib=np.broadcast_to(fixed_params * step_per_param / GIB, held.shape).copy(),
-        step_layer_gib=np.broadcast_to(layer_params * step_per_param / GIB, held.shape).copy())
+        step_fixed_gib=np.broadcast_to((fixed_params * step_per_param + fixed_fp8) / GIB, held.shape).copy(),
+        step_layer_gib=np.broadcast_to(layer_params * (step_per_param + fp8_weights) / GIB, held.shape).copy())
 
 
 def head_fits(model: Model, cluster: Cluster, tp: int, mbs: int, sequence_parallel: bool = True) -> bool:

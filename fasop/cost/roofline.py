@@ -35,6 +35,8 @@ from functools import cache, lru_cache
 
 import numpy as np
 
+from fasop.cost.fp8 import FP8_BYTES, cast_bytes_per_element, recipe_error
+from fasop.errors import InputError
 from fasop.inputs.catalogue import GpuSpec
 from fasop.inputs.model import Model
 
@@ -62,6 +64,7 @@ class Kernel:
     launches: int = 1
     output: tuple[float, float, float] | None = None  # a matmul's (batch, rows, columns) of output tiles to fill
     attention_core: bool = False  # what Megatron-LM's selective recomputation reruns
+    fp8: bool = False  # a GEMM on the FP8 tensor cores (fasop.cost.fp8)
 
 
 Work = tuple[Kernel, tuple[Kernel, ...]]  # a forward kernel and the backward kernels it causes
@@ -114,16 +117,26 @@ class Rates:
     kernel_launch_s: float
     sm_count: int | None = None
     allreduce_busbw: tuple[tuple[float, float], ...] = ()  # (payload bytes, GB/s), payloads increasing
+    fp8_flops_per_s: float = 0.0  # FP8 GEMMs in full waves (FP8 peak x its efficiency); 0 for other models
 
     @classmethod
     def of(cls, spec: GpuSpec, model: Model, efficiency: float | None = None,
            link_bytes_per_s: float | None = None) -> Rates:
         """The rates of `spec` for `model`'s precision; `efficiency` and `link_bytes_per_s` override the table's
-        (a link bandwidth given replaces the table's measured curve too)."""
+        (a link bandwidth given replaces the table's measured curve too; `efficiency` scales the FP8 one by the
+        same factor)."""
+        scale = 1.0 if efficiency is None else efficiency / spec.matmul_efficiency
         efficiency = spec.matmul_efficiency if efficiency is None else efficiency
         link, curve = (spec.link_bytes_per_s, spec.allreduce_busbw) if link_bytes_per_s is None else (link_bytes_per_s, ())
+        fp8 = 0.0
+        if model.fp8:
+            error = recipe_error(spec, model.fp8_recipe)
+            if error is not None:
+                raise InputError(f"model {model.name}", f"trains in fp8: {error}")
+            assert spec.fp8_matmul_efficiency is not None  # the table gives it with dense_fp8_tflops
+            fp8 = spec.dense_fp8_tflops * 1e12 * min(1.0, spec.fp8_matmul_efficiency * scale)
         return cls(spec.peak_flops(model.precision, model.name) * efficiency, spec.memory_bytes_per_s, link,
-                   spec.kernel_launch_s, spec.sm_count, curve)
+                   spec.kernel_launch_s, spec.sm_count, curve, fp8)
 
     def collective_bytes_per_s(self, payload_bytes: float) -> float:
         """Bus bandwidth of a ring all-gather or reduce-scatter of `payload_bytes`: the measured all-reduce's at
@@ -200,6 +213,27 @@ def _matmul(name: str, m: float, k: float, n: float, p: int) -> tuple[Kernel, tu
                             output=(1, k, n)))
 
 
+def _linear(model: Model, name: str, m: float, k: float, n: float, after_norm: bool = False) -> list[Work]:
+    """A linear layer's GEMMs, m x k input by k x n weight: in bf16 (or fp16), or for an fp8 model on the FP8
+    tensor cores, reading one-byte operands and writing bf16, with the cast of its input forward and of its
+    output gradient backward (fasop.cost.fp8; weights are cast once a step, not per micro-batch). After a norm
+    (`after_norm`: Megatron-LM's TELayerNormColumnParallelLinear) Transformer Engine's norm kernel writes the
+    FP8 copies itself, unless tensorwise scaling needs the output's amax first."""
+    p = model.precision_bytes
+    if not model.fp8:
+        return [_matmul(name, m, k, n, p)]
+    flops, q = 2.0 * m * k * n, FP8_BYTES
+    cast = cast_bytes_per_element(model)
+    forward = Kernel(name, flops, q * (m * k + k * n) + p * m * n, output=(1, m, n), fp8=True)
+    backward = (Kernel(f"{name} input grad", flops, q * (m * n + k * n) + p * m * k, output=(1, m, k), fp8=True),
+                Kernel(f"{name} weight grad", flops, q * (m * k + m * n) + MAIN_GRAD_BYTES_PER_WEIGHT * k * n,
+                       output=(1, k, n), fp8=True))
+    gradient_cast = (Kernel(f"{name} output grad cast", 0.0, cast * m * n),)
+    if after_norm and model.fp8_recipe != "tensorwise":
+        return [(forward, gradient_cast + backward)]
+    return [(Kernel(f"{name} input cast", 0.0, cast * m * k), gradient_cast), (forward, backward)]
+
+
 def _elementwise(name: str, read: float, written: float, p: int, mask: float = 0.0,
                  launches: tuple[int, int] = (1, 1)) -> tuple[Kernel, tuple[Kernel, ...]]:
     """(forward, backward) of element-wise work reading `read` and writing `written` elements (`mask`: bytes
@@ -248,24 +282,27 @@ def _layer(model: Model, kind: str, b: int, tp: int) -> tuple[list, tuple[float,
     mask = DROPOUT_MASK_BYTES_PER_ELEMENT * shard if model.dropout else 0.0
     norm = ("norm", shard, shard, p, 0.0, (1, 2))
     residual = ("bias-dropout-add", 2 * shard, shard, p, mask)  # fused in Megatron: one kernel each way
-    work = [_elementwise(*norm), _matmul("QKV", tokens, h, qa + 2 * kv, p)]
+    work = [_elementwise(*norm), *_linear(model, "QKV", tokens, h, qa + 2 * kv, after_norm=True)]
     if model.position_embedding == "rope":  # applied to Q and to K
         work.append(_elementwise("rotary", tokens * (qa + kv), tokens * (qa + kv), p, launches=(2, 2)))
-    work += [*_attention(model, b, s, s, tp), _matmul("attention output", tokens, qa, h, p),
+    work += [*_attention(model, b, s, s, tp), *_linear(model, "attention output", tokens, qa, h),
              _elementwise(*residual)]
-    collectives: list[float] = [p * tokens * h] * 4  # 2 all-gathers + 2 reduce-scatters (or 2 all-reduces) of b s h
+    # 2 all-gathers (of the norms' outputs: FP8 for an fp8 model, Transformer Engine gathers the quantized
+    # tensor) and 2 reduce-scatters of b s h (or 2 all-reduces)
+    gathered = FP8_BYTES if model.fp8 else p
+    collectives: list[float] = [float(gathered * tokens * h)] * 2 + [float(p * tokens * h)] * 2
     if s_enc:
         enc_tokens = b * s_enc
-        work += [_elementwise(*norm), _matmul("cross Q", tokens, h, qa, p), _matmul("cross KV", enc_tokens, h, 2 * kv, p),
-                 *_attention(model, b, s, s_enc, tp), _matmul("cross output", tokens, qa, h, p),
-                 _elementwise(*residual)]
+        work += [_elementwise(*norm), *_linear(model, "cross Q", tokens, h, qa, after_norm=True),
+                 *_linear(model, "cross KV", enc_tokens, h, 2 * kv), *_attention(model, b, s, s_enc, tp),
+                 *_linear(model, "cross output", tokens, qa, h), _elementwise(*residual)]
         # all-gathers of the query input and of the encoder output, one reduce-scatter
-        collectives += [p * tokens * h, p * enc_tokens * h, p * tokens * h]
+        collectives += [gathered * tokens * h, p * enc_tokens * h, p * tokens * h]
     ffn = model.ffn_hidden_size / tp
     ffn_in = 2 * ffn if model.ffn_activation == "swiglu" else ffn
-    work += [_elementwise(*norm), _matmul("FFN in", tokens, h, ffn_in, p),
+    work += [_elementwise(*norm), *_linear(model, "FFN in", tokens, h, ffn_in, after_norm=True),
              _elementwise(model.ffn_activation, tokens * ffn_in, tokens * ffn, p),
-             _matmul("FFN out", tokens, ffn, h, p), _elementwise(*residual)]
+             *_linear(model, "FFN out", tokens, ffn, h), _elementwise(*residual)]
     return work, tuple(collectives)
 
 
@@ -339,7 +376,8 @@ def wave_efficiency(output: tuple[float, float, float] | None, sm_count: int | N
 
 def pass_s(kernels: tuple[Kernel, ...], rates: Rates) -> float:
     """Seconds of the kernels of one pass, each at its roofline, plus their launches."""
-    return sum(max(k.flops / (rates.flops_per_s * wave_efficiency(k.output, rates.sm_count)),
+    return sum(max(k.flops / ((rates.fp8_flops_per_s if k.fp8 else rates.flops_per_s)
+                              * wave_efficiency(k.output, rates.sm_count)),
                    k.bytes / rates.memory_bytes_per_s) + k.launches * rates.kernel_launch_s
                for k in kernels)
 

@@ -229,7 +229,7 @@ def stage_group_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuPro
     ar_fixed = per_byte * grad_bytes * params_fixed + latency
     ar_layer = per_byte * grad_bytes * params_layer
     first = configs[0]
-    grad_share, gather_share = reduction_shares(model, first)
+    grad_share, gather_fixed, gather_layer = reduction_shares(model, first)
     buckets = np.array([[float(bucket_params(c.dp)) for c in configs]])
     opt_fixed = column(lambda c: c.schedule.optimizer_fixed_s)
     opt_layer = column(lambda c: c.schedule.optimizer_layer_s)
@@ -262,7 +262,7 @@ def stage_group_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuPro
         fixed_forward_s=column(lambda c: c.schedule.fixed_forward_s),
         layer_forward_s=column(lambda c: c.schedule.layer_forward_s), boundary_s=boundary, num_microbatches=m,
         grad_fixed_s=grad_share * ar_fixed, grad_layer_s=grad_share * ar_layer,
-        gather_fixed_s=gather_share * ar_fixed, gather_layer_s=gather_share * ar_layer,
+        gather_fixed_s=gather_fixed * ar_fixed, gather_layer_s=gather_layer * ar_layer,
         optimizer_fixed_s=opt_fixed, optimizer_layer_s=opt_layer, params_fixed=params_fixed,
         params_layer=params_layer, bucket_params=buckets, embedding_allreduce_s=emb,
         overlap_grad_reduce=sched[0].overlap_grad_reduce, overlap_param_gather=sched[0].overlap_param_gather,

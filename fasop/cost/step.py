@@ -18,6 +18,7 @@ from fasop.cost.communication import Geometry, allreduce_times, p2p_times
 from fasop.cost.compute import recompute_times, stage_compute
 from fasop.cost.config import Config, fewest_layers, recomputed_affine, segments
 from fasop.cost.exact import ScheduleBatch, bucket_params, optimizer_times
+from fasop.cost.fp8 import gathered_param_bytes
 from fasop.cost.memory import (
     StageMemory,
     gradient_bytes,
@@ -122,7 +123,7 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     ar_fixed, ar_layer, emb_ar = allreduce_times(model, geos, config, fixed_params, layer_params, k)
     opt_fixed, opt_layer = (np.repeat(t, k, axis=0)
                             for t in optimizer_times(model, cluster, placements, config, fixed_params, layer_params))
-    grad_share, gather_share = reduction_shares(model, config)
+    grad_share, gather_fixed, gather_layer = reduction_shares(model, config)
     buckets = np.full(rows, float(bucket_params(config.dp)))
     capacity = np.repeat(stage_capacity_gib(cluster, placements), k, axis=0)
     usable = usable_gib(cluster, capacity)
@@ -159,7 +160,7 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
             fixed_s=compute.fixed_s, layer_s=compute.layer_s, fixed_forward_s=compute.fixed_forward_s,
             layer_forward_s=compute.layer_forward_s, boundary_s=boundary, num_microbatches=num_microbatches,
             grad_fixed_s=grad_share * ar_fixed, grad_layer_s=grad_share * ar_layer,
-            gather_fixed_s=gather_share * ar_fixed, gather_layer_s=gather_share * ar_layer,
+            gather_fixed_s=gather_fixed * ar_fixed, gather_layer_s=gather_layer * ar_layer,
             optimizer_fixed_s=opt_fixed, optimizer_layer_s=opt_layer,
             params_fixed=np.repeat(fixed_params, k, axis=0), params_layer=np.repeat(layer_params, k, axis=0),
             bucket_params=buckets, embedding_allreduce_s=emb_ar,
@@ -171,13 +172,15 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
                          *memory.affine(*recomputed), capacity, emb_ar, fixed_layers, schedule)
 
 
-def reduction_shares(model: Model, config: Config) -> tuple[float, float]:
-    """(gradient, parameter gather): the shares of a gradient all-reduce's time that the gradient reduction and
-    the parameter all-gather take. The distributed optimizer reduce-scatters the gradients (half the
-    all-reduce's traffic) and all-gathers the parameters, in the training precision rather than the gradients'."""
+def reduction_shares(model: Model, config: Config) -> tuple[float, float, float]:
+    """(gradient, parameter gather beyond the layers, the layers' parameter gather): the shares of a gradient
+    all-reduce's time that the gradient reduction and the parameter all-gather take. The distributed optimizer
+    reduce-scatters the gradients (half the all-reduce's traffic) and all-gathers the parameters, in the
+    training precision rather than the gradients' (an fp8 model's layers in FP8 with --fp8-param-gather)."""
     if config.distributed_optimizer:
-        return 0.5, 0.5 * model.precision_bytes / gradient_bytes(model)
-    return 1.0, 0.0
+        half = 0.5 / gradient_bytes(model)
+        return 0.5, half * model.precision_bytes, half * gathered_param_bytes(model)
+    return 1.0, 0.0, 0.0
 
 
 def post_tail(model: Model, config: Config, ar_fixed: np.ndarray, ar_layer: np.ndarray, opt_fixed: np.ndarray,
@@ -186,10 +189,10 @@ def post_tail(model: Model, config: Config, ar_fixed: np.ndarray, ar_layer: np.n
     backward: its gradient reduction, its parameter gather and its optimizer step; with overlap, only one bucket
     of the reduction (`per_byte`: the all-reduce's seconds per gradient byte; `buckets`: parameters per bucket)
     and none of the gather."""
-    grad_share, gather_share = reduction_shares(model, config)
-    gather = 0.0 if config.overlap_param_gather else gather_share
-    post_fixed = gather * ar_fixed + opt_fixed
-    post_layer = gather * ar_layer + opt_layer
+    grad_share, gather_fixed, gather_layer = reduction_shares(model, config)
+    exposed = 0.0 if config.overlap_param_gather else 1.0
+    post_fixed = exposed * gather_fixed * ar_fixed + opt_fixed
+    post_layer = exposed * gather_layer * ar_layer + opt_layer
     if config.overlap_grad_reduce:
         return post_fixed + grad_share * per_byte * gradient_bytes(model) * buckets, post_layer
     return post_fixed + grad_share * ar_fixed, post_layer + grad_share * ar_layer

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs import bundled
@@ -44,10 +44,14 @@ class GpuSpec:
     kernel_launch_us: float = DEFAULT_KERNEL_LAUNCH_US
     sm_count: int | None = None
     allreduce_busbw: tuple[tuple[float, float], ...] = ()
+    dense_fp8_tflops: float = 0.0  # 0: no FP8 tensor cores
+    fp8_matmul_efficiency: float | None = None  # achievable fraction of the FP8 peak (given with dense_fp8_tflops)
+    compute_capability: str | None = None  # "9.0": which FP8 recipes Transformer Engine runs (fasop.cost.fp8)
     file: str = ""
 
     def peak_flops(self, precision: str, model_name: str = "") -> float:
-        """Dense tensor-core FLOP/s for a model trained in `precision`."""
+        """Dense tensor-core FLOP/s for a model trained in `precision` (fp8: of the bf16 work around its GEMMs)."""
+        precision = "bf16" if precision == "fp8" else precision
         if precision == "fp32":
             raise InputError(f"model {model_name}".strip(),
                              "precision fp32: the GPU table gives only fp16 and bf16 tensor-core peaks")
@@ -107,8 +111,18 @@ class GpuTable(Table):
     kernel_launch_us: Annotated[float, Range(0.0, 1000.0)] = DEFAULT_KERNEL_LAUNCH_US
     sm_count: Annotated[int, Range(1, 4096)] | None = None
     allreduce_busbw: BusbwCurve = ()
+    dense_fp8_tflops: Annotated[float, Range(0.0, 1e5)] = 0.0  # 0 means "no FP8 tensor cores"
+    fp8_matmul_efficiency: Annotated[float, Range(0.0, 1.0, low_allowed=False)] | None = None
+    compute_capability: Annotated[str, Field(pattern=r"^[0-9]{1,2}\.[0-9]$"), expected("a compute capability such as "
+                                                                                      "9.0")] | None = None
     source: Text = ""
     date: Text = ""
+
+    @model_validator(mode="after")
+    def _fp8_needs_its_figures(self) -> GpuTable:
+        if self.dense_fp8_tflops > 0 and (self.fp8_matmul_efficiency is None or self.compute_capability is None):
+            raise ValueError("a GPU with dense_fp8_tflops > 0 gives fp8_matmul_efficiency and compute_capability too")
+        return self
 
 
 class GpuFile(Table):

@@ -5,7 +5,7 @@ fasop.cost.communication).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Annotated, Literal
 
@@ -14,7 +14,11 @@ from fasop.inputs import bundled
 from fasop.inputs.names import Name
 from fasop.inputs.tomlfile import Flag, Range, Table, Text, read_toml, validated
 
-PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 2}  # fp8: its tensors outside the FP8 GEMMs, in bf16
+PRECISIONS = ("fp16", "bf16", "fp32", "fp8")
+# Transformer Engine's FP8 scaling recipes as Megatron-LM's --fp8-recipe names them (delayed: amax history;
+# tensorwise: current per-tensor scaling; blockwise: 1 x 128 and 128 x 128 blocks; mxfp8: 32-element blocks)
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 # Ranges of the shape fields of a model file (docs/formats.md): beyond any trained Transformer, small enough
 # that parameter, activation and FLOP counts stay finite.
 MAX_LAYERS = 10_000
@@ -51,7 +55,9 @@ class Model:
     flash_attention: bool = False
     dropout: bool = True
     linear_bias: bool = True
-    precision: str = "fp16"
+    precision: str = "fp16"  # fp8: Transformer Engine's FP8 GEMMs in the linear layers, bf16 around them
+    fp8_recipe: str = "delayed"  # fp8 only: its scaling recipe (FP8_RECIPES), Megatron-LM's default
+    fp8_param_gather: bool = False  # fp8 only: parameters kept and all-gathered in FP8 (--fp8-param-gather)
     grad_reduce_in_bf16: bool = False  # bf16 only: gradients kept and reduced in bf16 (Megatron-LM --grad-reduce-in-bf16)
     global_batch_size: int = 1
     make_vocab_size_divisible_by: int = 128
@@ -99,6 +105,15 @@ class Model:
     @property
     def precision_bytes(self) -> int:
         return PRECISION_BYTES[self.precision]
+
+    @property
+    def high_precision(self) -> str:
+        """The dtype of weights, activations and every kernel but the FP8 GEMMs: bf16 for an fp8 model."""
+        return "bf16" if self.precision == "fp8" else self.precision
+
+    @property
+    def fp8(self) -> bool:
+        return self.precision == "fp8"
 
     @property
     def attention_width(self) -> int:
@@ -199,7 +214,9 @@ class ModelTable(Table):
     flash_attention: Flag = False
     dropout: Flag = True
     linear_bias: Flag = True
-    precision: Literal["fp16", "bf16", "fp32"] = "bf16"
+    precision: Literal["fp16", "bf16", "fp32", "fp8"] = "bf16"
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] | None = None
+    fp8_param_gather: Flag | None = None
     grad_reduce_in_bf16: Flag = False
     global_batch_size: Annotated[int, Range(1, 2**31 - 1)]
     make_vocab_size_divisible_by: Width = 128
@@ -245,8 +262,12 @@ def load_model(model_name: str) -> Model:
     groups = heads if table.num_query_groups is None else table.num_query_groups
     if heads % groups:
         raise InputError(f"{where}.num_query_groups", f"must divide num_attention_heads {heads}")
-    if table.grad_reduce_in_bf16 and table.precision != "bf16":
-        raise InputError(f"{where}.grad_reduce_in_bf16", f"true only with precision = \"bf16\", got {table.precision!r}")
+    if table.grad_reduce_in_bf16 and table.precision not in ("bf16", "fp8"):
+        raise InputError(f"{where}.grad_reduce_in_bf16", f"true only with precision = \"bf16\" or \"fp8\", got "
+                                                         f"{table.precision!r}")
+    for key in ("fp8_recipe", "fp8_param_gather"):
+        if getattr(table, key) is not None and table.precision != "fp8":
+            raise InputError(f"{where}.{key}", f"only with precision = \"fp8\", got {table.precision!r}")
     return Model(
         name=table.name, architecture=table.architecture,
         encoder_num_layers=enc_layers, decoder_num_layers=dec_layers,
@@ -263,6 +284,8 @@ def load_model(model_name: str) -> Model:
         dropout=table.dropout,
         linear_bias=table.linear_bias,
         precision=table.precision,
+        fp8_recipe=table.fp8_recipe or "delayed",
+        fp8_param_gather=bool(table.fp8_param_gather),
         grad_reduce_in_bf16=table.grad_reduce_in_bf16,
         global_batch_size=table.global_batch_size,
         make_vocab_size_divisible_by=table.make_vocab_size_divisible_by,
@@ -270,3 +293,20 @@ def load_model(model_name: str) -> Model:
         file=model_name if is_bundled else str(path),
         defaulted=tuple(name for name in ASSUMED_FIELDS if name not in table.model_fields_set),
     )
+
+
+def with_precision(model: Model, precision: str, fp8_recipe: str | None = None,
+                   fp8_param_gather: bool | None = None) -> Model:
+    """`model` trained in `precision` (PRECISIONS); for fp8, with `fp8_recipe` and `fp8_param_gather` where given
+    (else the model file's, or Megatron-LM's defaults: delayed scaling, parameters gathered in bf16)."""
+    if precision not in PRECISIONS:
+        raise InputError("precision", f"expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision != "fp8" and (fp8_recipe is not None or fp8_param_gather):
+        raise InputError("fp8_recipe", f"applies to precision fp8 only, got precision {precision}")
+    if fp8_recipe is not None and fp8_recipe not in FP8_RECIPES:
+        raise InputError("fp8_recipe", f"expected one of {', '.join(FP8_RECIPES)}, got {fp8_recipe!r}")
+    recipe = fp8_recipe or (model.fp8_recipe if model.fp8 else "delayed")
+    gather = fp8_param_gather if fp8_param_gather is not None else (model.fp8_param_gather if model.fp8 else False)
+    grad_in_bf16 = model.grad_reduce_in_bf16 and precision in ("bf16", "fp8")
+    return replace(model, precision=precision, fp8_recipe=recipe if precision == "fp8" else "delayed",
+                   fp8_param_gather=gather if precision == "fp8" else False, grad_reduce_in_bf16=grad_in_bf16)

@@ -28,7 +28,7 @@ from fasop.files import CSV_LIMIT_BYTES, read_text
 from fasop.inputs import bundled
 from fasop.inputs.catalogue import GPU_TABLE, GpuSpec, load_gpu_specs
 from fasop.inputs.csvfile import csv_rows
-from fasop.inputs.model import Model
+from fasop.inputs.model import PRECISIONS, Model, with_precision
 
 COLUMNS = ("tp", "mbs", "kind", "forward_s", "backward_s")
 MEMORY_COLUMN = "peak_memory_bytes"  # optional last column of measured profiles; the search does not read it
@@ -128,6 +128,8 @@ class GpuProfile:
     curves: dict[tuple[int, str], Curve]
     folder: str | None = None  # profiles_dir as given; None: bundled or synthesised
     synthesised: bool = False  # made from the roofline, not read from a file (`file` then says so)
+    precision: str | None = None  # what the file says it was measured or synthesised in (None: it does not say)
+    derived_from: str | None = None  # the file's precision, when its times were scaled to the model's (derived)
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -173,15 +175,18 @@ def required_kinds(model: Model) -> tuple[str, ...]:
     return ("embedding", "layer", "head")
 
 
-def identity_line(model_name: str, gpu: str) -> str:
-    """The comment line that says which model and GPU a profile was made for (read back by read_profile)."""
-    return f"{IDENTITY_PREFIX} model={model_name} gpu={gpu}"
+def identity_line(model_name: str, gpu: str, precision: str | None = None) -> str:
+    """The comment line that says which model and GPU a profile was made for, and in which precision (read back
+    by read_profile)."""
+    return f"{IDENTITY_PREFIX} model={model_name} gpu={gpu}" + (f" precision={precision}" if precision else "")
 
 
 def _identity(line: str, where: str) -> dict[str, str]:
     fields = dict(item.partition("=")[::2] for item in line[len(IDENTITY_PREFIX):].split())
-    if set(fields) != {"model", "gpu"} or not all(fields.values()):
-        raise InputError(where, f"expected '{identity_line('MODEL', 'GPU')}', got {line.strip()!r}")
+    if not {"model", "gpu"} <= set(fields) <= {"model", "gpu", "precision"} or not all(fields.values()) \
+            or fields.get("precision", "bf16") not in PRECISIONS:
+        raise InputError(where, f"expected '{identity_line('MODEL', 'GPU', 'PRECISION')}' (precision one of "
+                                f"{', '.join(PRECISIONS)}, optional), got {line.strip()!r}")
     return fields
 
 
@@ -191,7 +196,9 @@ def read_profile(path: Path, model: Model, gpu: str, allow_profile_mismatch: boo
     `allow_profile_mismatch`. With `spec`, times at sizes not profiled follow the roofline shape on that GPU."""
     file = str(path)
     text = read_text(path, CSV_LIMIT_BYTES, missing=f"no profile for GPU type {gpu} of model {model.name}")
-    numbered = csv_rows(_data_lines(text, file, {"model": model.name, "gpu": gpu}, allow_profile_mismatch), file)
+    made_in: dict[str, str] = {}
+    numbered = csv_rows(_data_lines(text, file, {"model": model.name, "gpu": gpu}, allow_profile_mismatch, made_in),
+                        file)
     header = numbered[0][1] if numbered else []
     if tuple(header) not in (COLUMNS, COLUMNS + (MEMORY_COLUMN,)):
         raise InputError(file, f"expected the header {','.join(COLUMNS)}[,{MEMORY_COLUMN}], got {','.join(header)}")
@@ -200,16 +207,37 @@ def read_profile(path: Path, model: Model, gpu: str, allow_profile_mismatch: boo
     for number, cells in numbered[1:]:
         tp, kind, mbs, forward, backward = _row(cells, header, f"{file}: line {number}", kinds, model.architecture)
         rows.setdefault((tp, kind), []).append((mbs, forward, backward))
-    return GpuProfile(gpu, file, _curves(rows, file, kinds, model, spec))
+    precision = made_in.get("precision") or model.high_precision  # a file that does not say: the model's
+    if precision == model.precision:
+        return GpuProfile(gpu, file, _curves(rows, file, kinds, model, spec), precision=made_in.get("precision"))
+    if spec is None:
+        raise InputError(file, f"measured in {precision}; the model trains in {model.precision}, and GPU {gpu} has no "
+                               "spec (clusters/catalogue/gpus.toml) to convert its times with")
+    measured = with_precision(model, precision)
+    curves = _curves(rows, file, kinds, measured, spec)
+    return GpuProfile(gpu, file, {key: _converted(curve, model, spec, *key) for key, curve in curves.items()},
+                      precision=precision, derived_from=precision)
 
 
-def _data_lines(text: str, file: str, wanted: dict[str, str], allow_profile_mismatch: bool) -> list[tuple[int, str]]:
+def _converted(curve: Curve, model: Model, spec: GpuSpec, tp: int, kind: str) -> Curve:
+    """A curve measured in another precision, scaled at each profiled size by the roofline's ratio of `model`'s
+    precision to the measured one, unit by unit and pass by pass (its GEMMs at their own rate, the rest unchanged:
+    fasop.cost.roofline); beyond the profiled sizes it follows `model`'s roofline shape."""
+    shape = RooflineShape(model, Rates.of(spec, model), tp, kind)
+    assert curve.shape is not None  # read with a spec
+    ratio = np.array([shape(int(b)) for b in curve.mbs]) / curve._anchors
+    return Curve(curve.mbs, curve.forward_s * ratio[:, 0], curve.backward_s * ratio[:, 1], shape)
+
+
+def _data_lines(text: str, file: str, wanted: dict[str, str], allow_profile_mismatch: bool,
+                made_in: dict[str, str]) -> list[tuple[int, str]]:
     """(line number, text) of the CSV lines, after checking the identity line against the `wanted` model and
-    GPU; comments and blank lines left out."""
+    GPU (its fields into `made_in`); comments and blank lines left out."""
     numbered = []
     for number, line in enumerate(text.splitlines(), start=1):
         if line.startswith(IDENTITY_PREFIX):
             made_for = _identity(line, f"{file}: line {number}")
+            made_in.update(made_for)
             for key in ("model", "gpu"):
                 if made_for[key] != wanted[key] and not allow_profile_mismatch:
                     raise InputError(f"{file}: line {number}: {key}", f"the profile was made for {key} {made_for[key]}, "
@@ -309,7 +337,7 @@ def load_profiles(model: Model, gpus: list[str], profiles_dir: str | None = None
             raise InputError(str(path), f"no profile of model {model.name} for GPU type {gpu}: "
                                         + _how_to_profile(model, gpu, str(path)))
         read = read_profile(path, model, gpu, allow_profile_mismatch, specs.get(gpu))
-        profiles[gpu] = GpuProfile(gpu, read.file, read.curves, folder=profiles_dir)
+        profiles[gpu] = replace(read, folder=profiles_dir, _memo={})
     return profiles
 
 

@@ -37,6 +37,7 @@ from fasop.launch.resume import exit_duration_min
 from fasop.launch.shell import assignment, group_flags
 from fasop.launch.yamltext import yaml_text
 from fasop.plans import Plan
+from fasop.search.precision import plan_model
 
 TRAIN_NAME = "fasop"  # the training config, train/fasop.yaml
 ENTRYPOINT = "./flagscale/train/train_gpt.py"  # in the FlagScale checkout
@@ -46,7 +47,7 @@ ENTRYPOINT = "./flagscale/train/train_gpt.py"  # in the FlagScale checkout
 FLAGSCALE_WORD = re.compile(r"[\w@%+=:,./-]*", re.ASCII)
 # The flags FlagScale's runner sets itself (the checkpoint folders: under system.checkpoint)
 _RUNNER_FLAGS = ("--save", "--load")
-_PRECISION = ("fp16", "bf16")
+_PRECISION = ("fp16", "bf16", "fp8_format", "fp8_recipe", "fp8_param_gather")
 
 
 @dataclass(frozen=True)
@@ -345,6 +346,7 @@ def render_flagscale(plan: Plan, model: Any, cluster: Any, options: LaunchOption
     opts = options or LaunchOptions()
     check_options(opts)
     where = where or f"plan {plan.rank or '?'}"
+    model = plan_model(model, plan)
     errors = flagscale_errors(plan, model)
     if errors:
         raise InputError(where, "FlagScale cannot run it: " + "; ".join(errors))

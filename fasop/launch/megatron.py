@@ -232,8 +232,15 @@ def model_flags(model: Any, opts: LaunchOptions) -> list[tuple[str, ...]]:
         flags.append(("--make-vocab-size-divisible-by", str(divisible)))
     if not model.dropout:
         flags += [("--attention-dropout", "0"), ("--hidden-dropout", "0")]
-    if model.precision in ("fp16", "bf16"):
-        flags.append((f"--{model.precision}",))
+    if model.high_precision in ("fp16", "bf16"):
+        flags.append((f"--{model.high_precision}",))
+    if model.fp8:  # Transformer Engine's FP8 GEMMs: E4M3 forward, E5M2 gradients (fasop.cost.fp8)
+        if opts.megatron_flavor == "fasop-fork":
+            raise ArgumentError("megatron_flavor", "an fp8 plan needs --fp8-recipe, which the FASOP fork (Megatron-LM "
+                                                   "of early 2023) lacks; use stock", "fasop-fork")
+        flags += [("--fp8-format", "hybrid"), ("--fp8-recipe", model.fp8_recipe)]
+        if model.fp8_param_gather:
+            flags.append(("--fp8-param-gather",))
     return flags
 
 

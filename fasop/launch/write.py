@@ -35,6 +35,7 @@ from fasop.launch.resume import exit_duration_min, run_notes, train_iters
 from fasop.launch.slurm import ResumeSettings, sbatch_script
 from fasop.launch.torchrun import run_inter_script
 from fasop.plans import Plan
+from fasop.search.precision import plan_model
 from fasop.search.spec import spec_of
 
 OUTPUT_FILES = ("sbatch.sh", "run_inter.sh", "plan.json")
@@ -55,6 +56,7 @@ def render_plan(plan: Plan, model: Any, cluster: Any, options: LaunchOptions | N
     opts = options or LaunchOptions()
     check_options(opts)
     where = where or f"plan {plan.rank or '?'}"
+    model = plan_model(model, plan)
     p = spec_of(plan, model, cluster, where, opts.gpus_per_node)
     run_inter = run_inter_script(plan, model, cluster, p, opts, where)  # first: it refuses a run it cannot make
     resume = None if opts.smoke_test else ResumeSettings(opts.checkpoint_dir, train_iters(plan, opts),
@@ -143,6 +145,7 @@ def emit(plan: Plan, model: Model, cluster: Cluster, out_dir: str | os.PathLike,
     out = Path(out_dir)
     check_out_dir(out, force)
     where = where or f"plan {plan.rank or '?'}"
+    model = plan_model(model, plan)
     restate, render = (restate_dp_plan, render_dp_plan) if plan.is_data_parallel else (restate_plan, render_plan)
     if plan.is_stage_groups:  # FlagScale's heterogeneous mode (fasop.launch.flagscale)
         render = render_flagscale

@@ -58,7 +58,7 @@ class Settings:
     seed: int = 0
 
     def dtype(self, model: Model) -> torch.dtype:
-        return DTYPES[model.precision] if self.device == "cuda" else CPU_DTYPE
+        return DTYPES[model.high_precision] if self.device == "cuda" else CPU_DTYPE
 
 
 class Measured(NamedTuple):
@@ -278,7 +278,9 @@ def header_lines(model: Model, gpu: str, tps, mbss, settings: Settings, out_of_m
         f"Device: {device}; driver: {driver}; torch {torch.__version__}; measured {date}.",
     ]
     if settings.device == "cuda":
-        lines.append(f"Precision: {dtype} weights and activations (the model trains in {model.precision}); "
+        derived = (" (plain torch: FP8 plans derive their times from these by the roofline's FP8-over-bf16 ratio, "
+                   "fasop.cost.fp8)" if model.fp8 else "")
+        lines.append(f"Precision: {dtype} weights and activations (the model trains in {model.precision}{derived}); "
                      "CUDA events around each pass, read after torch.cuda.synchronize.")
     else:
         lines.append(f"Precision: {dtype} on the processor (the model trains in {model.precision} on GPUs); "
@@ -297,7 +299,8 @@ def header_lines(model: Model, gpu: str, tps, mbss, settings: Settings, out_of_m
     for tp, mbs in out_of_memory:
         lines.append(f"tp={tp}: micro-batch size {mbs} ran out of GPU memory; larger sizes were not measured.")
     lines.append(f"Regenerate: {command}")
-    lines.append(identity_line(model.name, gpu).removeprefix("# "))  # format_measured adds the comment mark
+    precision = model.high_precision if settings.device == "cuda" else None  # processor times are for tests
+    lines.append(identity_line(model.name, gpu, precision).removeprefix("# "))  # format_measured adds the comment mark
     return lines
 
 

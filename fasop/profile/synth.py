@@ -121,8 +121,11 @@ def header_lines(model: Model, spec: GpuSpec, tps, mbss, efficiency: float | Non
                  link_bandwidth: str | None = None, date: str | None = None) -> list[str]:
     """The comment lines of a synthetic profile: what it is, the GPU spec, efficiency, formula, how to redo it."""
     eff = check_efficiency(efficiency, spec)
-    precision = model.precision
+    precision = model.high_precision
     tflops = spec.dense_bf16_tflops if precision == "bf16" else spec.dense_fp16_tflops
+    fp8 = (f"; the linear layers' GEMMs in FP8 ({model.fp8_recipe} scaling) at dense {_number(spec.dense_fp8_tflops)} "
+           f"TFLOP/s x {_number(spec.fp8_matmul_efficiency or 0.0)}, with their casts (fasop.cost.fp8)"
+           if model.fp8 else "")
     if link_bandwidth is not None:
         link = f"{link_bandwidth} (--link-bandwidth)"
     else:
@@ -140,7 +143,7 @@ def header_lines(model: Model, spec: GpuSpec, tps, mbss, efficiency: float | Non
     lines = [
         f"Synthetic profile of {model.name} on {spec.name}: estimated from FLOPs and bytes (fasop.profile.synth), "
         "not measured.",
-        f"GPU spec: {spec.file}, gpu {spec.name}: dense {precision} {_number(tflops)} TFLOP/s, memory bandwidth "
+        f"GPU spec: {spec.file}, gpu {spec.name}: dense {precision} {_number(tflops)} TFLOP/s{fp8}, memory bandwidth "
         f"{_number(spec.memory_bandwidth_gb_per_s)} GB/s, intra-node link {link}, kernel launch "
         f"{_number(spec.kernel_launch_us)} us, " + (f"{spec.sm_count} SMs." if spec.sm_count else "no SM count (no wave "
                                                      "quantization)."),
@@ -153,7 +156,7 @@ def header_lines(model: Model, spec: GpuSpec, tps, mbss, efficiency: float | Non
     ]
     if date:
         lines.append(f"Written {date}.")
-    return [*lines, identity_line(model.name, spec.name).removeprefix("# ")]  # format_profile adds the comment mark
+    return [*lines, identity_line(model.name, spec.name, model.precision).removeprefix("# ")]  # format_profile adds the mark
 
 
 def format_profile(rows, header_comment_lines) -> str:

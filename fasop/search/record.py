@@ -7,6 +7,7 @@ import numpy as np
 
 from fasop.cost.communication import Geometry
 from fasop.cost.config import Config, chunk_layers
+from fasop.cost.fp8 import plan_fields
 from fasop.cost.price import cost_per_step_usd, price_per_hour_usd
 from fasop.cost.step import StageCosts, breakdown
 from fasop.inputs.profiles import profile_sources
@@ -61,6 +62,7 @@ def plan_rows(inputs: Inputs, plans: list[tuple[Config, Geometry, bool]], costs:
             **{key: value for key, value in recompute.items() if value is not None},
             "sequence_parallel": config.sequence_parallel,
             **({"tp_comm_overlap": True} if config.tp_comm_overlap else {}),  # left out when off
+            **plan_fields(model),
             "step_time_s": step,
             "throughput_samples_per_s": config.gbs / step,
             "tokens_per_s": config.gbs * model.seq_length / step,
