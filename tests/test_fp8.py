@@ -189,3 +189,17 @@ def test_a_model_file_may_train_in_fp8(tmp_path):
     path.write_text(path.read_text().replace('precision = "fp8"', 'precision = "bf16"'))
     with pytest.raises(InputError, match="fp8_recipe"):
         load_model(str(path))
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--precision", "int4"], "--precision int4"), (["--precision", "bf16,$(reboot)"], "--precision"),
+    (["--fp8-recipe", "fast"], "--fp8-recipe"), (["--precision", "fp8", "--use-all"], "--use-all"),
+    (["--precision", "fp8", "--fp8-param-gather", "--no-distributed-optimizer"], "--fp8-param-gather")])
+def test_bad_precision_options_are_one_line(runner, args, named, tmp_path):
+    out = tmp_path / "plans.json"
+    result = runner.invoke(main, ["search", "--model", "llama2-7b", "--cluster", "h100-a100-a10g", "--output", str(out),
+                                  *args])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error:") and named in lines[0], result.stderr
+    assert not out.exists()

@@ -12,6 +12,7 @@ from click.core import ParameterSource
 from fasop.cli import common
 from fasop.cli.tables import format_estimate
 from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
+from fasop.cost.fp8 import check_param_gather
 from fasop.cost.memory import usable_gib
 from fasop.errors import InputError
 from fasop.files import beside, check_finite
@@ -94,6 +95,7 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
         model, cluster = load_model(model_name), load_cluster(cluster_name)
         if precision is not None or fp8_recipe is not None or fp8_param_gather:
             model = with_precision(model, precision or model.precision, fp8_recipe, fp8_param_gather)
+        check_param_gather(model, shape["distributed_optimizer"])  # before the profiles' notes
         shape["placement"] = expand_placement(shape["placement"], "--placement")
         shape["layers_per_stage"] = common.int_list("--layers", shape["layers_per_stage"])
         shape["overlap_grad_reduce"] = shape.pop("overlap")

@@ -114,7 +114,7 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
         check_out_dir(emit_dir, force, "emit_dir")
     common.check_outputs(outputs, inputs, force)
     spaces = precision_spaces(model, cluster, None if precision is None else parse_precisions(precision), fp8_recipe,
-                              fp8_param_gather, use_all)
+                              fp8_param_gather, use_all, distributed_optimizer)
     space_profiles = [common.run_profiles(space.model, space.cluster, profiles_dir, allow_profile_mismatch)
                       for space in spaces]
     started = time.perf_counter()

@@ -24,6 +24,7 @@ NVIDIA/Megatron-LM @ d98e8a64dd (megatron/training/arguments.py, megatron/core/t
 
 from __future__ import annotations
 
+from fasop.errors import ArgumentError
 from fasop.inputs.catalogue import GpuSpec
 from fasop.inputs.model import Model
 
@@ -83,6 +84,14 @@ def gemm_input_bytes(model: Model) -> int:
 def gathered_param_bytes(model: Model) -> int:
     """Bytes per linear-layer weight the distributed optimizer all-gathers."""
     return FP8_BYTES if model.fp8 and model.fp8_param_gather else model.precision_bytes
+
+
+def check_param_gather(model: Model, distributed_optimizer: bool) -> None:
+    """--fp8-param-gather all-gathers the FP8 parameters from the distributed optimizer's shards; Megatron-LM
+    refuses it without one (megatron/training/arguments.py)."""
+    if model.fp8_param_gather and not distributed_optimizer:
+        raise ArgumentError("fp8_param_gather", "needs the distributed optimizer (Megatron-LM all-gathers the FP8 "
+                                                "parameters from its shards)")
 
 
 def plan_fields(model: Model) -> dict[str, str | bool]:

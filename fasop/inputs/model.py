@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Annotated, Literal
 
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.inputs import bundled
 from fasop.inputs.names import Name
 from fasop.inputs.tomlfile import Flag, Range, Table, Text, read_toml, validated
@@ -300,11 +300,12 @@ def with_precision(model: Model, precision: str, fp8_recipe: str | None = None,
     """`model` trained in `precision` (PRECISIONS); for fp8, with `fp8_recipe` and `fp8_param_gather` where given
     (else the model file's, or Megatron-LM's defaults: delayed scaling, parameters gathered in bf16)."""
     if precision not in PRECISIONS:
-        raise InputError("precision", f"expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+        raise ArgumentError("precision", f"expected one of {', '.join(PRECISIONS)}", precision)
     if precision != "fp8" and (fp8_recipe is not None or fp8_param_gather):
-        raise InputError("fp8_recipe", f"applies to precision fp8 only, got precision {precision}")
+        raise ArgumentError("fp8_recipe" if fp8_recipe is not None else "fp8_param_gather",
+                            f"applies to precision fp8 only, not {precision}")
     if fp8_recipe is not None and fp8_recipe not in FP8_RECIPES:
-        raise InputError("fp8_recipe", f"expected one of {', '.join(FP8_RECIPES)}, got {fp8_recipe!r}")
+        raise ArgumentError("fp8_recipe", f"expected one of {', '.join(FP8_RECIPES)}", fp8_recipe)
     recipe = fp8_recipe or (model.fp8_recipe if model.fp8 else "delayed")
     gather = fp8_param_gather if fp8_param_gather is not None else (model.fp8_param_gather if model.fp8 else False)
     grad_in_bf16 = model.grad_reduce_in_bf16 and precision in ("bf16", "fp8")

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fasop.cost.fp8 import recipe_error
+from fasop.cost.fp8 import check_param_gather, recipe_error
 from fasop.errors import ArgumentError
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
@@ -69,12 +69,13 @@ def fp8_node_types(model: Model, cluster: Cluster) -> PrecisionSpace:
 
 def precision_spaces(model: Model, cluster: Cluster, precisions: tuple[str, ...] | None = None,
                      fp8_recipe: str | None = None, fp8_param_gather: bool | None = None,
-                     use_all: bool = False) -> list[PrecisionSpace]:
+                     use_all: bool = False, distributed_optimizer: bool = True) -> list[PrecisionSpace]:
     """The search space of each precision (default: the model file's); `use_all` refuses an FP8 search that
     would leave node types out."""
     spaces = []
     for precision in precisions or (model.precision,):
         variant = with_precision(model, precision, fp8_recipe, fp8_param_gather)
+        check_param_gather(variant, distributed_optimizer)
         space = fp8_node_types(variant, cluster) if variant.fp8 else PrecisionSpace(variant, cluster)
         if use_all and space.left_out:
             name, reason = next(iter(space.left_out.items()))

@@ -18,6 +18,7 @@ from fasop.cost.config import (
     sequence_parallel_on,
     with_recompute,
 )
+from fasop.cost.fp8 import check_param_gather
 from fasop.cost.memory import head_fits
 from fasop.cost.tpoverlap import overlap_error, overlap_pays
 from fasop.errors import ArgumentError, InputError
@@ -96,9 +97,7 @@ def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir
     if cluster.num_gpus > MAX_PLAN_GPUS:
         raise InputError("cluster", f"{cluster.num_gpus:,} GPUs: a plan spans at most {MAX_PLAN_GPUS:,} "
                                     "(fasop's limit; a placement's rank geometry takes memory in proportion)")
-    if model.fp8_param_gather and not distributed_optimizer:  # megatron/training/arguments.py refuses it
-        raise ArgumentError("fp8_param_gather", "needs the distributed optimizer (Megatron-LM all-gathers the FP8 "
-                                                "parameters from its shards)", True)
+    check_param_gather(model, distributed_optimizer)
     unknown = [mode for mode in recompute if mode not in RECOMPUTE_MODES]
     if unknown or not recompute:
         raise ArgumentError("recompute", f"expected one or more of {', '.join(RECOMPUTE_MODES)}, "
