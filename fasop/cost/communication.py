@@ -130,7 +130,13 @@ def with_embedding_groups(cluster: Cluster, geo: Geometry, stage_sets: list[tupl
 
 
 class Links:
-    """The links of one placement: per-GPU intra-node and per-node inter-node bandwidth, derated, and latency."""
+    """The links of one placement: per-GPU intra-node and per-node inter-node bandwidth, derated, and latency.
+
+    GPUs of one NVLink domain talk over their NVLink whether or not they share a node: nodes of a type whose
+    domain spans several (a GB200 NVL72 rack's 18 trays) are taken in placement order, that many to a domain,
+    and a domain sends to other domains through all its nodes' network interfaces (NCCL's PXN moves a GPU's
+    traffic to the NIC of another GPU of its NVLink domain). A node without such a domain is its own (the arrays
+    per domain are then those per node)."""
 
     def __init__(self, cluster: Cluster, placement: tuple[str, ...]):
         types = [cluster.node_types[n] for n in placement]
@@ -139,11 +145,22 @@ class Links:
         self.intra_latency = np.array([t.intra_node_latency_s for t in types])
         self.inter_latency = np.array([t.inter_node_latency_s for t in types])
         self.derating = cluster.derating
+        seen: dict[str, int] = {}
+        keys = []  # each node's domain: (node type, its index among the type's nodes / nodes per domain)
+        for node in types:
+            k = seen[node.name] = seen.get(node.name, -1) + 1
+            keys.append((node.name, k // node.nvlink_domain_nodes))
+        ids: dict[tuple[str, int], int] = {}
+        self.domain = np.array([ids.setdefault(key, len(ids)) for key in keys])  # numbered in placement order
+        self.domain_inter = np.bincount(self.domain, weights=self.inter)  # every node's interface of the domain
+        first = np.unique(self.domain, return_index=True)[1]  # a domain's nodes are of one type: its first's links
+        self.domain_intra, self.domain_intra_latency, self.domain_inter_latency = (
+            self.intra[first], self.intra_latency[first], self.inter_latency[first])
 
-    def _per_node(self, sets: np.ndarray, nodes: np.ndarray, weight) -> np.ndarray:
-        """(S, N): for each set s, the sum of `weight` over its entries on each node."""
-        out = np.zeros((len(sets), len(self.inter)))
-        np.add.at(out, (np.broadcast_to(sets, nodes.shape), nodes), weight)
+    def _per_domain(self, sets: np.ndarray, domains: np.ndarray, weight) -> np.ndarray:
+        """(S, D): for each set s, the sum of `weight` over its entries on each domain."""
+        out = np.zeros((len(sets), len(self.domain_inter)))
+        np.add.at(out, (np.broadcast_to(sets, domains.shape), domains), weight)
         return out
 
     def exchange(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -156,12 +173,13 @@ class Links:
         """
         der = self.derating
         boundary = np.arange(len(src))[:, None]
-        local = src == dst
+        src_domain, dst_domain = self.domain[src], self.domain[dst]
+        local = src_domain == dst_domain
         intra = np.where(local, der.p2p_intra_node / self.intra[src], 0.0).max(axis=1, initial=0.0)
         crossing = (~local).astype(float)
-        sends = self._per_node(boundary, src, crossing)
-        receives = self._per_node(boundary, dst, crossing)
-        inter = (np.maximum(sends, receives) * der.p2p_inter_node / self.inter).max(axis=1, initial=0.0)
+        sends = self._per_domain(boundary, src_domain, crossing)
+        receives = self._per_domain(boundary, dst_domain, crossing)
+        inter = (np.maximum(sends, receives) * der.p2p_inter_node / self.domain_inter).max(axis=1, initial=0.0)
         pair_latency = np.where(local, self.intra_latency[src],
                                 np.maximum(self.inter_latency[src], self.inter_latency[dst]))
         return np.maximum(intra, inter), pair_latency.max(axis=1, initial=0.0)
@@ -179,8 +197,9 @@ class Links:
         group, 2 (k - 1) of the slowest network interface.
         """
         der = self.derating
+        groups = self.domain[groups]  # a domain's members ring over its NVLink, as a node's do
         sets, rows, _ = groups.shape
-        nodes = len(self.inter)
+        nodes = len(self.domain_inter)
         # the distinct (group, node) pairs and how many members each holds: sparse, since a group spans few
         # of the nodes and there can be thousands of both
         pairs, members = np.unique((np.arange(sets * rows)[:, None] * nodes + groups.reshape(sets * rows, -1)).ravel(),
@@ -190,17 +209,17 @@ class Links:
         g = np.zeros(sets * rows, dtype=members.dtype)
         np.maximum.at(g, group, members)
         slowest_intra = np.full(sets * rows, np.inf)
-        np.minimum.at(slowest_intra, group, self.intra[node])
+        np.minimum.at(slowest_intra, group, self.domain_intra[node])
         intra_part = np.where(g > 1, 2 * (g - 1) / g * der.collective_intra_node / slowest_intra, 0.0)
         spanning = k > 1
         set_node = group // rows * nodes + node
         nic_load = np.bincount(set_node, weights=spanning[group], minlength=sets * nodes)
         busiest = np.zeros(sets * rows)
-        np.maximum.at(busiest, group, nic_load[set_node] / self.inter[node])
+        np.maximum.at(busiest, group, nic_load[set_node] / self.domain_inter[node])
         inter_part = np.where(spanning, 2 * (k - 1) / np.maximum(k, 1) * der.collective_inter_node * busiest, 0.0)
         intra_latency, inter_latency = np.zeros(sets * rows), np.zeros(sets * rows)
-        np.maximum.at(intra_latency, group, self.intra_latency[node])
-        np.maximum.at(inter_latency, group, self.inter_latency[node])
+        np.maximum.at(intra_latency, group, self.domain_intra_latency[node])
+        np.maximum.at(inter_latency, group, self.domain_inter_latency[node])
         latency = 2 * np.maximum(g - 1, 0) * intra_latency + 2 * (k - 1) * inter_latency
         return ((intra_part + inter_part).reshape(sets, rows).max(axis=1),
                 latency.reshape(sets, rows).max(axis=1))

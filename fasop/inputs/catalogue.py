@@ -47,6 +47,7 @@ class GpuSpec:
     dense_fp8_tflops: float = 0.0  # 0: no FP8 tensor cores
     fp8_matmul_efficiency: float | None = None  # achievable fraction of the FP8 peak (given with dense_fp8_tflops)
     compute_capability: str | None = None  # "9.0": which FP8 recipes Transformer Engine runs (fasop.cost.fp8)
+    nvlink_domain_gpus: int | None = None  # GPUs sharing one NVLink domain across nodes (GB200 NVL72: 72)
     file: str = ""
 
     def peak_flops(self, precision: str, model_name: str = "") -> float:
@@ -115,6 +116,7 @@ class GpuTable(Table):
     fp8_matmul_efficiency: Annotated[float, Range(0.0, 1.0, low_allowed=False)] | None = None
     compute_capability: Annotated[str, Field(pattern=r"^[0-9]{1,2}\.[0-9]$"), expected("a compute capability such as "
                                                                                       "9.0")] | None = None
+    nvlink_domain_gpus: Annotated[int, Range(1, 2**16)] | None = None
     source: Text = ""
     date: Text = ""
 

@@ -66,6 +66,8 @@ class NodeType:
     # a block of (Cluster.hosts) and the CUDA index of its first GPU there; "" for a node of one kind
     host: str = ""
     host_first_gpu: int = 0
+    # nodes of this type that share one NVLink domain (a GB200 NVL72 rack: 18 trays of 4 GPUs); 1: the node's own
+    nvlink_domain_nodes: int = 1
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,7 @@ MAX_MEMORY_MARGIN = 100.0
 
 
 GpuCount = Annotated[int, Range(1, MAX_GPUS_PER_NODE)]
+MAX_NVLINK_DOMAIN_GPUS = 2**16  # an NVLink switch domain: 72 GPUs in a GB200 NVL72 rack, 576 in NVIDIA's largest
 MemoryGib = Annotated[float, Range(0.0, MAX_GPU_MEMORY_GIB, low_allowed=False)]
 LatencyUs = Annotated[float, Range(0.0, MAX_LATENCY_US)]
 
@@ -209,6 +212,7 @@ class NodeTypeTable(Table):
     gres_type: Text | None = None
     cpus_per_node: Annotated[int, Range(1, 1_000_000)] | None = None
     network: NetworkTable | None = None
+    nvlink_domain_gpus: Annotated[int, Range(1, MAX_NVLINK_DOMAIN_GPUS)] | None = None  # default: the GPU's table
 
 
 Ratio = Annotated[float, Range(0.0, MAX_DERATING, low_allowed=False)]
@@ -261,8 +265,10 @@ def _node_types(table: NodeTypeTable, file: str, catalogue: Callable[[], dict[st
                 raise InputError(f"{where}.{name}", "missing: expected `gpu` and `gpus_per_node`, or `gpus`, the GPU "
                                                     "kinds of a node holding several")
         assert table.gpu is not None and table.gpus_per_node is not None
-        return [_node_type(table, file, catalogue, table.gpu, table.gpus_per_node)]
-    for name in ("gpu", "gpus_per_node", "gpu_memory_gib", "gpu_memory_bandwidth"):
+        node_type = _node_type(table, file, catalogue, table.gpu, table.gpus_per_node)
+        return [replace(node_type, nvlink_domain_nodes=_domain_nodes(table, table.gpu, table.gpus_per_node, where,
+                                                                     catalogue))]
+    for name in ("gpu", "gpus_per_node", "gpu_memory_gib", "gpu_memory_bandwidth", "nvlink_domain_gpus"):
         if getattr(table, name) is not None:
             raise InputError(f"{where}.{name}", "given beside `gpus`: each GPU kind of the node names its own")
     kinds = [kind.gpu for kind in table.gpus]
@@ -286,6 +292,20 @@ def _node_types(table: NodeTypeTable, file: str, catalogue: Callable[[], dict[st
                                   else kind.intra_node_latency_us) * 1e-6))
         first += kind.count
     return [whole, *blocks]
+
+
+def _domain_nodes(table: NodeTypeTable, gpu: str, gpus: int, where: str,
+                  catalogue: Callable[[], dict[str, GpuSpec]]) -> int:
+    """Nodes per NVLink domain: the table's nvlink_domain_gpus, else its GPU's in the catalogue, else one node;
+    whole nodes only."""
+    domain = table.nvlink_domain_gpus
+    if domain is None:
+        spec = catalogue().get(gpu)
+        domain = spec.nvlink_domain_gpus if spec is not None and spec.nvlink_domain_gpus else gpus
+    if domain % gpus:
+        raise InputError(f"{where}.nvlink_domain_gpus", f"expected a multiple of the node's {gpus} GPUs, got {domain}"
+                                                        + ("" if table.nvlink_domain_gpus else f" (GPU {gpu}'s table)"))
+    return max(domain // gpus, 1)
 
 
 def _node_type(table: NodeTypeTable, file: str, catalogue: Callable[[], dict[str, GpuSpec]], gpu: str, gpus: int,
@@ -326,7 +346,7 @@ def load_cluster(cluster_name: str) -> Cluster:
     cluster = validated(ClusterFile, read_toml(path), file)
     gpus = gpu_tables(cluster.gpu, file) if cluster.gpu is not None else {}
     # the bundled catalogue with the file's own GPUs over it (the one place a cluster's GPUs are looked up), read
-    # only if a node type leaves out its GPU's memory or memory bandwidth
+    # once, for what a node type leaves out: its GPU's memory, memory bandwidth or NVLink domain
     catalogue = functools.cache(lambda: merged_specs(own=gpus))
     types: dict[str, NodeType] = {}
     hosts: dict[str, NodeType] = {}
