@@ -18,7 +18,7 @@ from fasop.errors import InputError
 from fasop.inputs.catalogue import load_gpu_spec
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model, with_precision
-from fasop.inputs.profiles import read_profile
+from fasop.inputs.profiles import load_profiles, read_profile
 from fasop.launch.write import render_plan
 from fasop.plans import Plan
 from fasop.profile.synth import format_profile, header_lines, synthesize
@@ -203,3 +203,54 @@ def test_bad_precision_options_are_one_line(runner, args, named, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error:") and named in lines[0], result.stderr
     assert not out.exists()
+
+
+def _record(precision_note: str = "", feasible: bool = True, step: float = 1.0) -> dict:
+    return {"feasible": feasible, "step_time_s": step if feasible else None, "train_hours": step if feasible else None,
+            "train_cost_usd": 2 * step if feasible else None, "plans_evaluated": 3, "out_of_memory": 1,
+            "note": precision_note, "on_front": False}
+
+
+def test_each_composition_takes_its_fastest_plan_of_any_precision():
+    from fasop.market.pareto import best_of_precisions
+
+    bf16 = [_record(step=2.0), _record(step=1.0), _record("no plan fits in memory (4 tried)", feasible=False)]
+    fp8 = [_record(step=1.5), _record("fp8: GPU A100 has no FP8 tensor cores", feasible=False),
+           _record("no plan fits in memory (4 tried)", feasible=False)]
+    merged = best_of_precisions([bf16, fp8], ["bf16", "fp8"])
+    assert [r["precision"] for r in merged] == ["fp8", "bf16", None]
+    assert [r["step_time_s"] for r in merged[:2]] == [1.5, 1.0]
+    assert [r["plans_evaluated"] for r in merged] == [6, 6, 6] and merged[0]["out_of_memory"] == 2
+    assert merged[2]["note"] == "bf16: no plan fits in memory (4 tried); fp8: no plan fits in memory (4 tried)"
+    assert [r["on_front"] for r in merged] == [False, True, False]  # 1.0 h for $2.0 beats 1.5 h for $3.0
+
+
+def test_pareto_sweeps_both_precisions_fp8_only_without_gpus_lacking_it(runner, tmp_path):
+    out = tmp_path / "front.csv"
+    result = runner.invoke(main, ["pareto", "--model", "llama2-7b", "--cluster", "pareto-h100-a100-a10g", "--precision",
+                                  "bf16,fp8", "--max-nodes", "H100=1", "--max-nodes", "A100=1", "--max-nodes", "A10G=0",
+                                  "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    from fasop.market.frontfile import read_front_csv
+
+    records = read_front_csv(out)
+    by_nodes = {(r["nodes_H100"], r["nodes_A100"]): r for r in records}
+    assert by_nodes[(0, 1)]["precision"] == "bf16"  # A100 alone: no FP8
+    assert by_nodes[(1, 0)]["precision"] == "fp8"  # H100 alone: FP8 is faster there
+    assert by_nodes[(1, 1)]["precision"] == "bf16"  # FP8 cannot use the A100 node
+    refused = runner.invoke(main, ["pareto", "--model", "llama2-7b", "--cluster", "pareto-h100-a100-a10g",
+                                   "--precision", "fp8", "--rent"])
+    assert refused.exit_code == 2 and "--precision" in refused.stderr
+
+
+def test_a_gb200_nvl72_rack_plans_in_mxfp8():
+    from fasop.search.precision import precision_spaces, search_precisions
+
+    cluster = load_cluster("gb200-nvl72")
+    spaces = precision_spaces(load_model("llama3-8b"), cluster, ("bf16", "fp8"), "mxfp8")
+    profiles = [load_profiles(space.model, ["GB200"]) for space in spaces]
+    result = search_precisions(spaces, profiles, keep=5)
+    assert result.plans
+    best = result.plans[0]
+    assert (best.precision, best.fp8_recipe) == ("fp8", "mxfp8")
+    assert set(best.placement) == {"GB200"} and best.tp <= 4  # tensor parallelism inside a tray

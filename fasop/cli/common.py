@@ -196,12 +196,16 @@ def input_paths(model_name: str, cluster_name: str, model, cluster, profiles_dir
             *profiles.values()]
 
 
-def run_profiles(model, cluster, profiles_dir: str | None, allow_mismatch: bool = False) -> dict[str, GpuProfile]:
+def run_profiles(model, cluster, profiles_dir: str | None, allow_mismatch: bool = False,
+                 noted: set[str] | None = None) -> dict[str, GpuProfile]:
     """The profiles of `model` for the GPU types of `cluster` (its own [[gpu]] tables merged over the catalogue),
-    with a note on stderr when some were synthesised or derived from another precision."""
+    with a note on stderr when some were synthesised (but those of `noted`, the GPU types said already, which
+    it adds to) or derived from another precision."""
     profiles = load_profiles(model, [t.gpu for t in cluster.node_types.values()], profiles_dir, allow_mismatch,
                              merged_specs(own=cluster.gpus))
-    note_synthesised(model, profiles)
+    noted = set() if noted is None else noted
+    note_synthesised(model, {gpu: p for gpu, p in profiles.items() if gpu not in noted})
+    noted.update(profiles)
     derived = sorted(f"{gpu} (from {p.derived_from})" for gpu, p in profiles.items() if p.derived_from)
     if derived:
         click.echo(f"note: {model.precision} times of {', '.join(derived)} derived from its profile file by the "
@@ -209,6 +213,12 @@ def run_profiles(model, cluster, profiles_dir: str | None, allow_mismatch: bool 
                    "size (docs/cost-model.md section 12)", err=True)
     note_model_defaults(model)
     return profiles
+
+
+def space_profiles(spaces, profiles_dir: str | None, allow_mismatch: bool = False) -> list[dict[str, GpuProfile]]:
+    """run_profiles of each precision's space (fasop.search.precision), each synthesised GPU type noted once."""
+    noted: set[str] = set()
+    return [run_profiles(space.model, space.cluster, profiles_dir, allow_mismatch, noted) for space in spaces]
 
 
 def note_left_out(spaces) -> None:

@@ -78,9 +78,11 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
 @common.profiles_option
 @common.mismatch_option
 @common.optimizer_option
+@common.precision_options(several=True)
 @common.reports_input_errors
 def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd, deadline_hours, margin, max_nodes,
-           rent, time_limit_s, output, chart, x_axis, force, profiles_dir, allow_profile_mismatch, distributed_optimizer):
+           rent, time_limit_s, output, chart, x_axis, force, profiles_dir, allow_profile_mismatch, distributed_optimizer,
+           precision, fp8_recipe, fp8_param_gather):
     """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
     the Pareto front; with --budget or --deadline, which mix to rent, with a margin for the estimates' error.
     With --rent, the integer program chooses the mix within each type's quota."""
@@ -103,9 +105,10 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd,
     model, cluster = load_model(model_name), load_cluster(cluster_name)
     outputs = [(path, option) for path, option in ((output, "--output"), (chart, "--chart")) if path is not None]
     common.check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir), force)
-    profiles = common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
     run = dict(budget_usd=budget_usd, deadline_hours=deadline_hours, margin=margin, gbs=gbs, train_steps=train_steps,
-               train_tokens=train_tokens, distributed_optimizer=distributed_optimizer, profiles=profiles)
+               train_tokens=train_tokens, distributed_optimizer=distributed_optimizer)
+    run.update(_profiles(model, cluster, profiles_dir, allow_profile_mismatch, distributed_optimizer, rent,
+                         precision, fp8_recipe, fp8_param_gather))
     run_length = _run_length(gbs or model.global_batch_size, model, train_steps, train_tokens)
     if rent:
         result = _rent(model, cluster, _max_nodes(max_nodes), time_limit_s, run, run_length)
@@ -122,6 +125,20 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd,
         click.echo(f"chart written to {chart}")
     elif chart is not None:
         click.echo("no chart: no composition has a plan that fits", err=True)
+
+
+def _profiles(model, cluster, profiles_dir, allow_profile_mismatch, distributed_optimizer, rent, precision,
+              fp8_recipe, fp8_param_gather) -> dict:
+    """The sweep's profiles, or with --precision each precision's space and its profiles."""
+    if precision is None and fp8_recipe is None and fp8_param_gather is None:
+        return {"profiles": common.run_profiles(model, cluster, profiles_dir, allow_profile_mismatch)}
+    if rent:
+        raise InputError("--precision", "sweeps compositions; --rent plans in the model file's precision")
+    from fasop.search.precision import parse_precisions, precision_spaces
+
+    spaces = precision_spaces(model, cluster, None if precision is None else parse_precisions(precision), fp8_recipe,
+                              fp8_param_gather, distributed_optimizer=distributed_optimizer)
+    return {"spaces": spaces, "space_profiles": common.space_profiles(spaces, profiles_dir, allow_profile_mismatch)}
 
 
 def _sweep(model, cluster, max_nodes: dict[str, int], run: dict, run_length: str):

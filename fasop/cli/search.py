@@ -115,8 +115,7 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
     common.check_outputs(outputs, inputs, force)
     spaces = precision_spaces(model, cluster, None if precision is None else parse_precisions(precision), fp8_recipe,
                               fp8_param_gather, use_all, distributed_optimizer)
-    space_profiles = [common.run_profiles(space.model, space.cluster, profiles_dir, allow_profile_mismatch)
-                      for space in spaces]
+    space_profiles = common.space_profiles(spaces, profiles_dir, allow_profile_mismatch)
     started = time.perf_counter()
     with common.progress_bar("searching") as progress:
         result = search_precisions(spaces, space_profiles, gbs, profiles_dir, memory_headroom=memory_headroom,

@@ -178,10 +178,14 @@ def front_table(records: list[dict]) -> str:
     from fasop.market.pareto import node_counts
 
     types = [f"{name} nodes" for name in node_counts(records[0])]
-    titles = [*types, "gpus", "mbs", "tp", "dp", "pp", "placement", "step s", "samples/s", "$/hour", "run h", "run $", "front"]
+    precision = any("precision" in r for r in records)  # a sweep in several precisions: each best plan's
+    titles = [*types, "gpus", *(["prec"] if precision else []), "mbs", "tp", "dp", "pp", "placement", "step s",
+              "samples/s", "$/hour", "run h", "run $", "front"]
     cells = [titles]
     for r in records:
         line = [str(n) for n in node_counts(r).values()] + [str(r["gpus"])]
+        if precision:
+            line.append(r.get("precision") or "-")
         if r["feasible"]:
             line += [str(r[k]) for k in ("mbs", "tp", "dp", "pp")]
             line += [compress_placement(r["placement"]), f"{r['step_time_s']:.4f}", f"{r['throughput_samples_per_s']:.1f}",

@@ -23,7 +23,7 @@ from fasop.inputs.cluster import Cluster
 from fasop.inputs.errorband import ErrorBand, band_of
 from fasop.inputs.model import Model
 from fasop.market.frontfile import INT_COLUMNS, NODES_PREFIX
-from fasop.market.pareto import check_limits, composition_label, compositions, degrees_text, sweep
+from fasop.market.pareto import best_of_precisions, check_limits, composition_label, compositions, degrees_text, sweep
 from fasop.market.rent import MAX_POINTS, RENT_TIME_LIMIT_S, RentFront, rent_front
 
 MAX_MARGIN = 10.0  # a margin of 1,000%: beyond that no estimate is worth choosing by
@@ -182,12 +182,21 @@ def sweep_and_choose(model: Model, cluster: Cluster, compositions: list[dict[str
                      margin: float | None = None, gbs: int | None = None,
                      train_steps: int | None = None, train_tokens: float | None = None, profiles_dir: str | None = None,
                      distributed_optimizer: bool = True, allow_profile_mismatch: bool = False,
-                     progress: Callable[[int, int], None] | None = None, profiles: dict | None = None) -> Sweep:
-    """`sweep` of `compositions`, then `choose` within `budget_usd` and `deadline_hours` with `margin`."""
+                     progress: Callable[[int, int], None] | None = None, profiles: dict | None = None,
+                     spaces: list | None = None, space_profiles: list[dict | None] | None = None) -> Sweep:
+    """`sweep` of `compositions`, then `choose` within `budget_usd` and `deadline_hours` with `margin`. With
+    `spaces` (fasop.search.precision.precision_spaces; their profiles in `space_profiles`, else read), a sweep
+    in each precision, each composition taking its fastest plan of any (best_of_precisions)."""
     _check_choice(budget_usd, deadline_hours, margin, train_steps, train_tokens)
-    records = sweep(model, cluster, compositions, gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
-                    profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer,
-                    allow_profile_mismatch=allow_profile_mismatch, progress=progress, profiles=profiles)
+    options: dict[str, Any] = dict(gbs=gbs, train_steps=train_steps, train_tokens=train_tokens,
+                                   profiles_dir=profiles_dir, distributed_optimizer=distributed_optimizer,
+                                   allow_profile_mismatch=allow_profile_mismatch, progress=progress)
+    if spaces:
+        sweeps = [sweep(space.model, cluster, compositions, profiles=space_profile, left_out=space.left_out, **options)
+                  for space, space_profile in zip(spaces, space_profiles or [None for _ in spaces])]
+        records = sweeps[0] if len(sweeps) == 1 else best_of_precisions(sweeps, [s.model.precision for s in spaces])
+    else:
+        records = sweep(model, cluster, compositions, profiles=profiles, **options)
     chosen, choice = choose(records, budget_usd, deadline_hours, margin, cluster.error_band)
     return Sweep(records, chosen, choice)
 
@@ -213,13 +222,15 @@ def pareto(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | None =
            train_steps: int | None = None, train_tokens: float | None = None, budget_usd: float | None = None,
            deadline_hours: float | None = None, margin: float | None = None, profiles_dir: str | None = None,
            distributed_optimizer: bool = True, allow_profile_mismatch: bool = False, rent: bool = False,
-           time_limit_s: float = RENT_TIME_LIMIT_S):
+           time_limit_s: float = RENT_TIME_LIMIT_S, precisions: tuple[str, ...] | None = None,
+           fp8_recipe: str | None = None, fp8_param_gather: bool | None = None):
     """`fasop pareto` in Python: every composition of `cluster` (at most `max_nodes` nodes of a type, {"A100": 4})
     with its fastest plan and the time and cost of the run, as a pandas DataFrame of one row per composition in
     sweep order, in the columns of a front file (docs/formats.md); `on_front` marks the Pareto front. With
     `rent` (`fasop pareto --rent`), one row per point the integer program finds within `time_limit_s`, each node
     type's count read as its quota (fasop.market.rent), cheapest per hour first; `frame.attrs["complete"]` says
-    whether the walk reached its end.
+    whether the walk reached its end. `precisions` (("bf16", "fp8")): a sweep in each, each composition with its
+    fastest plan of any (fp8 on the node types whose GPUs run `fp8_recipe`; fasop.search.precision).
 
     Node counts and the other integer columns are pandas' nullable Int64 (<NA> where a composition has no plan,
     like the front file's empty cells). `frame.attrs`: `chosen`, the row of the composition that meets
@@ -234,9 +245,17 @@ def pareto(model: Model, cluster: Cluster, *, max_nodes: dict[str, int] | None =
                                   distributed_optimizer=distributed_optimizer,
                                   allow_profile_mismatch=allow_profile_mismatch)
     if rent:
+        if precisions or fp8_recipe or fp8_param_gather:
+            raise ArgumentError("precisions", "sweeps compositions; rent plans in the model file's precision")
         result = rent_and_choose(model, cluster, max_nodes=max_nodes, time_limit_s=time_limit_s, **common)
     else:
-        result = sweep_and_choose(model, cluster, compositions(cluster, max_nodes), **common)
+        spaces = None
+        if precisions or fp8_recipe or fp8_param_gather:
+            from fasop.search.precision import precision_spaces
+
+            spaces = precision_spaces(model, cluster, precisions, fp8_recipe, fp8_param_gather,
+                                      distributed_optimizer=distributed_optimizer)
+        result = sweep_and_choose(model, cluster, compositions(cluster, max_nodes), spaces=spaces, **common)
     frame = pd.DataFrame(result.records)
     frame = frame.astype({column: "Int64" for column in frame.columns
                           if column in INT_COLUMNS or column.startswith(NODES_PREFIX)})

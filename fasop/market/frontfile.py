@@ -25,6 +25,8 @@ TAIL_COLUMNS = (
 # Columns of the points `fasop pareto --rent` finds, stage-group plans (each stage's tp and dp, the integer
 # program's gap), after the others in a file that holds any.
 PROGRAM_COLUMNS = ("kind", "stage_tp", "stage_dp", "placement_search", "optimality_gap")
+# A sweep in several precisions (--precision bf16,fp8): each composition's best plan's precision, last.
+PRECISION_COLUMNS = ("precision",)
 # What `read_front_csv` insists on (the rest are informative).
 REQUIRED_COLUMNS = (
     "gpus", "feasible", "on_front", "mbs", "tp", "dp", "pp", "placement", "layers_per_stage", "step_time_s",
@@ -34,13 +36,14 @@ INT_COLUMNS = {"gbs", "gpus", "mbs", "tp", "dp", "pp", "num_microbatches", "trai
                "out_of_memory"}
 BOOL_COLUMNS = {"feasible", "on_front"}
 LIST_COLUMNS = {"placement": str, "layers_per_stage": int, "stage_tp": int, "stage_dp": int}
-TEXT_COLUMNS = {"model", "cluster", "note", "kind", "placement_search"}
+TEXT_COLUMNS = {"model", "cluster", "note", "kind", "placement_search", "precision"}
 
 
 def columns_of(records: list[dict]) -> list[str]:
     types = [key for key in records[0] if key.startswith(NODES_PREFIX)] if records else []
     program = PROGRAM_COLUMNS if any(key in record for record in records for key in PROGRAM_COLUMNS) else ()
-    return [*HEAD_COLUMNS, *types, *TAIL_COLUMNS, *program]
+    precision = PRECISION_COLUMNS if any("precision" in record for record in records) else ()
+    return [*HEAD_COLUMNS, *types, *TAIL_COLUMNS, *program, *precision]
 
 
 def _format(value) -> str:

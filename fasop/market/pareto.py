@@ -128,12 +128,17 @@ class _Composition:
     train_tokens: float | None
     distributed_optimizer: bool
     profiles: dict
+    left_out: tuple[tuple[str, str], ...] = ()  # node types the model's precision cannot use, and why
 
     def __call__(self, composition: dict[str, int]) -> dict:
         from fasop.search import search_plans
 
         model, cluster = self.model, self.cluster
         record = empty_record(model, cluster, composition, self.gbs)
+        reasons = [reason for name, reason in self.left_out if composition.get(name)]
+        if reasons:
+            record["note"] = f"{model.precision}: {reasons[0]}"
+            return record
         try:
             # only the fastest plan matters: sound lower bounds skip partitions that cannot beat it
             result = search_plans(model, cluster.with_counts(composition), self.gbs, profiles=self.profiles,
@@ -184,10 +189,13 @@ def cluster_profiles(model: Model, cluster: Cluster, profiles_dir: str | None, a
 def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | None = None, *,
           gbs: int | None = None, train_steps: int | None = None, train_tokens: float | None = None,
           profiles_dir: str | None = None, distributed_optimizer: bool = True, allow_profile_mismatch: bool = False,
-          progress: Callable[[int, int], None] | None = None, profiles: dict | None = None) -> list[dict]:
+          progress: Callable[[int, int], None] | None = None, profiles: dict | None = None,
+          left_out: dict[str, str] | None = None) -> list[dict]:
     """One record per composition (in the order given; default: every composition of `cluster`) with its
     fastest plan, the time and cost of the whole run, and `on_front`, the Pareto flag over
     (train_hours, train_cost_usd); `profiles`: already loaded (by GPU type) instead of reading profiles_dir.
+    `left_out`: node types the model's precision cannot use (fasop.search.precision), and why: a composition
+    holding one has no plan and says why.
 
     The run is `train_steps` steps, or `train_tokens` tokens (steps = tokens / (gbs * sequence length),
     rounded up); with neither, DEFAULT_TRAIN_STEPS steps. The front does not depend on the run length (time
@@ -200,9 +208,13 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
         train_steps = DEFAULT_TRAIN_STEPS
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
     compositions = all_compositions(cluster) if compositions is None else _checked_compositions(cluster, compositions)
+    left_out = left_out or {}
     if profiles is None:
-        profiles = cluster_profiles(model, cluster, profiles_dir, allow_profile_mismatch)
-    task = _Composition(model, cluster, gbs, train_steps, train_tokens, distributed_optimizer, profiles)
+        usable = {name: t.count for name, t in cluster.node_types.items() if name not in left_out}
+        profiles = cluster_profiles(model, cluster.with_counts(usable) if left_out else cluster, profiles_dir,
+                                    allow_profile_mismatch)
+    task = _Composition(model, cluster, gbs, train_steps, train_tokens, distributed_optimizer, profiles,
+                        tuple(left_out.items()))
     workers = min(os.cpu_count() or 1, len(compositions) // PARALLEL_COMPOSITIONS)
     if workers <= 1:
         records = []
@@ -217,6 +229,25 @@ def sweep(model: Model, cluster: Cluster, compositions: list[dict[str, int]] | N
                 if progress:
                     progress(done, len(compositions))
             records = [future.result() for future in futures]
+    mark_front(records)
+    return records
+
+
+def best_of_precisions(sweeps: list[list[dict]], precisions: list[str]) -> list[dict]:
+    """One record per composition from the sweeps of several precisions (the same compositions in the same
+    order): the fastest feasible one (the first precision's on a tie, or when none is feasible, with every
+    precision's note), its precision in `precision`; the counts of plans of every sweep; the front marked again."""
+    records = []
+    for rows in zip(*sweeps):
+        feasible = [(row["step_time_s"], i) for i, row in enumerate(rows) if row["feasible"]]
+        at = min(feasible)[1] if feasible else 0
+        best = {**rows[at], "precision": precisions[at] if feasible else None,
+                "plans_evaluated": sum(row["plans_evaluated"] for row in rows),
+                "out_of_memory": sum(row["out_of_memory"] for row in rows)}
+        if not feasible:
+            best["note"] = "; ".join(f"{precision}: {row['note']}" if not row["note"].startswith(precision) else row["note"]
+                                     for precision, row in zip(precisions, rows))
+        records.append(best)
     mark_front(records)
     return records
 

@@ -73,8 +73,11 @@ def precision_spaces(model: Model, cluster: Cluster, precisions: tuple[str, ...]
     """The search space of each precision (default: the model file's); `use_all` refuses an FP8 search that
     would leave node types out."""
     spaces = []
-    for precision in precisions or (model.precision,):
-        variant = with_precision(model, precision, fp8_recipe, fp8_param_gather)
+    precisions = precisions or (model.precision,)
+    for precision in precisions:
+        # the FP8 options apply to the fp8 space; given without one, with_precision refuses them
+        fp8 = precision == "fp8" or "fp8" not in precisions
+        variant = with_precision(model, precision, fp8_recipe if fp8 else None, fp8_param_gather if fp8 else None)
         check_param_gather(variant, distributed_optimizer)
         space = fp8_node_types(variant, cluster) if variant.fp8 else PrecisionSpace(variant, cluster)
         if use_all and space.left_out:
