@@ -85,7 +85,8 @@ def test_uneven_split_gives_the_faster_gpus_more(setting):
 
 def test_zero_memory_matches_the_paper():
     # ZeRO (Rajbhandari et al. 2020), figure 1: 7.5B parameters, 64 GPUs, K = 12
-    model = SimpleNamespace(total_params=lambda: 7.5e9, precision_bytes=2, precision="fp16")
+    model = SimpleNamespace(total_params=lambda: 7.5e9, precision_bytes=2, precision="fp16", main_params_dtype="fp32",
+                            exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32", use_precision_aware_optimizer=False)
     gb = {kind: dpl.state_bytes(model, kind, 64) / 1e9 for kind in dpl.KINDS}
     assert gb["ddp"] == pytest.approx(120)
     assert gb["zero1"] == pytest.approx(31.4, abs=0.05)

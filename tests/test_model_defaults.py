@@ -14,7 +14,9 @@ from fasop.inputs.model import ASSUMED_FIELDS, ModelTable
 # other needs.
 NOT_ASSUMED = {"source", "kv_channels", "num_query_groups", "ffn_hidden_size", "make_vocab_size_divisible_by",
                "num_layers", "seq_length", "encoder_num_layers", "decoder_num_layers", "encoder_seq_length",
-               "decoder_seq_length", "grad_reduce_in_bf16", "fp8_recipe", "fp8_param_gather"}  # Megatron-LM's own defaults
+               "decoder_seq_length", "grad_reduce_in_bf16", "fp8_recipe", "fp8_param_gather",
+               "use_precision_aware_optimizer", "main_params_dtype", "exp_avg_dtype",
+               "exp_avg_sq_dtype"}  # Megatron-LM's own defaults
 LEFT_OUT = {"flash_attention": None, "dropout": None, "position_embedding": None, "linear_bias": None}
 NOTE = ("note: {file} leaves out fields that change the estimate; taking position_embedding = \"learned\", "
         "flash_attention = false, dropout = true, linear_bias = true (docs/formats.md)")

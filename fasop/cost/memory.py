@@ -30,10 +30,11 @@ FP32_BYTES = 4
 DROPOUT_MASK_BYTES = 1
 
 
-# Adam keeps two fp32 moments per parameter (momentum and variance) and, under mixed precision, fp32 master
-# weights: K = 12 bytes (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-# Models", section 3.1), 8 in fp32 training.
-ADAM_MOMENTS_BYTES = 2 * FP32_BYTES
+# Adam keeps two moments per parameter (momentum and variance) and, under mixed precision, fp32 master weights:
+# K = 12 bytes (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+# section 3.1), 8 in fp32 training. Megatron-LM's precision-aware optimizer keeps them in the dtypes it is given.
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+REMAINDER_BYTES = 2  # the low 16 bits of an fp32 master weight whose high 16 are its bf16 weight
 
 
 def gradient_bytes(model: Model) -> int:
@@ -46,9 +47,26 @@ def gradient_bytes(model: Model) -> int:
     return model.precision_bytes
 
 
+def _stores_remainders(model: Model) -> bool:
+    """Whether fp32 master weights are kept as remainders of bf16 weights: Transformer Engine's FusedAdam under
+    Megatron-LM's precision-aware optimizer (OptimizerConfig.store_param_remainders, on by default), for weights
+    that are bf16 (not FP8-gathered ones)."""
+    return (model.use_precision_aware_optimizer and model.main_params_dtype == "fp32"
+            and model.high_precision == "bf16" and not model.fp8_param_gather)
+
+
+def main_params_bytes(model: Model) -> int:
+    """Bytes per parameter of the optimizer's master weights: none in fp32 training or without a master copy
+    (the weights are what Adam updates), 2 as remainders, else their dtype's."""
+    if model.precision == "fp32" or model.main_params_dtype == "none":
+        return 0
+    return REMAINDER_BYTES if _stores_remainders(model) else DTYPE_BYTES[model.main_params_dtype]
+
+
 def optimizer_state_bytes(model: Model) -> int:
-    """Adam's state per parameter: its moments, and the master weights of mixed precision (12 bytes, 8 in fp32)."""
-    return ADAM_MOMENTS_BYTES + (0 if model.precision == "fp32" else FP32_BYTES)
+    """Adam's state per parameter: its two moments and the master weights (12 bytes in mixed precision, 8 in fp32;
+    10 with remainders; 4 with bf16 moments and no master copy)."""
+    return DTYPE_BYTES[model.exp_avg_dtype] + DTYPE_BYTES[model.exp_avg_sq_dtype] + main_params_bytes(model)
 
 
 def bytes_per_param(model: Model, dp: int, distributed_optimizer: bool) -> float:
@@ -74,12 +92,16 @@ def main_gradient_bytes(model: Model, dp: int, distributed_optimizer: bool) -> f
 
 def optimizer_traffic_bytes(model: Model) -> int:
     """Bytes each parameter of a rank's optimizer shard moves through GPU memory in one Adam step (Megatron-core's
-    DistributedOptimizer / Float16OptimizerWithFloat16Params, then torch's fused Adam): the gradient-norm pass and
-    Adam each read the fp32 main gradient; Adam reads and writes the moments and the fp32 weights (the master
-    copy, or in fp32 training the weights themselves); mixed precision writes the updated weight back into the
-    model's copy. 34 bytes, 32 in fp32."""
-    copy = 0 if model.precision == "fp32" else model.precision_bytes
-    return 2 * FP32_BYTES + 2 * (ADAM_MOMENTS_BYTES + FP32_BYTES) + copy
+    DistributedOptimizer / Float16OptimizerWithFloat16Params, then a fused Adam): the gradient-norm pass and
+    Adam each read the fp32 main gradient; Adam reads and writes the moments and the master weight, and writes
+    the updated weight into the model's copy: 34 bytes in mixed precision, 32 in fp32. Without a master copy
+    Adam reads and writes the weight itself; from a remainder it reads the weight too, to rebuild the fp32 value."""
+    moments = DTYPE_BYTES[model.exp_avg_dtype] + DTYPE_BYTES[model.exp_avg_sq_dtype]
+    weight = model.precision_bytes
+    if model.precision == "fp32" or model.main_params_dtype == "none":
+        return 2 * FP32_BYTES + 2 * (moments + weight)
+    read_weight = weight if _stores_remainders(model) else 0
+    return 2 * FP32_BYTES + 2 * (moments + main_params_bytes(model)) + read_weight + weight
 
 
 def usable_gib(cluster: Cluster, capacity_gib: Capacity) -> Capacity:

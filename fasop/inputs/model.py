@@ -19,6 +19,11 @@ PRECISIONS = ("fp16", "bf16", "fp32", "fp8")
 # Transformer Engine's FP8 scaling recipes as Megatron-LM's --fp8-recipe names them (delayed: amax history;
 # tensorwise: current per-tensor scaling; blockwise: 1 x 128 and 128 x 128 blocks; mxfp8: 32-element blocks)
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+# Dtypes of Adam's state as Megatron-LM's precision-aware optimizer names them (--main-params-dtype,
+# --exp-avg-dtype, --exp-avg-sq-dtype). "none": no master copy, Adam updates the weights in their own dtype
+# (NeMo's distributed Adam with its state in the model's dtype; not a Megatron-LM option).
+MAIN_PARAMS_DTYPES = ("fp32", "fp16", "none")
+MOMENT_DTYPES = ("fp32", "fp16", "bf16", "fp8")
 # Ranges of the shape fields of a model file (docs/formats.md): beyond any trained Transformer, small enough
 # that parameter, activation and FLOP counts stay finite.
 MAX_LAYERS = 10_000
@@ -29,7 +34,7 @@ MAX_VOCAB = 2**24
 # Fields that change an estimate and that the shape does not imply: how the model is built and trained. A model
 # file that leaves one out takes the default of ModelTable, and the command line says so (docs/formats.md). The
 # shape's own defaults (kv_channels, num_query_groups, ffn_hidden_size) follow from the fields given, and
-# make_vocab_size_divisible_by's and grad_reduce_in_bf16's are Megatron-LM's.
+# make_vocab_size_divisible_by's, grad_reduce_in_bf16's and the optimizer's dtypes are Megatron-LM's.
 ASSUMED_FIELDS = ("tie_embeddings", "position_embedding", "normalization", "ffn_activation", "flash_attention",
                   "dropout", "linear_bias", "precision")
 
@@ -59,6 +64,12 @@ class Model:
     fp8_recipe: str = "delayed"  # fp8 only: its scaling recipe (FP8_RECIPES), Megatron-LM's default
     fp8_param_gather: bool = False  # fp8 only: parameters kept and all-gathered in FP8 (--fp8-param-gather)
     grad_reduce_in_bf16: bool = False  # bf16 only: gradients kept and reduced in bf16 (Megatron-LM --grad-reduce-in-bf16)
+    # Adam's state (fasop.cost.memory.optimizer_state_bytes): Megatron-LM's --use-precision-aware-optimizer
+    # (Transformer Engine's FusedAdam, which keeps fp32 master weights of bf16 ones as their 16-bit remainders)
+    use_precision_aware_optimizer: bool = False
+    main_params_dtype: str = "fp32"  # MAIN_PARAMS_DTYPES
+    exp_avg_dtype: str = "fp32"  # MOMENT_DTYPES
+    exp_avg_sq_dtype: str = "fp32"
     global_batch_size: int = 1
     make_vocab_size_divisible_by: int = 128
     source: str = ""
@@ -218,6 +229,10 @@ class ModelTable(Table):
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] | None = None
     fp8_param_gather: Flag | None = None
     grad_reduce_in_bf16: Flag = False
+    use_precision_aware_optimizer: Flag = False
+    main_params_dtype: Literal["fp32", "fp16", "none"] = "fp32"
+    exp_avg_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     global_batch_size: Annotated[int, Range(1, 2**31 - 1)]
     make_vocab_size_divisible_by: Width = 128
 
@@ -268,6 +283,10 @@ def load_model(model_name: str) -> Model:
     for key in ("fp8_recipe", "fp8_param_gather"):
         if getattr(table, key) is not None and table.precision != "fp8":
             raise InputError(f"{where}.{key}", f"only with precision = \"fp8\", got {table.precision!r}")
+    for key in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(table, key) != "fp32" and not table.use_precision_aware_optimizer:
+            raise InputError(f"{where}.{key}", "other than \"fp32\" only with use_precision_aware_optimizer = true, "
+                                               f"as Megatron-LM asserts; got {getattr(table, key)!r}")
     return Model(
         name=table.name, architecture=table.architecture,
         encoder_num_layers=enc_layers, decoder_num_layers=dec_layers,
@@ -287,6 +306,10 @@ def load_model(model_name: str) -> Model:
         fp8_recipe=table.fp8_recipe or "delayed",
         fp8_param_gather=bool(table.fp8_param_gather),
         grad_reduce_in_bf16=table.grad_reduce_in_bf16,
+        use_precision_aware_optimizer=table.use_precision_aware_optimizer,
+        main_params_dtype=table.main_params_dtype,
+        exp_avg_dtype=table.exp_avg_dtype,
+        exp_avg_sq_dtype=table.exp_avg_sq_dtype,
         global_batch_size=table.global_batch_size,
         make_vocab_size_divisible_by=table.make_vocab_size_divisible_by,
         source=table.source,

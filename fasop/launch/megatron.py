@@ -169,6 +169,20 @@ def recompute_flags(p: PlanSpec) -> list[tuple[str, ...]]:
     return flags
 
 
+def _optimizer_flags(model: Any) -> list[tuple[str, ...]]:
+    """Megatron-LM's precision-aware optimizer and the dtypes of Adam's state the memory model assumed."""
+    if not getattr(model, "use_precision_aware_optimizer", False):
+        return []
+    if model.main_params_dtype == "none":
+        raise InputError(f"{model.file}: model.main_params_dtype", "\"none\" (no master weights) is NeMo's "
+                                                                  "distributed Adam; Megatron-LM keeps fp32 or fp16 ones")
+    flags: list[tuple[str, ...]] = [("--use-precision-aware-optimizer",)]
+    for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(model, name) != "fp32":
+            flags.append(("--" + name.replace("_", "-"), getattr(model, name)))
+    return flags
+
+
 def _newer_model_flags(model: Any) -> list[tuple[str, ...]]:
     """The model's flags that Megatron-LM gained after the FASOP fork was made."""
     newer: list[tuple[str, ...]] = []
@@ -181,6 +195,7 @@ def _newer_model_flags(model: Any) -> list[tuple[str, ...]]:
         newer.append(("--squared-relu",))
     if model.grad_reduce_in_bf16:
         newer.append(("--grad-reduce-in-bf16",))
+    newer += _optimizer_flags(model)
     if model.normalization == "rmsnorm":
         newer.append(("--normalization", "RMSNorm"))
     if model.position_embedding == "rope":
