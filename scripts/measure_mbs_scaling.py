@@ -3,17 +3,20 @@ measured profiles.
 
     python scripts/measure_mbs_scaling.py [--part scaling|synth|plans|all]
 
-1. scaling: for every measured profile with several micro-batch sizes, each larger size's forward + backward
-   time predicted from the smallest profiled one, (a) per sample, t(b0) x b / b0 (fasop's old rule), and (b) by
-   the roofline shape, t(b0) x r(b) / r(b0) (fasop.inputs.profiles). Error = predicted / measured - 1, per GPU,
-   model and tensor degree over all units and sizes. The profiles: H100-measured (fasop profile layers on one
-   H100, tp 1, mbs 1 to 8; roofline of the catalogue's H100) and FASOP's A100 and A10 profiles (bundled,
-   converted by scripts/convert_fasop_profiles.py). FASOP's own .npy files hold one size per tensor degree
-   (mbs 1); their other sizes are FASOP's micro-batch factors, fitted by FASOP to its measurements, at the
-   factors' breakpoints only (bert and t5; gpt2-xl's factors are per sample, so it has no second size).
-2. synth: the synthesised time of a whole model (embedding, every layer, head; forward + backward, mbs 1) and
-   of one layer against FASOP's measured A100 and A10 profiles at tp 1, 2, 4, and against H100-measured at
-   mbs 1 to 8. Only `fasop.profile.synth.synthesize` is used, so the same part runs on older checkouts.
+1. scaling: for every measured profile with several micro-batch sizes, each larger size's forward + backward time
+   predicted from the smallest profiled one, (a) per sample, t(b0) x b / b0 (fasop's first rule), (b) by the
+   roofline shape, t(b0) x r(b) / r(b0) (its second), and (c) as fasop does today, the measured time split into
+   the host's and the GPU's part on the roofline's launch queue (fasop.inputs.profiles.Curve), with the host floor
+   the profile carries (H100-mbs32: measured by fasop profile layers), else the catalogue's kernel_launch_us.
+   Error = predicted / measured - 1, per GPU, model and tensor degree over all units and sizes. The profiles:
+   H100-measured (fasop profile layers on one H100, tp 1, mbs 1 to 8; roofline of the catalogue's H100),
+   H100-mbs32 (the same, mbs 1 to 32, validation/profiles) and FASOP's A100 and A10 profiles (bundled, converted
+   by scripts/convert_fasop_profiles.py). FASOP's own .npy files hold one size per tensor degree (mbs 1); their
+   other sizes are FASOP's micro-batch factors, fitted by FASOP to its measurements, at the factors' breakpoints
+   only (bert and t5; gpt2-xl's factors are per sample, so it has no second size).
+2. synth: the synthesised time of a whole model (embedding, every layer, head; forward + backward, mbs 1) and of
+   one layer against FASOP's measured A100 and A10 profiles at tp 1, 2, 4, and against H100-measured at mbs 1 to
+   8. Only `fasop.profile.synth.synthesize` is used, so the same part runs on older checkouts.
 3. plans: the best plan of each of FASOP's six experiments under FASOP's measured profiles, its step time
    estimated again with A100 and A10 profiles from `fasop profile synth` (catalogue efficiencies, tp 1, 2, 4,
    mbs 1, 2, 4, 8): measured step / synthesised step. Public API only, so it too runs on older checkouts.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from fasop.inputs.catalogue import load_gpu_spec
@@ -30,41 +34,52 @@ from fasop.inputs.model import load_model
 from fasop.inputs.profiles import load_profiles
 from fasop.profile.synth import header_lines, synthesize, write_profile
 
-# (profile GPU type, catalogue GPU whose roofline shapes it, models)
-MEASURED = [("H100-measured", "H100", ("gpt2-xl", "llama2-7b", "bert", "t5")),
-            ("A100", "A100", ("bert", "t5")), ("A10", "A10", ("bert", "t5"))]
+ROOT = Path(__file__).resolve().parents[1]
+# (profile GPU type, catalogue GPU whose roofline shapes it, models, profile folder: None for the bundled ones)
+MEASURED = [("H100-measured", "H100", ("gpt2-xl", "llama2-7b", "bert", "t5"), None),
+            ("H100-mbs32", "H100", ("bert", "gpt2-xl"), ROOT / "validation" / "profiles"),
+            ("A100", "A100", ("bert", "t5"), None), ("A10", "A10", ("bert", "t5"), None)]
 FASOP = [("A100", ("gpt2-xl", "bert", "t5")), ("A10", ("gpt2-xl", "bert", "t5"))]
 EXPERIMENTS = [("gpt2-xl", "fasop-8xA10"), ("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-4xA10"),
                ("bert", "fasop-1xA100-3xA10"), ("t5", "fasop-8xA10"), ("t5", "fasop-1xA100-7xA10")]
 
 
 def scaling() -> None:
+    import numpy as np
+
     from fasop.inputs.catalogue import load_gpu_specs
-    from fasop.inputs.profiles import roofline_shape  # newer than the other parts: only this part needs it
+    from fasop.inputs.profiles import Curve, roofline_shape  # newer than the other parts: only this part needs it
 
     specs = load_gpu_specs()
     print("Predicting each profiled micro-batch size from the smallest one (forward + backward, every unit):")
-    print("| profile | model | tp | sizes | per sample: mean, worst | roofline shape: mean, worst |")
-    print("|---|---|---|---|---|---|")
-    for gpu, spec_name, models in MEASURED:
+    print("| profile | model | tp | sizes | per sample: mean, worst | roofline shape: mean, worst | host floor split: "
+          "mean, worst |")
+    print("|---|---|---|---|---|---|---|")
+    for gpu, spec_name, models, folder in MEASURED:
         for name in models:
             model = load_model(name)
-            profile = load_profiles(model, [gpu], specs={})[gpu]  # no shape: the rows as measured
+            profile = load_profiles(model, [gpu], None if folder is None else str(folder / name), specs={})[gpu]
+            spec = specs[spec_name]
+            floored = spec if profile.kernel_launch_us is None else replace(spec, kernel_launch_us=profile.kernel_launch_us)
             for tp in profile.tensor_degrees:
-                old, new, sizes = [], [], set()
+                errors: tuple[list[float], list[float], list[float]] = ([], [], [])
+                sizes = set()
                 for (curve_tp, kind), curve in sorted(profile.curves.items()):
                     if curve_tp != tp or len(curve.mbs) < 2:
                         continue
-                    shape = roofline_shape(model, specs[spec_name], tp, kind)
+                    shape = roofline_shape(model, spec, tp, kind)
                     b0, t0 = int(curve.mbs[0]), curve.forward_s[0] + curve.backward_s[0]
                     r0 = sum(shape(b0))
+                    first = Curve(curve.mbs[:1], curve.forward_s[:1], curve.backward_s[:1],
+                                  roofline_shape(model, floored, tp, kind))
                     for b, f, w in zip(curve.mbs[1:], curve.forward_s[1:], curve.backward_s[1:]):
                         sizes.add(int(b))
-                        old.append(t0 * b / b0 / (f + w) - 1)
-                        new.append(t0 * sum(shape(int(b))) / r0 / (f + w) - 1)
-                if old:
-                    print(f"| {gpu} | {name} | {tp} | {','.join(map(str, sorted(sizes)))} | {summary(old)} | "
-                          f"{summary(new)} |")
+                        for found, predicted in zip(errors, (t0 * b / b0, t0 * sum(shape(int(b))) / r0,
+                                                             float(np.sum(first.at(int(b)))))):
+                            found.append(predicted / (f + w) - 1)
+                if errors[0]:
+                    print(f"| {gpu} | {name} | {tp} | {','.join(map(str, sorted(sizes)))} | "
+                          + " | ".join(summary(e) for e in errors) + " |")
 
 
 def summary(errors: list[float]) -> str:

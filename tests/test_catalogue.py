@@ -45,17 +45,25 @@ def test_a_gpu_of_a_catalogue_file_is_used_by_synth(runner, tiny, tmp_path):
     assert result.exit_code == 0, result.output
     assert str(catalogue) in out.read_text()  # the header names the table the figures came from
     # the roofline by hand: 100 TFLOP/s x 0.5, 1000 GB/s, 25 GB/s for the tensor-parallel collectives, and
-    # the default 5 us per kernel launch for a table without kernel_launch_us
+    # the default 5 us per kernel launch for a table without kernel_launch_us, kernel after kernel
     model = load_model(str(files.model))
     work = unit_work(model, tp=2, mbs=1)["layer"]
-    forward = sum(max(k.flops / 50e12, k.bytes / 1e12) + 5e-6 * k.launches for k in work.forward)
-    forward += 0.5 * sum(work.collectives) / 25e9  # no measured curve: the nominal link
-    assert _layer_times(out)[("2", "1", "layer")][0] == pytest.approx(forward, rel=1e-9)
+    gpu_s = [max(k.flops / 50e12, k.bytes / 1e12) / k.launches for k in work.forward for _ in range(k.launches)]
+    gpu_s += [0.5 * payload / 25e9 for payload in work.collectives]  # no measured curve: the nominal link
+
+    def pass_s(launch_s: float) -> float:
+        host_t = gpu_t = 0.0
+        for g in gpu_s:  # the host launches, the GPU runs each once launched and the one before is done
+            host_t += launch_s
+            gpu_t = max(host_t, gpu_t) + g
+        return gpu_t
+
+    assert _layer_times(out)[("2", "1", "layer")][0] == pytest.approx(pass_s(5e-6), rel=1e-9)
     # the field, when given, replaces the default
     catalogue.write_text(_gpu_toml(kernel_launch_us=0.0))
     assert _synth(runner, files, out, "--gpu", "MyGPU-24G", "--catalogue", str(catalogue), "--force").exit_code == 0
-    no_launches = forward - 5e-6 * work.forward_launches
-    assert _layer_times(out)[("2", "1", "layer")][0] == pytest.approx(no_launches, rel=1e-9)
+    assert _layer_times(out)[("2", "1", "layer")][0] == pytest.approx(pass_s(0.0), rel=1e-9)
+    assert pass_s(0.0) == pytest.approx(sum(gpu_s), rel=1e-12) and pass_s(0.0) < pass_s(5e-6)
 
 
 def test_a_catalogue_entry_replaces_the_bundled_gpu_of_its_name(runner, tiny, tmp_path):

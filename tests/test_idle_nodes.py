@@ -105,7 +105,7 @@ def test_the_command_line_says_when_leaving_a_type_idle_pays(runner):
     result = invoke(runner, ["search", "--model", "bert", "--cluster", "fasop-1xA100-3xA10", "--top", "3"])
     ok(result)
     notes = [line for line in result.stdout.splitlines() if line.startswith("note: leaving")]
-    assert notes == ["note: leaving A100 (1 node) idle is cheaper per sample: $0.00790 per step against $0.01071 on "
+    assert notes == ["note: leaving A100 (1 node) idle is cheaper per sample: $0.00793 per step against $0.01063 on "
                      "every node (--use-all keeps every node)."]
     kept = invoke(runner, ["search", "--model", "bert", "--cluster", "fasop-1xA100-3xA10", "--top", "3", "--use-all"])
     ok(kept)

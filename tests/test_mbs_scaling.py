@@ -1,7 +1,7 @@
-"""Micro-batch scaling of profiled times by the roofline shape (fasop.inputs.profiles.Curve with a shape):
-exact at the profiled sizes, the ratio to the roofline interpolated between them and held beyond, worked by
-hand; and the roofline's time per sample never growing with the micro-batch but for tile and wave
-quantization and measured collective bandwidths."""
+"""Micro-batch scaling of profiled times on the roofline's launch queue (fasop.inputs.profiles.Curve with a
+shape): exact at the profiled sizes, the host and GPU factors nearest the spec's against a brute-force search,
+mapped along the fitted queue between sizes; and the roofline's time per sample never growing with the micro-batch
+but for tile and wave quantization and measured collective bandwidths."""
 
 import dataclasses
 import tempfile
@@ -16,7 +16,7 @@ from strategies import GPU_SPECS, model_fields
 
 from fasop import load_model
 from fasop.cost.roofline import Rates, unit_times, unit_work
-from fasop.inputs.profiles import Curve, load_profiles, roofline_shape
+from fasop.inputs.profiles import Curve, fit_scales, load_profiles, roofline_shape
 
 GPT2 = load_model("gpt2-xl")
 A100 = GPU_SPECS["A100"]
@@ -26,30 +26,56 @@ def roofline(model, gpu, tp, kind, mbs):
     return unit_times(unit_work(model, tp, mbs)[kind], tp, Rates.of(GPU_SPECS[gpu], model))
 
 
-def test_beyond_the_largest_profiled_size_the_roofline_shape_scales_the_measurement():
-    """FASOP's gpt2-xl A100 profile has mbs 1 only; the old rule gave 8 x t(1) at mbs 8."""
+def nearest_pair(queue, seconds: float) -> tuple[float, float]:
+    """The (host, GPU) factors nearest (1, 1) in logarithms with which `queue` takes `seconds`, by brute force: for
+    each host factor on a fine grid, the GPU factor that gives `seconds` by bisection."""
+    best = (np.inf, 1.0, 1.0)
+    for log_host in np.linspace(-4, 4, 8001):
+        host = np.exp(log_host)
+        if queue.seconds(host, 1e-9) >= seconds:
+            continue
+        lo, hi = -30.0, 30.0
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if queue.seconds(host, np.exp(mid)) < seconds else (lo, mid)
+        best = min(best, (log_host ** 2 + lo ** 2, host, float(np.exp(lo))))
+    return best[1], best[2]
+
+
+def test_beyond_the_largest_profiled_size_the_launch_queue_scales_the_measurement():
+    """FASOP's gpt2-xl A100 profile has mbs 1 only: its time there is the queue at the host and GPU factors nearest
+    (1, 1) that give it (found here by brute force), and at mbs 8 the queue at the same factors."""
     profile = load_profiles(GPT2, ["A100"])["A100"]
     measured = profile.time(1, "layer", 1)
-    r1, r8 = roofline(GPT2, "A100", 1, "layer", 1), roofline(GPT2, "A100", 1, "layer", 8)
+    shape = roofline_shape(GPT2, A100, 1, "layer")
     scaled = profile.time(1, "layer", 8)
-    assert scaled[0] == pytest.approx(measured[0] * r8[0] / r1[0], rel=1e-12)
-    assert scaled[1] == pytest.approx(measured[1] * r8[1] / r1[1], rel=1e-12)
-    # the launches and the weights read once per micro-batch do not grow with it
+    for column in range(2):
+        host, gpu = nearest_pair(shape.queues(1)[column], measured[column])
+        assert fit_scales([shape.queues(1)[column]], np.array([measured[column]])) == pytest.approx((host, gpu),
+                                                                                                    rel=2e-3)
+        assert scaled[column] == pytest.approx(shape.queues(8)[column].seconds(host, gpu), rel=2e-3)
+    # the weights read once per micro-batch and the host's launches do not grow with it
     assert scaled[0] < 8 * measured[0] * (1 - 1e-3) and scaled[1] < 8 * measured[1] * (1 - 1e-3)
     # the embedding's backward is dominated by its dense table gradient: far below per-sample
     assert profile.time(1, "embedding", 8)[1] < 2 * profile.time(1, "embedding", 1)[1]
 
 
-def test_between_profiled_sizes_the_ratio_to_the_roofline_is_interpolated():
+def test_between_profiled_sizes_the_measurements_are_mapped_along_the_fitted_queue():
     shape = roofline_shape(GPT2, A100, 2, "layer")
     curve = Curve(np.array([1.0, 4.0]), np.array([3e-3, 7e-3]), np.array([5e-3, 9e-3]), shape)
-    r1, r2, r4 = (roofline(GPT2, "A100", 2, "layer", b) for b in (1, 2, 4))
-    for i in range(2):
-        q1, q4 = (3e-3, 5e-3)[i] / r1[i], (7e-3, 9e-3)[i] / r4[i]
-        assert curve.at(2)[i] == pytest.approx((q1 + (q4 - q1) / 3) * r2[i], rel=1e-12)
-    # below the smallest size, the smallest size's ratio
+    for i, measured in enumerate(((3e-3, 7e-3), (5e-3, 9e-3))):
+        queues = [shape.queues(b)[i] for b in (1, 4)]
+        host, gpu = fit_scales(queues, np.array(measured))
+        fitted = [shape.queues(b)[i].seconds(host, gpu) for b in (1, 2, 4)]
+        share = (fitted[1] - fitted[0]) / (fitted[2] - fitted[0])
+        assert curve.at(2)[i] == pytest.approx(measured[0] + (measured[1] - measured[0]) * share, rel=1e-12)
+        assert measured[0] < curve.at(2)[i] < measured[1]
+    # below the smallest size, the queue at the fitted factors times the smallest size's measured-to-fitted ratio
     below = Curve(np.array([2.0, 4.0]), np.array([3e-3, 7e-3]), np.array([5e-3, 9e-3]), shape)
-    assert below.at(1)[0] == pytest.approx(3e-3 / r2[0] * r1[0], rel=1e-12)
+    queues = [shape.queues(b)[0] for b in (2, 4)]
+    host, gpu = fit_scales(queues, np.array([3e-3, 7e-3]))
+    assert below.at(1)[0] == pytest.approx(
+        shape.queues(1)[0].seconds(host, gpu) * 3e-3 / queues[0].seconds(host, gpu), rel=1e-12)
 
 
 def test_without_a_gpu_spec_the_old_rule_stays():
@@ -128,8 +154,10 @@ def test_a_precision_without_a_tensor_core_peak_keeps_the_old_rule(tmp_path):
 
 
 def test_a_scaled_curve_keeps_its_shape():
-    """Calibration and the robust ranking scale profiles; the scaled times still follow the roofline."""
+    """Calibration and the robust ranking scale profiles: the scaled curve is the curve of the scaled measurements,
+    fitted afresh on the same roofline."""
     curve = load_profiles(GPT2, ["A100"])["A100"].curves[1, "layer"]
     doubled = curve.scaled(2.0)
-    assert doubled.at(8) == pytest.approx(tuple(2 * t for t in curve.at(8)), rel=1e-12)
-    assert doubled.at(8)[0] < 2 * 8 * curve.at(1)[0] * (1 - 1e-3)
+    assert doubled.at(1) == tuple(2 * t for t in curve.at(1))
+    again = Curve(curve.mbs, 2 * curve.forward_s, 2 * curve.backward_s, curve.shape)
+    assert doubled.at(8) == again.at(8) and doubled.at(8)[0] > curve.at(8)[0]

@@ -10,7 +10,9 @@ checks its ranking). Re-recorded when memory followed Megatron-LM's allocation (
 held only in the optimizer step, the head's activations for its own chunk's micro-batches): the fp16 examples'
 memory figures moved, the bf16 llama2-7b example did not. The llama2-7b example's ten listed plans, placed as type
 blocks, then gained their optimality_gap from the integer program's bound (fasop.search.placementbound); nothing else
-in the file moved."""
+in the file moved. Re-recorded when units became launch queues (the host's launches overlap the GPU's work but the
+first; docs/cost-model.md section 2.1) and measured profiles were scaled across micro-batch sizes by splitting the
+host's part from the GPU's (section 2): every example's times moved, the README's by 4% at most."""
 
 from __future__ import annotations
 
@@ -33,15 +35,15 @@ SEARCHES = {
     "llama2-7b pareto-h100-a100-a10g": ["--recompute", "full", "--gbs", "64"],
 }
 DIGESTS = {
-    "gpt2-xl fasop-8xA10": "c29ac7a2dd0f9102024ad9e28a57cc53c6f2dc90622369d91102b797d1117a7e",
-    "gpt2-xl fasop-1xA100-7xA10": "0cf18fc36834880523973733f537f3d41fb5cdd1cc855fb0f4c31dc58af9b2bc",
-    "bert fasop-4xA10": "6f9c2320c5781854dfa96f104bf4bd34c1b23ff9ddebb0c12d4ec3b69dcbbb7d",
-    "bert fasop-1xA100-3xA10": "7723e5d092dc68a93310ad1b14355ea8853c71c58850da9e7d1fa0f3446f679b",
-    "t5 fasop-8xA10": "72556d9a984871b9a7178a9c2e10eb2f99ac5f02c884613451ac1fbb988ad3b2",
-    "t5 fasop-1xA100-7xA10": "839c865ef3f634a021d4ed319a96a06eb95d0bcee80a7ccbf2f861e4bea4b55a",
-    "gpt2-xl fasop-1xA100-3xA10 csv": "e799a9c19e0085e83bd4f206989eebb3637a345dbb6e01eecf232548adf2c9af",
-    "bert fasop-1xA100-7xA10 csv": "95174f90ef9a53fa3b0d80abea950c7a293045c8aa39d20acd9fe1c0baf3d487",
-    "llama2-7b pareto-h100-a100-a10g": "92021e6c098ecb779c85f8df1ad42e5d43ddfa96e950c0382112b63e8e216f81",
+    "gpt2-xl fasop-8xA10": "8ab165ea89fb8c768f14471c422d6860aa62f84412a1786b52dc51852f402d49",
+    "gpt2-xl fasop-1xA100-7xA10": "99e81ac4ece63718872b0f7706945404aaa9dc7704101ea2af2cbea8a138ca79",
+    "bert fasop-4xA10": "4bf8e9e3d22eb0a387fb54e3d9fe235f720a7780c19b3f0a0c358c631afd793f",
+    "bert fasop-1xA100-3xA10": "122778c68e1485582b3e6f141e12ef0bc3930609de3b34c0ebf3d437b53e1426",
+    "t5 fasop-8xA10": "96da07a59a230f03a662be5ef595036164b30846fdde4e4a1fa2b86db0d9e2cf",
+    "t5 fasop-1xA100-7xA10": "fea7eab7ae2611742651d1f545e0ed1867147d389715ff277a702c2416be7e80",
+    "gpt2-xl fasop-1xA100-3xA10 csv": "f18f64d582bf9c82c7dac8011c90eb3c9f55726466d95793bf8e56651fcef053",
+    "bert fasop-1xA100-7xA10 csv": "f2d1611ceab915e326288afea5f34df2acedafa3bb8bcc839cba9f5f5fb5382c",
+    "llama2-7b pareto-h100-a100-a10g": "76de4be6f8d5f3bfb2aa060f5fb55261d3645aabbda33caf0f529b57010c86e7",
 }
 
 

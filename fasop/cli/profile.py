@@ -53,8 +53,9 @@ def synth(model_name, gpu, tps, mbss, efficiency, link_bandwidth, out, force, ca
     measured.
 
     Each unit (embedding, transformer layer, head) takes, kernel by kernel, max(FLOPs / (peak x efficiency),
-    bytes / memory bandwidth), plus the GPU's kernel_launch_us per kernel and its tensor-parallel all-gathers
-    and reduce-scatters over the intra-node link; backward does twice the forward FLOPs. See
+    bytes / memory bandwidth) and its tensor-parallel all-gathers and reduce-scatters over the intra-node link,
+    each kernel run once the host has launched it (one every kernel_launch_us of the GPU table) and the one
+    before has finished; backward does twice the forward FLOPs. See
     fasop/cost/roofline.py for what is counted. Small layers still run slower in practice: measure a profile
     when you can.
     """

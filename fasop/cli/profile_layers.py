@@ -87,7 +87,8 @@ def layers(model_name, gpu, tps, mbss, device, repeat, warmup, out, force):
             rows, out_of_memory = measure.measure(model, tps, mbss, settings, on_size)
         except measure.MeasureError as err:
             raise click.ClickException(f"measuring {model.name} failed: {err}") from None
-    lines = measure.header_lines(model, gpu, tps, mbss, settings, out_of_memory, command)
+        floor_us = measure.measure_host_floor(model, settings)
+    lines = measure.header_lines(model, gpu, tps, mbss, settings, out_of_memory, command, floor_us)
     measure.write_measured(out, rows, lines)
     layer = next(r for r in rows if r.kind in model.layer_kinds)
     click.echo(f"{len(rows)} rows of {model.name} for {gpu} written to {out}; {layer.kind} at tp={layer.tp} "

@@ -1,8 +1,13 @@
 """Roofline estimate of one unit's forward and backward seconds (embedding, transformer layer, head) for one
 micro-batch of b samples of s tokens on one GPU of a tp-way tensor-parallel group, kernel by kernel:
 
-    pass_s = sum over kernels of max(FLOPs / (peak x efficiency x waves), bytes / memory_bandwidth)
-             + kernels x kernel_launch_s + sum over collectives of (tp - 1) / tp x C / busbw(C)
+    g_k    = max(FLOPs / (peak x efficiency x waves), bytes / memory_bandwidth)      (kernel k on the GPU)
+           or (tp - 1) / tp x C / busbw(C)                                      (a collective of C bytes)
+    pass_s = max over k of (k x kernel_launch_s + g_k + g_k+1 + ... + g_n)       (the launch queue)
+
+The last line is eager PyTorch's launch queue: the host spends kernel_launch_s issuing each kernel, and the GPU
+runs kernel k once it is issued and kernel k - 1 has finished, so a pass of large kernels takes their GPU time
+(plus one launch) and a pass of tiny ones the host's n launches, its floor (PassQueue).
 
 `fasop profile synth` writes these times; the profile reader (fasop.inputs.profiles) uses their shape over
 micro-batch sizes to scale measured times between and beyond the profiled sizes. The counting rules are in
@@ -24,7 +29,9 @@ the sequence-parallel shard of b s / tp tokens; matmul inputs gathered to all b 
   forward's FLOPs everywhere, also for flash attention (whose recomputation of the scores is left out).
 - waves: tile and wave quantization of a matmul's output (wave_efficiency); flash attention is not tiled here.
 - C: the payload of each tensor-parallel all-gather or reduce-scatter; busbw(C) the GPU table's measured
-  all-reduce bus bandwidth at that payload (allreduce_busbw), or the nominal intra-node link without one.
+  all-reduce bus bandwidth at that payload (allreduce_busbw), or the nominal intra-node link without one. Each
+  is one NCCL kernel in the pass's stream, after its compute kernels.
+- a Kernel of several launches is that many kernels, its GPU time split evenly among them.
 """
 
 from __future__ import annotations
@@ -342,7 +349,9 @@ def _head(model: Model, b: int, tp: int) -> list:
 
 
 def _unit(kind: str, work: list, collectives: tuple[float, ...]) -> UnitWork:
-    return UnitWork(kind, tuple(f for f, _ in work), tuple(k for _, bwd in work for k in bwd), collectives)
+    """The forward kernels in order, and the backward ones in the order autograd runs them: the last forward
+    kernel's first."""
+    return UnitWork(kind, tuple(f for f, _ in work), tuple(k for _, bwd in reversed(work) for k in bwd), collectives)
 
 
 @lru_cache(maxsize=4096)
@@ -374,12 +383,39 @@ def wave_efficiency(output: tuple[float, float, float] | None, sm_count: int | N
     return useful / (math.ceil(tiles / sm_count) * sm_count)
 
 
+@dataclass(frozen=True)
+class PassQueue:
+    """One pass as eager PyTorch runs it: the host issues kernel k (k = 1..n) at k kernel_launch_s, and the GPU
+    starts it once it is issued and kernel k - 1 has finished. The pass then ends at max over k of
+    (k kernel_launch_s + the GPU seconds of kernels k..n): the last issue after which the GPU never waits again.
+    `seconds(host, gpu)` runs the host's launches and every kernel's GPU time `host` and `gpu` times as long
+    (what a measured profile says of its host and GPU: fasop.inputs.profiles)."""
+
+    issue_s: np.ndarray  # when the host has issued kernel k
+    suffix_gpu_s: np.ndarray  # GPU seconds of kernels k..n
+
+    def seconds(self, host: float = 1.0, gpu: float = 1.0) -> float:
+        if not len(self.issue_s):
+            return 0.0
+        return float(np.max(host * self.issue_s + gpu * self.suffix_gpu_s))
+
+
+def kernel_gpu_s(kernel: Kernel, rates: Rates) -> float:
+    """GPU seconds of one kernel (all its launches): its roofline."""
+    rate = (rates.fp8_flops_per_s if kernel.fp8 else rates.flops_per_s) * wave_efficiency(kernel.output, rates.sm_count)
+    return max(kernel.flops / rate, kernel.bytes / rates.memory_bytes_per_s)
+
+
+def pass_queue(kernels: tuple[Kernel, ...], rates: Rates, collectives_s: tuple[float, ...] = ()) -> PassQueue:
+    """The launch queue of `kernels`, then of the collectives (GPU seconds each), in stream order."""
+    gpu = [kernel_gpu_s(k, rates) / k.launches for k in kernels for _ in range(k.launches)]
+    gpu_s = np.array(gpu + list(collectives_s), dtype=float)
+    return PassQueue(rates.kernel_launch_s * np.arange(1, len(gpu_s) + 1), np.cumsum(gpu_s[::-1])[::-1])
+
+
 def pass_s(kernels: tuple[Kernel, ...], rates: Rates) -> float:
-    """Seconds of the kernels of one pass, each at its roofline, plus their launches."""
-    return sum(max(k.flops / ((rates.fp8_flops_per_s if k.fp8 else rates.flops_per_s)
-                              * wave_efficiency(k.output, rates.sm_count)),
-                   k.bytes / rates.memory_bytes_per_s) + k.launches * rates.kernel_launch_s
-               for k in kernels)
+    """Seconds of the kernels of one pass: each at its roofline, in the launch queue."""
+    return pass_queue(kernels, rates).seconds()
 
 
 def attention_core_time_share(work: UnitWork, tp: int, rates: Rates) -> float:
@@ -402,8 +438,22 @@ def unit_attention_core_share(model: Model, tp: int, mbs: int, kind: str, rates:
     return attention_core_time_share(unit_work(model, tp, mbs)[kind], tp, rates)
 
 
+def unit_queues(work: UnitWork, tp: int, rates: Rates) -> tuple[PassQueue, PassQueue]:
+    """The forward and the backward launch queue of one unit, each pass's tensor-parallel collectives (ring:
+    (tp - 1) / tp of each payload at the link's bus bandwidth for that payload, not overlapped) after its
+    compute kernels."""
+    collectives = tuple((tp - 1) / tp * payload / rates.collective_bytes_per_s(payload)
+                        for payload in work.collectives) if tp > 1 else ()  # one GPU launches no collective
+    return pass_queue(work.forward, rates, collectives), pass_queue(work.backward, rates, collectives)
+
+
+@lru_cache(maxsize=2**16)
+def unit_pass_queues(model: Model, tp: int, mbs: int, kind: str, rates: Rates) -> tuple[PassQueue, PassQueue]:
+    """unit_queues of one unit of `model` (memoised: what measured profiles are fitted to and scaled by)."""
+    return unit_queues(unit_work(model, tp, mbs)[kind], tp, rates)
+
+
 def unit_times(work: UnitWork, tp: int, rates: Rates) -> tuple[float, float]:
-    """(forward_s, backward_s) of one unit, the tensor-parallel collectives (ring: (tp - 1) / tp of each
-    payload at the link's bus bandwidth for that payload, not overlapped) included."""
-    collective = sum((tp - 1) / tp * payload / rates.collective_bytes_per_s(payload) for payload in work.collectives)
-    return pass_s(work.forward, rates) + collective, pass_s(work.backward, rates) + collective
+    """(forward_s, backward_s) of one unit."""
+    forward, backward = unit_queues(work, tp, rates)
+    return forward.seconds(), backward.seconds()

@@ -1,11 +1,16 @@
 """Layer-wise time profiles: seconds per unit (embedding, transformer layer, head) per GPU type, tensor
 degree and micro-batch size, read from `profiles/<model>/<gpu>.csv`.
 
-At a profiled micro-batch size the time is the profile's. Elsewhere, for a GPU type of the spec table, the
-time follows the shape of the unit's roofline estimate r(b) (fasop.cost.roofline) anchored at the profiled
-sizes: t(b) = q(b) r(b), with q = t / r at each profiled size, interpolated linearly between them and held
-beyond the smallest and the largest. For a GPU type without a spec, times are interpolated linearly between
-profiled sizes and the nearest profiled time is scaled per sample beyond them.
+At a profiled micro-batch size the time is the profile's. Elsewhere, for a GPU type of the spec table (the
+catalogue's, or one the cluster file gives), each measured pass is split into the host's part, which does not
+grow with the micro-batch, and the GPU's work, which does (docs/cost-model.md section 2.1): the unit's roofline
+launch queue (fasop.cost.roofline.PassQueue) is fitted to the measured times with a factor on the host's launches
+and one on the GPU's kernels (fit_scales), f(b) = Q_b(a, c). Beyond the profiled sizes t(b) = f(b) times the
+nearest profiled size's measured-to-fitted ratio; between two profiled sizes the measured times are mapped along
+f. The host's launches count the GPU's kernel_launch_us, or the host floor a measured profile carries
+(`kernel_launch_us=` on its identity line, measured by `fasop profile layers`). For a GPU type without a spec,
+times are interpolated linearly between profiled sizes and the nearest profiled time is scaled per sample beyond
+them.
 
 A GPU type with no bundled profile of the model gets one synthesised from the roofline on its spec, as
 `fasop profile synth` writes it (synthesised_profile); a profile folder given must hold every GPU type's.
@@ -15,14 +20,20 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from fasop.cost.roofline import Rates, attention_core_share, unit_attention_core_share, unit_seconds
+from fasop.cost.roofline import (
+    PassQueue,
+    Rates,
+    attention_core_share,
+    unit_attention_core_share,
+    unit_pass_queues,
+    unit_seconds,
+)
 from fasop.errors import ArgumentError, InputError
 from fasop.files import CSV_LIMIT_BYTES, read_text
 from fasop.inputs import bundled
@@ -37,12 +48,15 @@ IDENTITY_PREFIX = "# fasop-profile:"
 MAX_DEGREE = 2**16  # tp and mbs
 MAX_UNIT_TIME_S = 3600.0  # one unit, one micro-batch
 MAX_MEMORY_BYTES = 2**50  # one unit's peak memory
+MAX_KERNEL_LAUNCH_US = 1000.0  # the host's time per kernel, as the GPU table's kernel_launch_us
 # The tensor degrees and micro-batch sizes `fasop profile synth` estimates by default, and so those of the
 # profiles synthesised for GPU types without one.
 DEFAULT_DEGREES = (1, 2, 4, 8)
-
-
-Shape = Callable[[int], tuple[float, float]]  # micro-batch size -> roofline (forward_s, backward_s)
+# fit_scales: the weight of the pull of log(host) and log(GPU) towards 0 (the spec's figures) against the fit of
+# the measured times' logarithms: small, so that it decides only what the measurements leave open; and the
+# bound on either logarithm (factors from e^-12 to e^12).
+FIT_PRIOR = 1e-3
+FIT_BOUND = 12.0
 
 
 @dataclass(frozen=True)
@@ -53,7 +67,7 @@ class Curve:
     mbs: np.ndarray
     forward_s: np.ndarray
     backward_s: np.ndarray
-    shape: Shape | None = field(default=None, compare=False, repr=False)
+    shape: RooflineShape | None = field(default=None, compare=False, repr=False)
 
     def at(self, mbs: int) -> tuple[float, float]:
         """(forward_s, backward_s) of one micro-batch of size `mbs`."""
@@ -61,7 +75,7 @@ class Curve:
         if index < len(self.mbs) and self.mbs[index] == mbs:
             return float(self.forward_s[index]), float(self.backward_s[index])
         if self.shape is not None:
-            return self._roofline_scaled(mbs)
+            return self._roofline_scaled(mbs, index)
         lo, hi = self.mbs[0], self.mbs[-1]
         if mbs <= lo or mbs >= hi:
             edge = 0 if mbs <= lo else -1
@@ -73,14 +87,28 @@ class Curve:
         """Every time multiplied by `factor`, the shape kept."""
         return replace(self, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor)
 
-    def _roofline_scaled(self, mbs: int) -> tuple[float, float]:
-        """q(mbs) r(mbs): the measured-to-roofline ratio, interpolated between profiled sizes (np.interp holds
-        it constant beyond them), times the roofline at `mbs`."""
+    def _roofline_scaled(self, mbs: int, index: int) -> tuple[float, float]:
+        """Each pass at `mbs`: its launch queue at the profile's fitted host and GPU factors (fit_scales), f(b).
+        Beyond the profiled sizes, f times the measured-to-fitted ratio of the nearest one; between two, the
+        measured times mapped along f (t_lo + (t_hi - t_lo) (f(b) - f(lo)) / (f(hi) - f(lo)), linear in b where
+        f is flat), so that time never falls as the micro-batch grows where the measurements do not."""
         shape = self.shape
         assert shape is not None  # at() calls this only with a shape
-        forward, backward = shape(mbs)
-        return (float(np.interp(mbs, self.mbs, self.forward_s / self._anchors[:, 0]) * forward),
-                float(np.interp(mbs, self.mbs, self.backward_s / self._anchors[:, 1]) * backward))
+        queues = shape.queues(mbs)
+        times = []
+        for column, measured in enumerate((self.forward_s, self.backward_s)):
+            (host, gpu), fitted = self._fits[column]
+            time = queues[column].seconds(host, gpu)
+            if index == 0 or index == len(self.mbs):
+                edge = min(index, len(self.mbs) - 1)
+                time *= measured[edge] / fitted[edge]
+            else:
+                lo, hi = index - 1, index
+                rise = fitted[hi] - fitted[lo]
+                share = (time - fitted[lo]) / rise if rise > 0 else (mbs - self.mbs[lo]) / (self.mbs[hi] - self.mbs[lo])
+                time = measured[lo] + (measured[hi] - measured[lo]) * share
+            times.append(float(time))
+        return times[0], times[1]
 
     @cached_property
     def _anchors(self) -> np.ndarray:
@@ -88,11 +116,44 @@ class Curve:
         assert self.shape is not None
         return np.array([self.shape(int(b)) for b in self.mbs])
 
+    @cached_property
+    def _fits(self) -> tuple[tuple[tuple[float, float], np.ndarray], ...]:
+        """Per pass: the (host, GPU) factors fitted to the measured times and the fitted times at the profiled
+        sizes."""
+        assert self.shape is not None
+        queues = [self.shape.queues(int(b)) for b in self.mbs]
+        fits = []
+        for column, measured in enumerate((self.forward_s, self.backward_s)):
+            passes = [q[column] for q in queues]
+            host, gpu = fit_scales(passes, measured)
+            fits.append(((host, gpu), np.array([q.seconds(host, gpu) for q in passes])))
+        return tuple(fits)
+
+
+def fit_scales(queues: list[PassQueue], measured_s: np.ndarray) -> tuple[float, float]:
+    """(host, GPU): the factors on the host's launches and on the GPU's kernel times of one unit's pass with which
+    its launch queues at the profiled sizes take the measured seconds, in least squares of the logarithms, each
+    pulled towards 1 (the spec's figures; FIT_PRIOR). One size fixes only a curve of such pairs, and the one nearest
+    (1, 1) is taken: a time the queue puts on the host (a small micro-batch) moves mostly the host's factor, one it
+    puts on the GPU the GPU's. (1, 1) where the measurement is the roofline itself (a synthesised profile)."""
+    if np.allclose(measured_s, [q.seconds() for q in queues], rtol=1e-12, atol=0):
+        return 1.0, 1.0
+    from scipy.optimize import least_squares  # on first use: importing scipy.optimize takes a tenth of a second
+    issue, suffix, logged = [q.issue_s for q in queues], [q.suffix_gpu_s for q in queues], np.log(measured_s)
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        host, gpu = np.exp(x)
+        fitted = np.array([np.max(host * i + gpu * g) for i, g in zip(issue, suffix)])
+        return np.concatenate([np.log(fitted) - logged, FIT_PRIOR * x])
+
+    found = least_squares(residuals, np.zeros(2), bounds=(-FIT_BOUND, FIT_BOUND)).x
+    return float(np.exp(found[0])), float(np.exp(found[1]))
+
 
 @dataclass(frozen=True)
 class RooflineShape:
-    """r(b) of one unit (the times `fasop profile synth` writes at the table's figures); a plain object, so
-    that profiles pickle to the search's worker processes."""
+    """r(b) of one unit (the times `fasop profile synth` writes at the table's figures) and its launch queues; a
+    plain object, so that profiles pickle to the search's worker processes."""
 
     model: Model
     rates: Rates
@@ -102,15 +163,19 @@ class RooflineShape:
     def __call__(self, mbs: int) -> tuple[float, float]:
         return unit_seconds(self.model, self.tp, mbs, self.kind, self.rates)
 
+    def queues(self, mbs: int) -> tuple[PassQueue, PassQueue]:
+        """The forward and backward launch queues of the roofline (fasop.cost.roofline.PassQueue)."""
+        return unit_pass_queues(self.model, self.tp, mbs, self.kind, self.rates)
+
     def attention_core_share(self, mbs: int) -> float:
         return unit_attention_core_share(self.model, self.tp, mbs, self.kind, self.rates)
 
 
-def roofline_shape(model: Model, spec: GpuSpec, tp: int, kind: str) -> Shape:
+def roofline_shape(model: Model, spec: GpuSpec, tp: int, kind: str) -> RooflineShape:
     return RooflineShape(model, Rates.of(spec, model), tp, kind)
 
 
-def _shape(model: Model, spec: GpuSpec | None, tp: int, kind: str) -> Shape | None:
+def _shape(model: Model, spec: GpuSpec | None, tp: int, kind: str) -> RooflineShape | None:
     """The roofline shape, or None (the old rule) without a spec or a tensor-core peak for the model's
     precision (fp32 models, bf16 on GPUs without it): a measured profile needs neither."""
     if spec is None:
@@ -130,6 +195,7 @@ class GpuProfile:
     synthesised: bool = False  # made from the roofline, not read from a file (`file` then says so)
     precision: str | None = None  # what the file says it was measured or synthesised in (None: it does not say)
     derived_from: str | None = None  # the file's precision, when its times were scaled to the model's (derived)
+    kernel_launch_us: float | None = None  # the host floor the file says its maker measured
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -175,18 +241,28 @@ def required_kinds(model: Model) -> tuple[str, ...]:
     return ("embedding", "layer", "head")
 
 
-def identity_line(model_name: str, gpu: str, precision: str | None = None) -> str:
-    """The comment line that says which model and GPU a profile was made for, and in which precision (read back
-    by read_profile)."""
-    return f"{IDENTITY_PREFIX} model={model_name} gpu={gpu}" + (f" precision={precision}" if precision else "")
+def identity_line(model_name: str, gpu: str, precision: str | None = None, kernel_launch_us: float | None = None) -> str:
+    """The comment line that says which model and GPU a profile was made for, in which precision, and the host's
+    time per kernel its maker measured (read back by read_profile)."""
+    line = f"{IDENTITY_PREFIX} model={model_name} gpu={gpu}" + (f" precision={precision}" if precision else "")
+    return line + (f" kernel_launch_us={kernel_launch_us:.4g}" if kernel_launch_us is not None else "")
 
 
 def _identity(line: str, where: str) -> dict[str, str]:
     fields = dict(item.partition("=")[::2] for item in line[len(IDENTITY_PREFIX):].split())
-    if not {"model", "gpu"} <= set(fields) <= {"model", "gpu", "precision"} or not all(fields.values()) \
-            or fields.get("precision", "bf16") not in PRECISIONS:
-        raise InputError(where, f"expected '{identity_line('MODEL', 'GPU', 'PRECISION')}' (precision one of "
-                                f"{', '.join(PRECISIONS)}, optional), got {line.strip()!r}")
+    if not {"model", "gpu"} <= set(fields) <= {"model", "gpu", "precision", "kernel_launch_us"} \
+            or not all(fields.values()) or fields.get("precision", "bf16") not in PRECISIONS:
+        raise InputError(where, f"expected '{identity_line('MODEL', 'GPU', 'PRECISION')} kernel_launch_us=US' "
+                                f"(precision one of {', '.join(PRECISIONS)}, and the host's microseconds per "
+                                f"kernel, optional), got {line.strip()!r}")
+    if "kernel_launch_us" in fields:
+        try:
+            launch_us = float(fields["kernel_launch_us"])
+        except ValueError:
+            launch_us = math.nan
+        if not 0 <= launch_us <= MAX_KERNEL_LAUNCH_US:  # also refuses NaN
+            raise InputError(f"{where}: kernel_launch_us", f"expected microseconds from 0 to "
+                                                           f"{MAX_KERNEL_LAUNCH_US:g}, got {fields['kernel_launch_us']!r}")
     return fields
 
 
@@ -208,15 +284,19 @@ def read_profile(path: Path, model: Model, gpu: str, allow_profile_mismatch: boo
         tp, kind, mbs, forward, backward = _row(cells, header, f"{file}: line {number}", kinds, model.architecture)
         rows.setdefault((tp, kind), []).append((mbs, forward, backward))
     precision = made_in.get("precision") or model.high_precision  # a file that does not say: the model's
+    floor_us = float(made_in["kernel_launch_us"]) if "kernel_launch_us" in made_in else None
+    if spec is not None and floor_us is not None:  # the host floor its maker measured
+        spec = replace(spec, kernel_launch_us=floor_us)
     if precision == model.precision:
-        return GpuProfile(gpu, file, _curves(rows, file, kinds, model, spec), precision=made_in.get("precision"))
+        return GpuProfile(gpu, file, _curves(rows, file, kinds, model, spec), precision=made_in.get("precision"),
+                          kernel_launch_us=floor_us)
     if spec is None:
         raise InputError(file, f"measured in {precision}; the model trains in {model.precision}, and GPU {gpu} has no "
                                "spec (clusters/catalogue/gpus.toml) to convert its times with")
     measured = with_precision(model, precision)
     curves = _curves(rows, file, kinds, measured, spec)
     return GpuProfile(gpu, file, {key: _converted(curve, model, spec, *key) for key, curve in curves.items()},
-                      precision=precision, derived_from=precision)
+                      precision=precision, derived_from=precision, kernel_launch_us=floor_us)
 
 
 def _converted(curve: Curve, model: Model, spec: GpuSpec, tp: int, kind: str) -> Curve:

@@ -8,6 +8,12 @@ times. For every (micro-batch size, unit) each rank runs `warmup` untimed forwar
 apart: CUDA events recorded around them and read after a synchronisation on GPUs, time.perf_counter on the
 processor. The profile keeps the median over the repetitions, the largest median over the ranks.
 
+The host floor: each unit is timed again, the same way, at a tiny shape whose GPU work is negligible
+(fasop.profile.hostfloor), so that its time is what the host takes to run the unit's code and launch its kernels;
+over the kernels fasop.cost.roofline counts for those tiny units, that is the host's time per kernel
+(`kernel_launch_us=` on the profile's identity line), with which fasop splits the measured times into the host's
+part and the GPU's (fasop.inputs.profiles, docs/cost-model.md section 2.1).
+
 peak_memory_bytes (GPUs only): the most memory the caching allocator had allocated during the unit's
 passes, counted from what was allocated before the unit's weights (torch.cuda.max_memory_allocated after
 reset_peak_memory_stats): weights, their gradients, the inputs, the kept activations and workspace of one
@@ -40,6 +46,7 @@ import torch.multiprocessing as mp
 from fasop.files import comment_line, write_atomically
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import COLUMNS, MEMORY_COLUMN, identity_line, required_kinds
+from fasop.profile.hostfloor import TINY, host_floor_us, tiny_model
 from fasop.profile.torchlayers import Group, build_unit, output_gradient
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -246,6 +253,19 @@ def measure(model: Model, tps, mbss, settings: Settings, on_size: Callable[[int,
     return rows, out_of_memory
 
 
+def measure_host_floor(model: Model, settings: Settings) -> float:
+    """Microseconds the host takes per kernel the roofline counts: every unit of `model` at the tiny shape
+    (fasop.profile.hostfloor), forward + backward at micro-batch 1 (median of `repeat` after `warmup`, on the
+    first GPU or the processor), over those units' kernel launches."""
+    tiny = tiny_model(model)
+    device = torch.device("cuda", 0) if settings.device == "cuda" else torch.device("cpu")
+    seconds = {}
+    for kind in required_kinds(tiny):
+        unit = build_unit(tiny, kind, Group(), settings.dtype(model), device, settings.seed)
+        seconds[kind] = sum(_time_passes(unit, 1, settings, Group(), device))
+    return host_floor_us(tiny, seconds)
+
+
 # -- the profile file ------------------------------------------------------------------------------------------------
 def device_description(settings: Settings) -> tuple[str, str]:
     """(device, driver) as the header names them."""
@@ -268,7 +288,7 @@ def device_description(settings: Settings) -> tuple[str, str]:
 
 
 def header_lines(model: Model, gpu: str, tps, mbss, settings: Settings, out_of_memory, command: str,
-                 date: str | None = None) -> list[str]:
+                 kernel_launch_us: float, date: str | None = None) -> list[str]:
     device, driver = device_description(settings)
     dtype = str(settings.dtype(model)).removeprefix("torch.")
     date = date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -298,9 +318,14 @@ def header_lines(model: Model, gpu: str, tps, mbss, settings: Settings, out_of_m
                      "inputs, kept activations, workspace), on the rank that used most.")
     for tp, mbs in out_of_memory:
         lines.append(f"tp={tp}: micro-batch size {mbs} ran out of GPU memory; larger sizes were not measured.")
+    lines.append(f"Host floor: {kernel_launch_us:.4g} us per kernel (kernel_launch_us below): every unit at hidden "
+                 f"{TINY['hidden_size']}, {TINY['seq']} tokens, micro-batch 1, timed as above, over the kernels "
+                 "fasop.cost.roofline counts for them; fasop splits the times above into the host's part and the "
+                 "GPU's with it.")
     lines.append(f"Regenerate: {command}")
     precision = model.high_precision if settings.device == "cuda" else None  # processor times are for tests
-    lines.append(identity_line(model.name, gpu, precision).removeprefix("# "))  # format_measured adds the comment mark
+    # format_measured adds the comment mark
+    lines.append(identity_line(model.name, gpu, precision, kernel_launch_us).removeprefix("# "))
     return lines
 
 

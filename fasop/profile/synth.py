@@ -1,17 +1,19 @@
 """Synthetic layer profiles: forward and backward seconds of each unit from its FLOPs, the bytes it moves, its
 kernel launches and a GPU spec table (clusters/catalogue/gpus.toml), for GPU types nobody has profiled yet.
 
-Each unit (embedding, transformer layer, head) is the sum of its kernels' rooflines, one micro-batch of b
-samples of s tokens on one GPU of a tp-way tensor-parallel group (fasop.cost.roofline counts them):
+Each unit (embedding, transformer layer, head) is its kernels' rooflines in eager PyTorch's launch queue, one
+micro-batch of b samples of s tokens on one GPU of a tp-way tensor-parallel group (fasop.cost.roofline counts them):
 
-    pass_s = sum over kernels of max(FLOPs / (peak x efficiency x waves), bytes / memory_bandwidth)
-             + kernels x kernel_launch_s + sum over collectives of (tp - 1) / tp x C / busbw(C)
+    g_k    = max(FLOPs / (peak x efficiency x waves), bytes / memory_bandwidth), or (tp - 1) / tp x C / busbw(C)
+    pass_s = max over k of (k x kernel_launch_s + g_k + ... + g_n)
 
 The matmuls (2 x weights x tokens, and the attention scores and context over the full s x s matrix) run at the
 achievable fraction of peak in full waves, times `waves`, the share of the SMs their 256 x 128 output tiles keep
 busy (tile and wave quantization, given the table's sm_count); the element-wise kernels (norms, softmax and
 dropout on the scores when attention is not flash, bias-dropout-add, bias-GeLU or SwiGLU, rotary embedding,
-embedding gather, cross-entropy) are memory-bound; every kernel launch adds the GPU's kernel_launch_us. Backward
+embedding gather, cross-entropy) are memory-bound; the host launches one kernel every kernel_launch_us, and the GPU
+runs each once launched and the one before has finished (a pass of tiny kernels takes the host's launches, one of
+large kernels their GPU time). Backward
 does twice the forward's FLOPs and accumulates weight gradients into fp32 main gradients (8 bytes per weight).
 C: the payload of each all-gather or reduce-scatter over the tensor-parallel group per pass, each moving
 (tp - 1) / tp of it over the GPU's intra-node link (ring) at busbw(C), the bus bandwidth a measured all-reduce of the
@@ -22,10 +24,9 @@ each. Encoder-decoder decoder layers add the cross-attention's all-gathers of it
 output and its reduce-scatter. No overlap of communication with compute; a measured curve includes NCCL's
 latency, the nominal link none.
 
-What it leaves out: cuBLAS's choice of smaller tiles or split-K for matmuls of few tiles, host stalls beyond
-one launch per kernel, and the framework's Python overhead. docs/cost-model.md section 2.1 compares it with FASOP's
-measured profiles.
-"""
+What it leaves out: cuBLAS's choice of smaller tiles or split-K for matmuls of few tiles, and the framework's
+Python overhead beyond the table's time per launch (a measured profile carries its own: `fasop profile layers`).
+docs/cost-model.md section 2.1 compares it with FASOP's measured profiles."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ from fasop.inputs.catalogue import GpuSpec, load_gpu_spec
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import COLUMNS, DEFAULT_DEGREES, identity_line
 
-FORMULA = ("per kernel max(F / (peak x efficiency x waves), B / memory_bandwidth), summed, + kernels x "
-           "kernel_launch_s + (tp-1)/tp x C / busbw(C) per collective; waves: share of the SMs busy with 256 x 128 "
+FORMULA = ("per kernel g = max(F / (peak x efficiency x waves), B / memory_bandwidth), or (tp-1)/tp x C / busbw(C) "
+           "per collective, in the launch queue: max over k of (k x kernel_launch_s + g_k + ... + g_n); waves: "
+           "share of the SMs busy with 256 x 128 "
            "output tiles; F: matmul FLOPs per GPU (2 x weights x tokens + 4 b s^2 x heads x kv_channels, "
            "no causal saving, / tp; backward 2F); B: each kernel's reads and writes (element-wise kernels: norms, "
            "softmax, dropout, activations, bias-dropout-add; backward + 8 bytes per weight); C: b s h x bytes per "
