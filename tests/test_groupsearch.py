@@ -41,7 +41,8 @@ def test_the_program_finds_the_exhaustive_optimum(small, pp, batch, mode):
     assert (exhaustive is None) == (found is None)
     if found is not None and exhaustive is not None:
         assert found.objective_s == pytest.approx(exhaustive.objective_s, rel=1e-9)
-        assert found.gap == 0.0 and found.status == "optimal"
+        # the optimum itself; its proof may stop within the solver's relative gap (solve_stage_ilp's gap_rel)
+        assert found.status == "optimal" and 0.0 <= found.gap <= 1e-4
         assert lower_bound_s(options, small.model.num_layers, m) <= found.objective_s * (1 + 1e-12)
 
 

@@ -35,14 +35,14 @@ SEARCHES = {
     "llama2-7b pareto-h100-a100-a10g": ["--recompute", "full", "--gbs", "64"],
 }
 DIGESTS = {
-    "gpt2-xl fasop-8xA10": "8ab165ea89fb8c768f14471c422d6860aa62f84412a1786b52dc51852f402d49",
-    "gpt2-xl fasop-1xA100-7xA10": "99e81ac4ece63718872b0f7706945404aaa9dc7704101ea2af2cbea8a138ca79",
-    "bert fasop-4xA10": "4bf8e9e3d22eb0a387fb54e3d9fe235f720a7780c19b3f0a0c358c631afd793f",
-    "bert fasop-1xA100-3xA10": "122778c68e1485582b3e6f141e12ef0bc3930609de3b34c0ebf3d437b53e1426",
-    "t5 fasop-8xA10": "96da07a59a230f03a662be5ef595036164b30846fdde4e4a1fa2b86db0d9e2cf",
-    "t5 fasop-1xA100-7xA10": "fea7eab7ae2611742651d1f545e0ed1867147d389715ff277a702c2416be7e80",
-    "gpt2-xl fasop-1xA100-3xA10 csv": "f18f64d582bf9c82c7dac8011c90eb3c9f55726466d95793bf8e56651fcef053",
-    "bert fasop-1xA100-7xA10 csv": "f2d1611ceab915e326288afea5f34df2acedafa3bb8bcc839cba9f5f5fb5382c",
+    "gpt2-xl fasop-8xA10": "13a2cea1915aba185d67de3de4cefe1bc8162dc6a23ceb62ea4697dd5af6cf88",
+    "gpt2-xl fasop-1xA100-7xA10": "935c0ea90c03ae372787871519cad378b0a07d8e9bea8b14368fdcab0db5b157",
+    "bert fasop-4xA10": "e9a4b114b9b2e37e65753cce2c0ff4b2b2a692cf4b4c8ff064d4bf15bfb165f4",
+    "bert fasop-1xA100-3xA10": "768477464525edd3693a49f22aeddd18b4e185d562c7c44020889e487d95ec19",
+    "t5 fasop-8xA10": "f7d5f8f31e2081fad4157ab91c842ffeafecd6ec822d34a83ebaa99a50a3f9a6",
+    "t5 fasop-1xA100-7xA10": "477cee5bafff2ecbcd0a685c59041e012f153ed9b8d70c966b46209c7fb37728",
+    "gpt2-xl fasop-1xA100-3xA10 csv": "9e88aeb8ab0e63b8a169ad45b94e7f8de8db6bea2a6ee9ed8f3aeac0518928c1",
+    "bert fasop-1xA100-7xA10 csv": "fb73daa85fe51d6ad51cb77beb3740ac97ac263c6a7c6e5be980fd364198d9a8",
     "llama2-7b pareto-h100-a100-a10g": "76de4be6f8d5f3bfb2aa060f5fb55261d3645aabbda33caf0f529b57010c86e7",
 }
 

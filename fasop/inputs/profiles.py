@@ -57,6 +57,7 @@ DEFAULT_DEGREES = (1, 2, 4, 8)
 # bound on either logarithm (factors from e^-12 to e^12).
 FIT_PRIOR = 1e-3
 FIT_BOUND = 12.0
+FIT_GRID, FIT_GRIDS = 97, 4  # GPU-to-host ratios tried on each grid, and grids (the last about 1e-5 wide in logarithm)
 
 
 @dataclass(frozen=True)
@@ -131,23 +132,41 @@ class Curve:
 
 
 def fit_scales(queues: list[PassQueue], measured_s: np.ndarray) -> tuple[float, float]:
-    """(host, GPU): the factors on the host's launches and on the GPU's kernel times of one unit's pass with which
-    its launch queues at the profiled sizes take the measured seconds, in least squares of the logarithms, each
-    pulled towards 1 (the spec's figures; FIT_PRIOR). One size fixes only a curve of such pairs, and the one nearest
-    (1, 1) is taken: a time the queue puts on the host (a small micro-batch) moves mostly the host's factor, one it
-    puts on the GPU the GPU's. (1, 1) where the measurement is the roofline itself (a synthesised profile)."""
-    if np.allclose(measured_s, [q.seconds() for q in queues], rtol=1e-12, atol=0):
+    """(host, GPU): the factors a and c on the host's launches and on the GPU's kernel times of one unit's pass with
+    which its launch queues at the profiled sizes take the measured seconds t_i, in least squares of the
+    logarithms, each pulled towards 1 (the spec's figures) with weight FIT_PRIOR. One size fixes only a curve of
+    such pairs, and the one nearest (1, 1) in logarithms is taken: a time the queue puts on the host (a small
+    micro-batch) moves mostly the host's factor, one it puts on the GPU the GPU's. (1, 1) where the measurement is
+    the roofline itself (a synthesised profile).
+
+    Exact in one dimension: the queue is homogeneous, Q_i(a, c) = a f_i(r) with r = c / a and f_i(r) = max over k
+    of (issue_k + r suffix_ik), so for each u = ln r the best ln a is the closed form below, and u is searched on
+    a grid, then on finer grids around its best point. The queue's max has kinks, so a descent could stop in a
+    local minimum; the grid does not."""
+    if np.allclose(measured_s, [q.seconds() for q in queues], rtol=1e-9, atol=0):  # as written, to 11 digits
         return 1.0, 1.0
-    from scipy.optimize import least_squares  # on first use: importing scipy.optimize takes a tenth of a second
-    issue, suffix, logged = [q.issue_s for q in queues], [q.suffix_gpu_s for q in queues], np.log(measured_s)
+    issue = np.array([q.issue_s for q in queues])  # (sizes, kernels): a unit launches the same kernels at every size
+    suffix = np.array([q.suffix_gpu_s for q in queues])
+    logged, weight = np.log(measured_s), FIT_PRIOR ** 2
+    sizes = len(queues)
 
-    def residuals(x: np.ndarray) -> np.ndarray:
-        host, gpu = np.exp(x)
-        fitted = np.array([np.max(host * i + gpu * g) for i, g in zip(issue, suffix)])
-        return np.concatenate([np.log(fitted) - logged, FIT_PRIOR * x])
+    def best(log_ratio: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(misfit, log host) at each log GPU-to-host ratio: with g_i = ln f_i - ln t_i, the misfit
+        sum (ln a + g_i)^2 + w ((ln a)^2 + (ln a + u)^2) is least at ln a = -(sum g_i + w u) / (n + 2 w)."""
+        ends = issue[None] + np.exp(log_ratio)[:, None, None] * suffix[None]  # (grid, sizes, kernels)
+        g = np.log(np.maximum(ends.max(axis=2), 1e-300)) - logged
+        log_host = -(g.sum(axis=1) + weight * log_ratio) / (sizes + 2 * weight)
+        misfit = ((log_host[:, None] + g) ** 2).sum(axis=1) + weight * (log_host ** 2 + (log_host + log_ratio) ** 2)
+        return misfit, log_host
 
-    found = least_squares(residuals, np.zeros(2), bounds=(-FIT_BOUND, FIT_BOUND)).x
-    return float(np.exp(found[0])), float(np.exp(found[1]))
+    lo, hi = -2 * FIT_BOUND, 2 * FIT_BOUND
+    for _ in range(FIT_GRIDS):  # a grid, then finer ones around its best point
+        grid = np.linspace(lo, hi, FIT_GRID)
+        at = int(np.argmin(best(grid)[0]))
+        lo, hi = grid[max(at - 1, 0)], grid[min(at + 1, FIT_GRID - 1)]
+    log_ratio = np.array([(lo + hi) / 2])
+    log_host = float(np.clip(best(log_ratio)[1][0], -FIT_BOUND, FIT_BOUND))
+    return math.exp(log_host), math.exp(float(np.clip(log_host + log_ratio[0], -FIT_BOUND, FIT_BOUND)))
 
 
 @dataclass(frozen=True)
