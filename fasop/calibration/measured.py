@@ -1,9 +1,11 @@
 """Measured step times of plans that really ran, for `fasop validate` and `fasop calibrate`.
 
 Two sources: a CSV with the plan columns of a plan file plus `measured_step_s`, or a folder of Megatron-LM
-runs, each a `plan.json` (as `fasop emit` writes it) beside the training log(s) of the job. From a log, the
-step time is the median of Megatron-LM's `elapsed time per iteration (ms)` reports once the warm-up
-iterations are over (the first iterations build CUDA graphs, allocate memory and tune kernels).
+runs, each a `plan.json` (as `fasop emit` writes it) beside the training log(s) of the job, or torch.profiler
+traces of its steps, or both. From a log, the step time is the median of Megatron-LM's `elapsed time per
+iteration (ms)` reports once the warm-up iterations are over (the first iterations build CUDA graphs, allocate
+memory and tune kernels). From the traces (one per rank, fasop.calibration.traces), it is the median profiled
+step of the slowest rank, and each pipeline stage's compute, communication and idle time come with it.
 
 A run keeps what its plan is: a 3D plan with its virtual stages, recomputation, sequence parallelism and
 overlap, or a data-parallel plan (kind ddp, zero1, zero2 or zero3) with its per-type batch split, which only
@@ -20,6 +22,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from fasop.calibration.traces import TRACE_SUFFIXES, StepTimes, is_trace, measured_step_s, read_trace
+from fasop.calibration.traces import stage_times as trace_stages
 from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
 from fasop.errors import ArgumentError, InputError
 from fasop.files import CSV_LIMIT_BYTES, LOG_LIMIT_BYTES, PLANS_LIMIT_BYTES, beside, read_json, read_text
@@ -75,6 +79,8 @@ class MeasuredRun:
     batch_split: str | None = None
     samples_per_gpu: tuple[tuple[str, int], ...] = ()
     gpus_per_node: int | None = None
+    # per pipeline stage, what torch.profiler traces measured (None for a stage no trace covers); () without traces
+    stages: tuple[StepTimes | None, ...] = ()
 
     @property
     def plan_key(self) -> tuple:
@@ -266,7 +272,7 @@ def _load_plan_json(path: Path) -> Plan:
 def read_runs_logs(folder: Path, warmup_iters: int = WARMUP_ITERS, model: str | None = None,
                    cluster: str | None = None) -> list[MeasuredRun]:
     """One run per training log (*.out, *.log, *.txt with iteration reports) beside each plan.json under
-    `folder`, in path order."""
+    `folder`, in path order, and one for the torch.profiler traces beside it, if any."""
     runs = []
     plans = sorted(folder.rglob("plan.json"))
     if not plans:
@@ -275,9 +281,9 @@ def read_runs_logs(folder: Path, warmup_iters: int = WARMUP_ITERS, model: str | 
     for plan_path in plans:
         plan = _load_plan_json(plan_path)
         record = plan.record()
-        logs = sorted(p for p in plan_path.parent.iterdir() if p.is_file() and p.suffix in LOG_SUFFIXES)
+        beside_plan = sorted(p for p in plan_path.parent.iterdir() if p.is_file())
         found = 0
-        for log in logs:
+        for log in (p for p in beside_plan if p.suffix in LOG_SUFFIXES):
             step_s = median_iteration_s(log, warmup_iters)
             if step_s is None:
                 continue
@@ -285,9 +291,16 @@ def read_runs_logs(folder: Path, warmup_iters: int = WARMUP_ITERS, model: str | 
             label = str(log.relative_to(folder))
             runs.append(run_from_plan(record, step_s, label, str(plan_path), plan_path.parent, model, cluster,
                                       plan))
+        traces = [read_trace(p) for p in beside_plan if is_trace(p)]
+        if traces:
+            found += 1
+            run = run_from_plan(record, measured_step_s(traces), f"{plan_path.parent.relative_to(folder)} (traces)",
+                                str(plan_path), plan_path.parent, model, cluster, plan)
+            runs.append(replace(run, stages=tuple(trace_stages(traces, run.tp, run.dp, run.pp))))
         if not found:
             raise InputError(str(plan_path.parent), f"no training log ({', '.join(LOG_SUFFIXES)}) with "
-                                                    f"'{ELAPSED_MARK}' reports beside plan.json")
+                                                    f"'{ELAPSED_MARK}' reports and no torch.profiler trace "
+                                                    f"({', '.join(TRACE_SUFFIXES)}) beside plan.json")
     return runs
 
 
@@ -313,7 +326,8 @@ def merge_repeats(runs: list[MeasuredRun]) -> tuple[list[MeasuredRun], str | Non
         return runs, None
     merged = [group[0] if len(group) == 1 else
               replace(group[0], label=f"{group[0].label} (mean of {len(group)})",
-                      measured_step_s=statistics.fmean(r.measured_step_s for r in group))
+                      measured_step_s=statistics.fmean(r.measured_step_s for r in group),
+                      stages=next((r.stages for r in group if r.stages), ()))  # what traces measured stays
               for group in groups.values()]
     named = "; ".join(", ".join(r.label for r in group) for group in repeated[:3])
     more = f" and {len(repeated) - 3} more" if len(repeated) > 3 else ""

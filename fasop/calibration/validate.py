@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +61,13 @@ def load_settings(runs: list[MeasuredRun], profiles_dir: str | None) -> list[Set
 
 def predict_step_s(run: MeasuredRun, model: Model, cluster: Cluster, profiles: dict[str, GpuProfile]) -> float:
     """The estimated step time of the run's plan, estimated as what it is: a 3D plan or a data-parallel one."""
+    step_s = predict_plan(run, model, cluster, profiles).step_time_s
+    assert step_s is not None  # an estimate states every figure
+    return step_s
+
+
+def predict_plan(run: MeasuredRun, model: Model, cluster: Cluster, profiles: dict[str, GpuProfile]) -> Any:
+    """The run's plan estimated afresh (a Plan, or a data-parallel plan row)."""
     from fasop.search import estimate  # the search modules load only when a plan is estimated
     from fasop.search.dataparallel import NoPlan, plan_row
 
@@ -73,8 +81,7 @@ def predict_step_s(run: MeasuredRun, model: Model, cluster: Cluster, profiles: d
             plan = estimate(model, cluster, profiles=profiles, **run.spec_fields)
     except (InputError, NoPlan) as err:
         raise InputError(run.where, f"cannot be estimated with model {model.name} and cluster {cluster.name} ({err})") from None
-    assert plan.step_time_s is not None  # an estimate states every figure
-    return plan.step_time_s
+    return plan
 
 
 def predict_runs(runs: list[MeasuredRun], settings: list[Setting],
@@ -139,4 +146,20 @@ def format_comparison(c: Comparison) -> str:
     lines.append(f"MAPE {c.mape_pct:.1f}% over {len(c.labels)} runs; Spearman rank correlation {rho}")
     verdict = "yes" if c.first_is_fastest else f"no: {c.labels[c.fastest]} was ({c.measured_s[c.fastest]:.4f} s)"
     lines.append(f"fasop's first plan, {c.labels[c.first]}, was the fastest measured: {verdict}")
+    return "\n".join(lines)
+
+
+def format_stages(run: MeasuredRun, estimated: dict[str, list[float]]) -> str:
+    """A traced run's pipeline stages: the compute, communication and idle seconds per step its traces measured
+    (fasop.calibration.traces) beside the estimate's, `estimated` as fasop.plot.stage_times gives them (compute
+    holds the tensor-parallel collectives, as profiles do, so the estimate's communication is the pipeline sends
+    and the data-parallel reduction, and a trace's the tensor-parallel collectives too)."""
+    lines = [f"{run.label}: seconds per step, measured (traces) / estimated",
+             f"{'stage':>5}  {'compute':>17}  {'communication':>17}  {'idle':>17}"]
+    for stage, measured in enumerate(run.stages):
+        guess = (estimated["compute"][stage], estimated["p2p"][stage] + estimated["dp all-reduce"][stage],
+                 estimated["idle"][stage])
+        seen = ("-", "-", "-") if measured is None else \
+            tuple(f"{v:.4f}" for v in (measured.compute_s, measured.communication_s, measured.idle_s))
+        lines.append(f"{stage:>5}  " + "  ".join(f"{m:>8} / {g:<6.4f}" for m, g in zip(seen, guess)))
     return "\n".join(lines)

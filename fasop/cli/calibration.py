@@ -74,8 +74,11 @@ def _inputs(measured, settings) -> list[Path]:
 def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, chart, force):
     """Compare fasop's estimates with measured step times: each run's plan is estimated afresh from its
     model, cluster and profiles; prints estimate and measurement per run, the mean absolute percentage
-    error (MAPE), the Spearman rank correlation and whether the plan fasop ranks first was the fastest."""
-    from fasop.calibration.validate import compare, format_comparison, predict_runs
+    error (MAPE), the Spearman rank correlation and whether the plan fasop ranks first was the fastest. A run
+    folder with torch.profiler traces also gets its stages' compute, communication and idle time beside the
+    estimate's."""
+    from fasop.calibration.validate import compare, format_comparison, format_stages, predict_plan, predict_runs
+    from fasop.plot import stage_times
 
     if chart is not None and chart.suffix.lower() not in (".png", ".svg"):
         raise InputError(f"--chart {chart}", "expected a file name ending in .png or .svg")
@@ -86,6 +89,10 @@ def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, cha
         predicted = predict_runs(runs, settings, progress)
     comparison = compare(runs, predicted)
     click.echo(format_comparison(comparison))
+    for run, setting in zip(runs, settings):
+        if run.stages and run.kind == "3d":
+            plan = predict_plan(run, setting.model, setting.cluster, setting.profiles)
+            click.echo("\n" + format_stages(run, stage_times(plan)))
     if chart is not None:
         from fasop.plot import plot_validation
 
