@@ -63,7 +63,9 @@ def layers(model_name, gpu, tps, mbss, device, repeat, warmup, out, force):
 
     Tensor degrees above 1 split each unit over local processes as Megatron-LM does, so the
     tensor-parallel all-reduces are inside the times. On GPUs the file also records each unit's peak
-    memory. See fasop/profile/measure.py for how the times are taken.
+    memory. Every unit is also timed at a tiny shape: the host's time per kernel, which the file carries
+    (kernel_launch_us) and fasop uses to scale the times to other micro-batch sizes. See
+    fasop/profile/measure.py for how the times are taken.
     """
     model = load_model(model_name)
     note_model_defaults(model)
@@ -92,7 +94,8 @@ def layers(model_name, gpu, tps, mbss, device, repeat, warmup, out, force):
     measure.write_measured(out, rows, lines)
     layer = next(r for r in rows if r.kind in model.layer_kinds)
     click.echo(f"{len(rows)} rows of {model.name} for {gpu} written to {out}; {layer.kind} at tp={layer.tp} "
-               f"mbs={layer.mbs}: forward {layer.forward_s * 1e3:.4g} ms, backward {layer.backward_s * 1e3:.4g} ms")
+               f"mbs={layer.mbs}: forward {layer.forward_s * 1e3:.4g} ms, backward {layer.backward_s * 1e3:.4g} ms; "
+               f"host floor {floor_us:.4g} us per kernel")
     if out.name != f"{gpu}.csv":
         click.echo(f"note: fasop search reads <gpu>.csv; name the file {gpu}.csv to use it for GPU {gpu}")
 
