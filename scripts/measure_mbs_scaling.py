@@ -1,7 +1,7 @@
 """How well one measured micro-batch size predicts the others, and how far `fasop profile synth` lands from
 measured profiles.
 
-    python scripts/measure_mbs_scaling.py [--part scaling|synth|plans|all]
+    python scripts/measure_mbs_scaling.py [--part scaling|floor|synth|plans|all]
 
 1. scaling: for every measured profile with several micro-batch sizes, each larger size's forward + backward time
    predicted from the smallest profiled one, (a) per sample, t(b0) x b / b0 (fasop's first rule), (b) by the
@@ -14,10 +14,13 @@ measured profiles.
    by scripts/convert_fasop_profiles.py). FASOP's own .npy files hold one size per tensor degree (mbs 1); their
    other sizes are FASOP's micro-batch factors, fitted by FASOP to its measurements, at the factors' breakpoints
    only (bert and t5; gpt2-xl's factors are per sample, so it has no second size).
-2. synth: the synthesised time of a whole model (embedding, every layer, head; forward + backward, mbs 1) and of
+2. floor: the H100-mbs32 profiles' micro-batch 32 predicted from micro-batch 1 alone, per unit and for the whole
+   model (embedding, every layer, head; forward + backward): with the host floor the profile measured, with the
+   catalogue's kernel_launch_us instead, and by the roofline shape (validation/profiles/README.md).
+3. synth: the synthesised time of a whole model (embedding, every layer, head; forward + backward, mbs 1) and of
    one layer against FASOP's measured A100 and A10 profiles at tp 1, 2, 4, and against H100-measured at mbs 1 to
    8. Only `fasop.profile.synth.synthesize` is used, so the same part runs on older checkouts.
-3. plans: the best plan of each of FASOP's six experiments under FASOP's measured profiles, its step time
+4. plans: the best plan of each of FASOP's six experiments under FASOP's measured profiles, its step time
    estimated again with A100 and A10 profiles from `fasop profile synth` (catalogue efficiencies, tp 1, 2, 4,
    mbs 1, 2, 4, 8): measured step / synthesised step. Public API only, so it too runs on older checkouts.
 """
@@ -80,6 +83,36 @@ def scaling() -> None:
                 if errors[0]:
                     print(f"| {gpu} | {name} | {tp} | {','.join(map(str, sorted(sizes)))} | "
                           + " | ".join(summary(e) for e in errors) + " |")
+
+
+def floor() -> None:
+    from fasop.inputs.catalogue import load_gpu_specs
+    from fasop.inputs.model import with_precision
+    from fasop.inputs.profiles import Curve, roofline_shape
+
+    spec = load_gpu_specs()["H100"]
+    print("H100-mbs32: micro-batch 32 predicted from micro-batch 1, predicted / measured (forward + backward):")
+    print("| model | unit | host floor split, measured floor | the same, the catalogue's floor | roofline shape |")
+    print("|---|---|---|---|---|")
+    for name in ("bert", "gpt2-xl"):
+        model = load_model(name)
+        profile = load_profiles(model, ["H100-mbs32"], str(ROOT / "validation" / "profiles" / name), specs={})
+        profile = profile["H100-mbs32"]
+        shaped = with_precision(model, profile.precision or model.precision)
+        floored = replace(spec, kernel_launch_us=profile.kernel_launch_us)
+        totals = [0.0, 0.0, 0.0, 0.0]  # measured, split, split at the catalogue's floor, shape
+        for kind in ("layer", "head", "embedding"):
+            curve = profile.curves[(1, kind)]
+            count = model.num_layers if kind == "layer" else 1
+            measured = curve.forward_s[-1] + curve.backward_s[-1]
+            split = [sum(Curve(curve.mbs[:1], curve.forward_s[:1], curve.backward_s[:1],
+                               roofline_shape(shaped, gpu, 1, kind)).at(32)) for gpu in (floored, spec)]
+            shape = roofline_shape(shaped, spec, 1, kind)
+            proportional = (curve.forward_s[0] + curve.backward_s[0]) * sum(shape(32)) / sum(shape(1))
+            for i, value in enumerate((measured, *split, proportional)):
+                totals[i] += count * value
+            print(f"| {name} | {kind} | " + " | ".join(f"{v / measured:.2f}" for v in (*split, proportional)) + " |")
+        print(f"| {name} | whole model | " + " | ".join(f"{v / totals[0]:.2f}" for v in totals[1:]) + " |")
 
 
 def summary(errors: list[float]) -> str:
@@ -147,9 +180,9 @@ def plans() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["scaling", "synth", "plans", "all"], default="all")
+    parser.add_argument("--part", choices=["scaling", "floor", "synth", "plans", "all"], default="all")
     args = parser.parse_args()
-    for part, run in (("scaling", scaling), ("synth", synth), ("plans", plans)):
+    for part, run in (("scaling", scaling), ("floor", floor), ("synth", synth), ("plans", plans)):
         if args.part in (part, "all"):
             run()
             print()

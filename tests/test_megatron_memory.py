@@ -222,6 +222,18 @@ def test_lower_precision_optimizer_state_needs_the_precision_aware_optimizer(tmp
     assert load_model(str(path)).use_precision_aware_optimizer
 
 
+@pytest.mark.parametrize("line", ['exp_avg_dtype = "int4"', 'main_params_dtype = "bf16"', 'exp_avg_sq_dtype = 2',
+                                  'use_precision_aware_optimizer = "yes"'])
+def test_an_optimizer_dtype_megatron_lm_lacks_is_refused_by_name(tmp_path, line):
+    field = line.split()[0]
+    aware = "" if field == "use_precision_aware_optimizer" else "use_precision_aware_optimizer = true\n"
+    path = tmp_path / "m.toml"
+    path.write_text('[model]\nname = "m"\narchitecture = "decoder"\nnum_layers = 2\nseq_length = 8\nhidden_size = 8\n'
+                    'num_attention_heads = 2\nvocab_size = 16\nglobal_batch_size = 1\n' + aware + line + "\n")
+    with pytest.raises(InputError, match=field):
+        load_model(str(path))
+
+
 def test_the_optimizers_dtypes_are_megatron_lms_flags_and_optimizer_config_fields():
     """Emitted as Megatron-LM's flags, which it copies into megatron-core's OptimizerConfig fields of the same
     names; no master copy is not a Megatron-LM option and is refused in one line."""

@@ -10,7 +10,7 @@ import pytest
 from test_validate_calibrate import NODES, write_run
 
 from fasop.calibration.measured import read_measured
-from fasop.calibration.traces import read_trace, stage_times
+from fasop.calibration.traces import read_trace, stage_medians
 from fasop.cli import main
 
 
@@ -60,8 +60,8 @@ def test_stages_follow_megatrons_rank_order(tmp_path):
         path.write_text(json.dumps(trace(rank)))
         traces.append(read_trace(path))
     # tp 2 x dp 1 per stage: ranks 0, 1 on stage 0 and 2, 3 on stage 1; a pp 3 plan has a stage no trace covers
-    assert [s is not None for s in stage_times(traces, 2, 1, 2)] == [True, True]
-    assert stage_times(traces, 2, 1, 3)[2] is None
+    assert [s is not None for s in stage_medians(traces, 2, 1, 2)] == [True, True]
+    assert stage_medians(traces, 2, 1, 3)[2] is None
 
 
 def test_validate_reads_a_folder_of_traces_and_sets_each_stage_beside_the_estimate(tiny, runner):

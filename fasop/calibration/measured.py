@@ -22,8 +22,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fasop.calibration.traces import TRACE_SUFFIXES, StepTimes, is_trace, measured_step_s, read_trace
-from fasop.calibration.traces import stage_times as trace_stages
+from fasop.calibration.traces import TRACE_SUFFIXES, StepTimes, is_trace, measured_step_s, read_trace, stage_medians
 from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
 from fasop.errors import ArgumentError, InputError
 from fasop.files import CSV_LIMIT_BYTES, LOG_LIMIT_BYTES, PLANS_LIMIT_BYTES, beside, read_json, read_text
@@ -296,7 +295,7 @@ def read_runs_logs(folder: Path, warmup_iters: int = WARMUP_ITERS, model: str | 
             found += 1
             run = run_from_plan(record, measured_step_s(traces), f"{plan_path.parent.relative_to(folder)} (traces)",
                                 str(plan_path), plan_path.parent, model, cluster, plan)
-            runs.append(replace(run, stages=tuple(trace_stages(traces, run.tp, run.dp, run.pp))))
+            runs.append(replace(run, stages=tuple(stage_medians(traces, run.tp, run.dp, run.pp))))
         if not found:
             raise InputError(str(plan_path.parent), f"no training log ({', '.join(LOG_SUFFIXES)}) with "
                                                     f"'{ELAPSED_MARK}' reports and no torch.profiler trace "

@@ -121,7 +121,7 @@ def stage_of(rank: int, tp: int, dp: int, pp: int, where: str) -> int:
     return rank // (tp * dp)
 
 
-def stage_times(traces: list[RankTrace], tp: int, dp: int, pp: int) -> list[StepTimes | None]:
+def stage_medians(traces: list[RankTrace], tp: int, dp: int, pp: int) -> list[StepTimes | None]:
     """Per pipeline stage, the median step of its slowest traced rank (the one with the least idle time: the
     stage's pace), None for a stage no trace covers."""
     by_stage: list[StepTimes | None] = [None] * pp

@@ -85,11 +85,11 @@ def predict_plan(run: MeasuredRun, model: Model, cluster: Cluster, profiles: dic
 
 
 def predict_runs(runs: list[MeasuredRun], settings: list[Setting],
-                 progress: Callable[[int, int], None] | None = None) -> list[float]:
-    """predict_step_s of each run with its setting, `progress(done, total)` after each."""
+                 progress: Callable[[int, int], None] | None = None) -> list[Any]:
+    """predict_plan of each run with its setting, `progress(done, total)` after each."""
     predicted = []
     for done, (run, setting) in enumerate(zip(runs, settings), start=1):
-        predicted.append(predict_step_s(run, setting.model, setting.cluster, setting.profiles))
+        predicted.append(predict_plan(run, setting.model, setting.cluster, setting.profiles))
         if progress:
             progress(done, len(runs))
     return predicted

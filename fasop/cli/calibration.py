@@ -77,7 +77,7 @@ def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, cha
     error (MAPE), the Spearman rank correlation and whether the plan fasop ranks first was the fastest. A run
     folder with torch.profiler traces also gets its stages' compute, communication and idle time beside the
     estimate's."""
-    from fasop.calibration.validate import compare, format_comparison, format_stages, predict_plan, predict_runs
+    from fasop.calibration.validate import compare, format_comparison, format_stages, predict_runs
     from fasop.plot import stage_times
 
     if chart is not None and chart.suffix.lower() not in (".png", ".svg"):
@@ -86,12 +86,11 @@ def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, cha
     if chart is not None:
         check_outputs([(chart, "--chart")], _inputs(measured, settings), force)
     with progress_bar("estimating runs") as progress:
-        predicted = predict_runs(runs, settings, progress)
-    comparison = compare(runs, predicted)
+        plans = predict_runs(runs, settings, progress)
+    comparison = compare(runs, [plan.step_time_s for plan in plans])
     click.echo(format_comparison(comparison))
-    for run, setting in zip(runs, settings):
+    for run, plan in zip(runs, plans):
         if run.stages and run.kind == "3d":
-            plan = predict_plan(run, setting.model, setting.cluster, setting.profiles)
             click.echo("\n" + format_stages(run, stage_times(plan)))
     if chart is not None:
         from fasop.plot import plot_validation

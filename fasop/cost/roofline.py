@@ -429,7 +429,8 @@ def attention_core_time_share(work: UnitWork, tp: int, rates: Rates) -> float:
 @lru_cache(maxsize=2**16)
 def unit_seconds(model: Model, tp: int, mbs: int, kind: str, rates: Rates) -> tuple[float, float]:
     """unit_times of one unit of `model` (memoised: the micro-batch scaling of profiles asks again and again)."""
-    return unit_times(unit_work(model, tp, mbs)[kind], tp, rates)
+    forward, backward = unit_pass_queues(model, tp, mbs, kind, rates)
+    return forward.seconds(), backward.seconds()
 
 
 @lru_cache(maxsize=2**16)
