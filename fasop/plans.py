@@ -89,6 +89,7 @@ class Plan(Table):
     family: str | None = None  # fasop compare: the strategies this plan is the best of
     model: str | None = None
     model_file: str | None = None
+    seq_length: Count | None = None  # tokens per sample where not the model file's (--seq-length)
     cluster: str | None = None
     cluster_file: str | None = None
     profiles: str | None = None  # the --profiles folder as given; absent: the bundled profiles of the model
@@ -100,6 +101,9 @@ class Plan(Table):
     tp: Count  # stage-group plans: the first stage's (each stage row has its own)
     dp: Count
     pp: Count
+    cp: Count | None = None  # context-parallel degree (absent: 1); world = tp cp dp pp
+    ep: Count | None = None  # MoE models: expert-parallel degree (absent: 1)
+    etp: Count | None = None  # MoE models: expert-tensor-parallel degree (absent: tp)
     num_microbatches: Count | None = None
     placement: Annotated[list[NodeType], Field(min_length=1)]
     gpus_per_node: Count | None = None

@@ -181,7 +181,8 @@ def test_the_records_are_each_best_plans_own():
     rows = steps.records(inputs, best, batches)
     fitting = {key: c for key, c in best.items() if np.isfinite(c.step_time_s)}
     assert len(rows) == len(fitting) > 0
-    by_key = {(r["tp"], r["dp"], r["pp"], tuple(r["placement"]), r["mbs"]): r for r in rows}
+    by_key = {(r["tp"], r["dp"], r["pp"], tuple(r["placement"]), r["mbs"], r.get("cp", 1), r.get("ep", 1),
+               r.get("etp", r["tp"])): r for r in rows}
     for key, c in list(fitting.items())[::5]:
         at = np.array([c.at])
         alone = plan_rows(inputs, [(c.config, c.geo, c.exhaustive)], batches[c.config.pp].costs.take(at),

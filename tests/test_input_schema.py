@@ -81,9 +81,9 @@ def refusal(tmp: Path, kind: str, field: str, value) -> tuple[Path, str]:
 def test_the_error_of_every_field_names_the_file_the_field_path_and_what_was_expected(tmp_path, kind, field):
     _, _, table, broken_name_table, _ = KINDS[kind]
     where = broken_name_table if field == "name" else table
-    path, message = refusal(tmp_path, kind, field, [1])  # a TOML array: no field takes one
+    path, message = refusal(tmp_path, kind, field, [[1]])  # a TOML array of arrays: no field takes one
     assert message.startswith(f"{path}: {where}.{field}: expected "), message
-    assert message.endswith(", got [1]") and "\n" not in message
+    assert message.endswith(", got [[1]]") and "\n" not in message
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -16,7 +16,10 @@ NOT_ASSUMED = {"source", "kv_channels", "num_query_groups", "ffn_hidden_size", "
                "num_layers", "seq_length", "encoder_num_layers", "decoder_num_layers", "encoder_seq_length",
                "decoder_seq_length", "grad_reduce_in_bf16", "fp8_recipe", "fp8_param_gather",
                "use_precision_aware_optimizer", "main_params_dtype", "exp_avg_dtype",
-               "exp_avg_sq_dtype"}  # Megatron-LM's own defaults
+               "exp_avg_sq_dtype",  # Megatron-LM's own defaults; and a dense model's, without MLA:
+               "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+               "moe_layer_freq", "moe_capacity_factor", "moe_load_imbalance", "multi_latent_attention", "q_lora_rank",
+               "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"}
 LEFT_OUT = {"flash_attention": None, "dropout": None, "position_embedding": None, "linear_bias": None}
 NOTE = ("note: {file} leaves out fields that change the estimate; taking position_embedding = \"learned\", "
         "flash_attention = false, dropout = true, linear_bias = true (docs/formats.md)")

@@ -40,7 +40,7 @@ def test_uniform_plans_are_searched_on_node_types_of_one_size(cluster):
     assert plans and all(len(set(p.placement)) == 1 for p in plans)
     for plan in plans:
         gpus = cluster.node_types[plan.placement[0]].gpus_per_node
-        assert plan.tp * plan.dp * plan.pp == len(plan.placement) * gpus
+        assert plan.tp * (plan.cp or 1) * plan.dp * plan.pp == len(plan.placement) * gpus
 
 
 def test_use_all_needs_stage_groups(cluster):

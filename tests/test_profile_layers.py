@@ -28,7 +28,15 @@ BERT = {**GPT, "architecture": "encoder"}
 T5 = {"architecture": "encoder-decoder", "num_layers": None, "seq_length": None, "encoder_num_layers": 2,
       "decoder_num_layers": 2, "encoder_seq_length": 16, "decoder_seq_length": 8, "hidden_size": 64,
       "num_attention_heads": 4, "kv_channels": 32, "ffn_hidden_size": 128, "vocab_size": 1000}
-SHAPES = {"gpt": GPT, "llama": LLAMA, "bert": BERT, "t5": T5}
+# Mixture-of-Experts: a dense then an MoE layer, experts with SwiGLU and biases (gpt-oss's), and multi-latent
+# attention with compressed queries and shared experts (DeepSeek-V3's)
+MIXTRAL = {**LLAMA, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "moe_layer_freq": [0, 1],
+           "linear_bias": True}
+DEEPSEEK = {**LLAMA, "num_query_groups": 4, "kv_channels": 16, "multi_latent_attention": True, "q_lora_rank": 32,
+            "kv_lora_rank": 16, "qk_head_dim": 16, "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "num_experts": 4,
+            "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_shared_expert_intermediate_size": 32,
+            "moe_layer_freq": [0, 1]}
+SHAPES = {"gpt": GPT, "llama": LLAMA, "bert": BERT, "t5": T5, "mixtral": MIXTRAL, "deepseek": DEEPSEEK}
 
 # Big enough that one forward + backward of the whole model takes tens of milliseconds on one core.
 TIMED = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 128, "vocab_size": 4000,
@@ -69,13 +77,19 @@ def test_units_have_the_model_files_parameter_counts(tiny, shape):
               for kind in required_kinds(model)}
     assert counts["embedding"] == model.embedding_params(1)
     for kind in model.layer_kinds:
-        assert counts[kind] == model.layer_params(kind)
+        if model.moe_layers(kind) < model.segment_layers[model.layer_kinds.index(kind)]:
+            assert counts[kind] == model.unit_layer_params(kind)
+        if model.moe_layers(kind):
+            assert counts[f"moe_{kind}"] == model.unit_layer_params(kind, moe=True)
     assert counts["head"] == model.head_params(1, shares_stage_with_embedding=False)
     if model.is_encoder_decoder:
         assert counts["decoder_embedding"] == model.decoder_embedding_params(1)
     # the whole model: every layer once, the output layer shared with the word embedding when tied
-    total = sum(counts[k] for k in required_kinds(model) if k not in model.layer_kinds)
-    total += sum(n * counts[k] for n, k in zip(model.segment_layers, model.layer_kinds))
+    layers = {"layer", "encoder", "decoder", "moe_layer", "moe_encoder", "moe_decoder"}
+    total = sum(counts[k] for k in required_kinds(model) if k not in layers)
+    for n, kind in zip(model.segment_layers, model.layer_kinds):
+        moe = model.moe_layers(kind)
+        total += (n - moe) * counts.get(kind, 0) + moe * counts.get(f"moe_{kind}", 0)
     if model.tie_embeddings:
         total -= model.padded_vocab(1) * model.hidden_size * (2 if model.is_encoder_decoder else 1)
     assert total == model.total_params()
@@ -123,8 +137,9 @@ def test_tensor_parallel_shards_compute_what_one_rank_computes(tiny):
     from fasop.profile.measure import spawn_ranks
     from fasop.profile.torchlayers import Group
 
-    # GQA, SwiGLU, RMSNorm and rotary; cross-attention and the decoder embedding; BERT's head
-    models = {shape: model_file(tiny, shape, SHAPES[shape]) for shape in ("llama", "t5", "bert")}
+    # GQA, SwiGLU, RMSNorm and rotary; cross-attention and the decoder embedding; BERT's head; experts with
+    # biases; multi-latent attention with shared experts
+    models = {shape: model_file(tiny, shape, SHAPES[shape]) for shape in ("llama", "t5", "bert", "mixtral", "deepseek")}
     received = []
     spawn_ranks(2, report_unit_results, (models,), received.append)
     (_, sharded), = received

@@ -56,7 +56,7 @@ def test_the_readme_shows_what_the_command_prints(tmp_path, monkeypatch, command
 
 def test_the_examples_are_found():
     """Each kind of example the README shows is checked: two searches (the second with plans above the memory
-    headroom), an estimate, a search in two precisions, both comparisons, the sweep."""
+    headroom), an estimate, a search in two precisions, an MoE search, both comparisons, the sweep."""
     commands = [command.split(" --")[0] for command, _ in EXAMPLES]
-    assert commands == ["fasop search", "fasop search", "fasop estimate", "fasop search", "fasop compare",
-                        "fasop compare", "fasop pareto"]
+    assert commands == ["fasop search", "fasop search", "fasop estimate", "fasop search", "fasop search",
+                        "fasop compare", "fasop compare", "fasop pareto"]

@@ -42,7 +42,7 @@ def test_defaults_are_derived_once(gpt2):
 
 @pytest.mark.parametrize("change, field, words", [
     ({"tp": 3, "dp": 1}, "tp", "divisor of the 4 GPUs per node"),
-    ({"dp": 4}, "placement", "tp x dp x pp = 16 GPUs"),
+    ({"dp": 4}, "placement", "tp x cp x dp x pp = 16 GPUs"),
     ({"placement": ["A10"] * 7 + ["H100"]}, "placement", "node type H100 is not in cluster"),
     ({"placement": ["A10"] * 9, "dp": 9, "pp": 4, "tp": 1}, "placement", "uses 9 nodes of type A10"),
     ({"mbs": 3}, "mbs", "dp x mbs = 24 must divide"),

@@ -110,6 +110,25 @@ overlap_option = click.option("--overlap/--no-overlap", default=True, show_defau
                                    "all-gather with the next forward (--overlap-param-gather).")
 
 
+seq_length_option = click.option(
+    "--seq-length", "seq_length", type=click.IntRange(min=1), default=None, metavar="N",
+    help="Tokens per sample, in place of the model file's (long-context plans; context parallelism splits them).")
+
+
+def load_model_at(model_name: str, seq_length: int | None):
+    """The model of --model, at --seq-length where given; a length beyond the model file's is noted (its
+    positions must stretch: a learned table grows, rotary ones need scaling such as YaRN)."""
+    from fasop.inputs.model import load_model, with_seq_length
+
+    model = load_model(model_name)
+    if seq_length is None:
+        return model
+    if seq_length > model.seq_length:
+        click.echo(f"note: --seq-length {seq_length} is beyond the {model.seq_length} tokens {model.file} was set up "
+                   f"for; its {model.position_embedding} positions must stretch to it", err=True)
+    return with_seq_length(model, seq_length)
+
+
 force_option = click.option("--force", is_flag=True, help="Replace output files that exist (never an input of the run).")
 
 

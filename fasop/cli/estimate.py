@@ -23,7 +23,7 @@ from fasop.plans import Plan, expand_placement, read_plan_file
 # The options that give a plan's shape: required without --plan, refused with it (the plan file gives them).
 SHAPE_OPTIONS = ("tp", "dp", "pp", "mbs", "placement", "layers_per_stage", "gbs", "distributed_optimizer", "overlap",
                  "virtual_stages", "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel",
-                 "tp_comm_overlap", "precision", "fp8_recipe", "fp8_param_gather")
+                 "tp_comm_overlap", "precision", "fp8_recipe", "fp8_param_gather", "seq_length", "cp", "ep", "etp")
 REQUIRED_WITHOUT_PLAN = ("model_name", "cluster_name", "tp", "dp", "pp", "mbs", "placement", "layers_per_stage")
 DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and it does not fit GPU memory
 
@@ -41,6 +41,12 @@ DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and
               help="A bundled cluster or a cluster TOML file (with --plan: instead of the plan's).")
 @click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel degree.")
 @click.option("--dp", type=click.IntRange(min=1), default=None, help="Data-parallel degree.")
+@click.option("--cp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Context-parallel degree (Megatron's --context-parallel-size): ranks sharing each sequence.")
+@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
+              help="MoE models: expert-parallel degree (--expert-model-parallel-size).")
+@click.option("--etp", type=click.IntRange(min=1), default=None,
+              help="MoE models: expert-tensor-parallel degree (--expert-tensor-parallel-size) [default: tp].")
 @click.option("--pp", type=click.IntRange(min=1), default=None, help="Pipeline-parallel degree.")
 @click.option("--mbs", type=click.IntRange(min=1), default=None, help="Micro-batch size.")
 @click.option("--placement", default=None, metavar="TYPE,TYPE,...",
@@ -67,10 +73,11 @@ DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and
                    "(needs tp > 1, sequence parallelism and a GPU type of clusters/catalogue/tp-comm-overlap.toml).")
 @common.memory_headroom_option
 @common.precision_options(several=False)
+@common.seq_length_option
 @click.option("--json", "as_json", is_flag=True, help="Print the breakdown as a JSON object.")
 @common.reports_input_errors
 def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_profile_mismatch, memory_headroom, as_json,
-             precision, fp8_recipe, fp8_param_gather, **shape):
+             precision, fp8_recipe, fp8_param_gather, seq_length, **shape):
     """Break down the step time, memory and price of one plan: given by --tp, --dp, --pp, --mbs, --placement and
     --layers, or read from a plan file with --plan.
 
@@ -92,7 +99,7 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
         missing = [name for name in REQUIRED_WITHOUT_PLAN if ctx.params[name] is None]
         if missing:
             raise InputError(_option(ctx, missing[0]), "missing: give the plan's options, or a plan file with --plan")
-        model, cluster = load_model(model_name), load_cluster(cluster_name)
+        model, cluster = common.load_model_at(model_name, seq_length), load_cluster(cluster_name)
         if precision is not None or fp8_recipe is not None or fp8_param_gather:
             model = with_precision(model, precision or model.precision, fp8_recipe, fp8_param_gather)
         check_param_gather(model, shape["distributed_optimizer"])  # before the profiles' notes

@@ -15,7 +15,6 @@ from fasop.errors import InputError
 from fasop.files import pending_write
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.errorband import band_of
-from fasop.inputs.model import load_model
 from fasop.market.choice import MAX_MARGIN
 from fasop.market.rent import RENT_TIME_LIMIT_S
 from fasop.plans import Plan, load_plans, select_plan
@@ -79,8 +78,9 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
 @common.mismatch_option
 @common.optimizer_option
 @common.precision_options(several=True)
+@common.seq_length_option
 @common.reports_input_errors
-def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd, deadline_hours, margin, max_nodes,
+def pareto(model_name, seq_length, cluster_name, gbs, train_steps, train_tokens, budget_usd, deadline_hours, margin, max_nodes,
            rent, time_limit_s, output, chart, x_axis, force, profiles_dir, allow_profile_mismatch, distributed_optimizer,
            precision, fp8_recipe, fp8_param_gather):
     """Sweep every mix of the cluster's node types: the best plan of each, cost against time to train, and
@@ -102,7 +102,7 @@ def pareto(model_name, cluster_name, gbs, train_steps, train_tokens, budget_usd,
         raise InputError(f"--chart {chart}", "expected a file name ending in .png or .svg")
     if x_axis is not None and chart is None:
         raise InputError("--x", "chooses the axis of --chart; give --chart chart.png as well")
-    model, cluster = load_model(model_name), load_cluster(cluster_name)
+    model, cluster = common.load_model_at(model_name, seq_length), load_cluster(cluster_name)
     outputs = [(path, option) for path, option in ((output, "--output"), (chart, "--chart")) if path is not None]
     common.check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir), force)
     run = dict(budget_usd=budget_usd, deadline_hours=deadline_hours, margin=margin, gbs=gbs, train_steps=train_steps,

@@ -75,7 +75,7 @@ def synth(model_name, gpu, tps, mbss, efficiency, link_bandwidth, out, force, ca
     rows = synthesis.synthesize(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
     lines = synthesis.header_lines(model, spec, tps, mbss, efficiency=efficiency, link_bandwidth=link_bandwidth)
     synthesis.write_profile(out, rows, lines, force=force)
-    layer = next(r for r in rows if r.kind in model.layer_kinds)
+    layer = next(r for r in rows if r.kind not in ("embedding", "decoder_embedding", "head"))
     click.echo(f"{len(rows)} rows of {model.name} on {spec.name} written to {out} "
                f"(tp {','.join(map(str, tps))}; mbs {','.join(map(str, mbss))}); "
                f"{layer.kind} at tp={layer.tp} mbs={layer.mbs}: forward {layer.forward_s * 1e3:.4g} ms, "

@@ -15,7 +15,6 @@ from fasop.cost.config import RECOMPUTE_MODES
 from fasop.errors import InputError
 from fasop.files import check_finite, pending_write
 from fasop.inputs.cluster import load_cluster
-from fasop.inputs.model import load_model
 from fasop.plans import plans_text
 from fasop.search.robust import CANDIDATES, DEFAULT_TRIALS, MAX_SEED, MAX_TRIALS
 
@@ -87,10 +86,11 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
                    "an integer program (run with FlagScale's heterogeneous mode: fasop emit).")
 @common.memory_headroom_option
 @common.precision_options(several=True)
+@common.seq_length_option
 @noise_options
 @run_options
 @common.reports_input_errors
-def search(model_name, cluster_name, gbs, top, all_placements, sort, output, force, train_steps, train_tokens, prune,
+def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort, output, force, train_steps, train_tokens, prune,
            workers, emit_dir, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, recompute_modes,
            no_sequence_parallel, no_tp_comm_overlap, use_all, stage_groups, memory_headroom, precision, fp8_recipe,
            fp8_param_gather, noise, trials, seed, **run):
@@ -105,7 +105,7 @@ def search(model_name, cluster_name, gbs, top, all_placements, sort, output, for
     common.check_run_length(train_steps, train_tokens)
     if output is not None and output.suffix not in (".json", ".csv"):
         raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
-    model, cluster = load_model(model_name), load_cluster(cluster_name)
+    model, cluster = common.load_model_at(model_name, seq_length), load_cluster(cluster_name)
     inputs = common.input_paths(model_name, cluster_name, model, cluster, profiles_dir)
     outputs = [(output, "--output")] if output is not None else []
     if emit_dir is not None:

@@ -38,6 +38,11 @@ def format_table(plans: list[Plan], top: int, all_placements: bool = False,
         columns += [("train_hours", "run h", "{:.1f}"), ("train_cost_usd", "run $", "{:,.0f}")]
     if any(plan.precision is not None for plan in plans[:top]):  # FP8 plans among them: say which
         columns.insert(1, ("precision", "prec", ""))
+    at = [key for key, _, _ in columns].index("pp") + 1
+    if any(plan.ep is not None for plan in plans[:top]):  # an MoE model's: its expert degrees
+        columns[at:at] = [("ep", "ep", "{}"), ("etp", "etp", "{}")]
+    if any((plan.cp or 1) > 1 for plan in plans[:top]):  # context parallelism among them
+        columns.insert(at, ("cp", "cp", "{}"))
     cells = [[title for _, title, _ in columns]]
     if all_placements:
         cells += [[_cell(row, key, fmt, flagged) for key, _, fmt in columns] for row in plans[:top]]
@@ -57,7 +62,7 @@ def _cell(row: Plan, key: str, fmt: str, flagged: Callable[[Plan], bool] | None 
         return compress_placement(value)
     if key == "layers_per_stage":
         return ",".join(map(str, value))
-    if key == "virtual_stages":
+    if key in ("virtual_stages", "cp"):
         return str(value or 1)
     if key == "recompute":
         return recompute_label(row)
@@ -104,7 +109,8 @@ def format_estimate(row: Plan, model_name: str, cluster_name: str, memory_margin
     the error `band`, and its memory load (peak over usable memory) against the headroom."""
     groups = row.is_stage_groups  # its rows show each stage's degrees and micro-batch per GPU
     shape = (f"stage groups pp={row.pp}, {row.mbs * row.dp} samples per micro-batch" if groups else
-             f"tp={row.tp} dp={row.dp} pp={row.pp} mbs={row.mbs}")
+             f"tp={row.tp} dp={row.dp} pp={row.pp}" + (f" cp={row.cp}" if (row.cp or 1) > 1 else "")
+             + (f" ep={row.ep} etp={row.etp}" if row.ep is not None else "") + f" mbs={row.mbs}")
     degrees = f"  {'tp':>3}  {'dp':>3}  {'mbs':>4}" if groups else ""
     lines = [f"{model_name} on {cluster_name}: {shape} "
              f"({row.num_microbatches} micro-batches), placement {compress_placement(row.placement)}"

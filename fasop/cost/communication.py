@@ -54,19 +54,79 @@ def p2p_times(model: Model, geos: list[Geometry], config: Config, segment: np.nd
 
 
 def allreduce_times(model: Model, geos: list[Geometry], config: Config, fixed_params: np.ndarray,
-                    layer_params: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    layer_params: np.ndarray, k: int,
+                    experts: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(fixed, per layer, embedding) of each placement `geos`, with its stages' parameters (G, pp), each repeated
     for k micro-batch sizes (row g k + j): (G k, pp) data-parallel all-reduce of each stage's gradients beyond its
-    layers, (G k, pp) what each layer adds, and (G k,) the tied embedding's all-reduce between its stages."""
+    layers, (G k, pp) what each layer adds, and (G k,) the tied embedding's all-reduce between its stages. Of the
+    parameters, `experts` (fixed, per layer; (G, pp)) are routed experts', reduced over the expert-data-parallel
+    group instead."""
     grad_bytes = gradient_bytes(model)
     per_byte = np.array([geo.dp_allreduce_s_per_byte for geo in geos])
     latency = np.array([geo.dp_allreduce_latency_s for geo in geos])
     ar_fixed = per_byte * grad_bytes * fixed_params + latency
     ar_layer = per_byte * grad_bytes * layer_params
+    if experts is not None and model.is_moe and (config.ep, config.expert_tp) != (1, config.tp):
+        expert_per_byte = np.array([geo.expert_allreduce_s_per_byte for geo in geos])
+        for ar, params in ((ar_fixed, experts[0]), (ar_layer, experts[1])):
+            ar += (expert_per_byte - per_byte) * grad_bytes * params
+        ar_fixed += np.array([geo.expert_allreduce_latency_s for geo in geos])
     embedding = np.array([geo.embedding_allreduce_s_per_byte for geo in geos]) * grad_bytes \
         * model.padded_vocab(config.tp) * model.hidden_size / config.tp \
         + np.array([geo.embedding_allreduce_latency_s for geo in geos])
     return np.repeat(ar_fixed, k, axis=0), np.repeat(ar_layer, k, axis=0), np.repeat(embedding, k)
+
+
+def layer_exchange_s(model: Model, geos: list[Geometry], config: Config, segment: np.ndarray, mbs: np.ndarray,
+                     core_forward_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward): (G K, pp) seconds one layer of each stage adds per micro-batch, for placements `geos`
+    and sizes `mbs` (row g K + k), with its attention core's forward seconds `core_forward_s` (G K, pp):
+
+    - expert parallelism, in the segment's share of MoE layers: Megatron-core's alltoall dispatcher sends each
+      rank's T k routed tokens (T = b s / (tp cp)) to their experts and back, two all-to-alls forward (dispatch,
+      combine) and two backward, not overlapped (round 3 reference, part A section 6), the busiest rank
+      receiving moe_load_imbalance times the mean;
+    - context parallelism: the ring of cp - 1 steps forward, each sending the rank's K and V to the next rank while
+      attention computes on the pair it holds, and backward K, V and their gradients (twice the bytes) against
+      twice the compute (Transformer Engine's AttnFuncWithCPAndKVP2P): what a step's transfer takes beyond its
+      share of the attention core is exposed."""
+    rows = len(geos) * len(mbs)
+    forward, backward = np.zeros((rows, config.pp)), np.zeros((rows, config.pp))
+    p, h = model.precision_bytes, model.hidden_size
+    seq = np.array([_segment_seq(model, kind) for kind in model.layer_kinds])[segment]  # (G, pp)
+    samples = np.tile(mbs, len(geos))[:, None]
+    seq_rows = np.repeat(seq, len(mbs), axis=0)
+    if config.ep > 1:
+        share = np.repeat(np.array([model.moe_share(kind) for kind in model.layer_kinds])[segment], len(mbs), axis=0)
+        per_byte, latency = (np.repeat(np.array([getattr(geo, name) for geo in geos]), len(mbs), axis=0)
+                             for name in ("alltoall_s_per_byte", "alltoall_latency_s"))
+        payload = p * samples * seq_rows / (config.tp * config.cp) * model.moe_router_topk * h * model.moe_load_imbalance
+        alltoalls = 2 * share * (payload * per_byte + latency)
+        forward += alltoalls
+        backward += alltoalls
+    if config.cp > 1:
+        per_byte, latency = (np.repeat(np.array([getattr(geo, name) for geo in geos]), len(mbs), axis=0)
+                             for name in ("ring_s_per_byte", "ring_latency_s"))
+        send = kv_chunk_bytes(model, config.tp, config.cp) * samples * seq_rows * per_byte + latency
+        step = core_forward_s / config.cp
+        forward += (config.cp - 1) * np.maximum(send - step, 0.0)
+        backward += (config.cp - 1) * 2 * np.maximum(send - step, 0.0)
+    return forward, backward
+
+
+def _segment_seq(model: Model, kind: str) -> int:
+    return model.encoder_seq_length if kind == "encoder" else (model.decoder_seq_length or model.seq_length)
+
+
+def kv_chunk_bytes(model: Model, tp: int, cp: int) -> float:
+    """Bytes of keys and values one rank holds per token of a sample's sequence and sends at each step of the
+    context-parallel ring: its 1/cp of the tokens, over its heads (multi-latent attention's per-head K and V,
+    which it up-projects before the core, not its latent)."""
+    if model.multi_latent_attention:
+        width = model.num_attention_heads * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim)
+    else:
+        width = 2 * model.kv_width
+    return model.precision_bytes * width / tp / cp
 
 
 @dataclass(frozen=True)
@@ -86,23 +146,74 @@ class Geometry:
     embedding_allreduce_latency_s: float = 0.0
     wrap_s_per_byte: float = 0.0  # last stage to the first: what interleaved pipelines send around
     wrap_latency_s: float = 0.0
+    # (pp,) context and expert parallelism: one step of the context-parallel ring (each rank sends one byte to the
+    # next), an all-to-all over the expert-parallel group (each rank holds one byte for the group), an all-reduce
+    # over the expert-data-parallel group; zeros without them
+    ring_s_per_byte: np.ndarray | None = None
+    ring_latency_s: np.ndarray | None = None
+    alltoall_s_per_byte: np.ndarray | None = None
+    alltoall_latency_s: np.ndarray | None = None
+    expert_allreduce_s_per_byte: np.ndarray | None = None
+    expert_allreduce_latency_s: np.ndarray | None = None
+    stage_keys: tuple = ()  # (pp,) each stage's Links.stage_key
 
 
-def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp: int) -> Geometry:
+def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp: int, cp: int = 1,
+             experts: tuple[int, int] | None = None, links: Links | None = None, keyed: bool = False) -> Geometry:
+    """Where the ranks of a plan land on `placement`. Megatron-LM orders them tp, cp, dp, pp (tensor fastest;
+    for an MoE model's `experts` (ep, etp), the expert grid etp, ep, edp, pp over the same ranks), so each stage
+    owns a contiguous block of tp cp dp ranks; the data-parallel group of a dense parameter is the dp x cp ranks
+    of one tensor index. `links`: the placement's, where already built; `keyed`: with each stage's key for
+    with_experts (the geometry of an MoE model's plans)."""
     gpn = cluster.node_types[placement[0]].gpus_per_node  # the placement's node types hold one count (its spec)
-    links = Links(cluster, placement)
-    per_stage = tp * dp
-    node = np.arange(per_stage * pp).reshape(pp, dp, tp) // gpn  # [stage, data index, tensor index]
+    links = Links(cluster, placement) if links is None else links
+    per_stage = tp * cp * dp
+    node = np.arange(per_stage * pp).reshape(pp, dp * cp, tp) // gpn  # [stage, data and context index, tensor index]
     # a stage owns a contiguous rank block, so it spans a contiguous run of nodes
     stage_nodes = tuple(tuple(range(s * per_stage // gpn, ((s + 1) * per_stage - 1) // gpn + 1)) for s in range(pp))
     stage_types = tuple(tuple(sorted({placement[n] for n in nodes})) for nodes in stage_nodes)
     flat = node.reshape(pp, -1)
     boundary, boundary_latency = links.exchange(flat[:-1], flat[1:])
     # one data-parallel group per tensor index
-    dp_cost, dp_latency = links.allreduce(node.transpose(0, 2, 1)) if dp > 1 else (np.zeros(pp), np.zeros(pp))
+    dp_cost, dp_latency = links.allreduce(node.transpose(0, 2, 1)) if dp * cp > 1 else (np.zeros(pp), np.zeros(pp))
     wrap, wrap_latency = links.exchange(flat[-1:], flat[:1])
-    return Geometry(placement, stage_types, stage_nodes, boundary, dp_cost, node, boundary_latency, dp_latency,
-                    wrap_s_per_byte=float(wrap[0]), wrap_latency_s=float(wrap_latency[0]))
+    geo = Geometry(placement, stage_types, stage_nodes, boundary, dp_cost, node, boundary_latency, dp_latency,
+                   wrap_s_per_byte=float(wrap[0]), wrap_latency_s=float(wrap_latency[0]),
+                   stage_keys=tuple(links.stage_key(nodes, s * per_stage % gpn) for s, nodes in enumerate(stage_nodes))
+                   if experts is not None or keyed else ())
+    if cp > 1:  # each rank sends to the next context rank of its (data, tensor) index
+        ranks = flat.reshape(pp, dp, cp, tp)
+        ring, ring_latency = links.exchange(ranks.reshape(pp, -1), np.roll(ranks, -1, axis=2).reshape(pp, -1))
+        geo = replace(geo, ring_s_per_byte=ring, ring_latency_s=ring_latency)
+    return geo if experts is None else with_experts(geo, links, tp, *experts)
+
+
+def with_experts(geo: Geometry, links: Links, tp: int, ep: int, etp: int, known: dict | None = None) -> Geometry:
+    """`geo` (of `links`, its placement's) with the groups of an MoE model's expert grid: the all-to-all over the
+    ep ranks of each expert-tensor index, the all-reduce over the expert-data-parallel ranks (none where the
+    expert grid is the dense one: ep 1, etp tp). A stage's figures depend only on the links of the nodes it
+    spans (links.stage_key); `known` keeps them by that key for the other placements of a search."""
+    if (ep, etp) == (1, tp):
+        return geo
+    pp = len(geo.node)
+    flat = geo.node.reshape(pp, -1)
+    edp = flat.shape[1] // (etp * ep)
+    grid = flat.reshape(pp, edp, ep, etp)  # [stage, expert-data index, expert index, expert-tensor index]
+    known = {} if known is None else known
+    keys = [(stage, flat.shape[1], ep, etp) for stage in geo.stage_keys]
+    todo = sorted({key: s for s, key in enumerate(keys) if key not in known}.values())
+    if todo:
+        zeros = np.zeros(len(todo))
+        alltoall = alltoall_latency = expert = expert_latency = zeros
+        if ep > 1:
+            alltoall, alltoall_latency = links.alltoall(grid[todo].transpose(0, 1, 3, 2).reshape(len(todo), edp * etp, ep))
+        if edp > 1:
+            expert, expert_latency = links.allreduce(grid[todo].reshape(len(todo), edp, ep * etp).transpose(0, 2, 1))
+        for i, s in enumerate(todo):
+            known[keys[s]] = (alltoall[i], alltoall_latency[i], expert[i], expert_latency[i])
+    figures = np.array([known[key] for key in keys]).T
+    return replace(geo, alltoall_s_per_byte=figures[0], alltoall_latency_s=figures[1],
+                   expert_allreduce_s_per_byte=figures[2], expert_allreduce_latency_s=figures[3])
 
 
 def with_embedding_group(cluster: Cluster, geo: Geometry, stages: tuple[int, ...]) -> Geometry:
@@ -110,17 +221,19 @@ def with_embedding_group(cluster: Cluster, geo: Geometry, stages: tuple[int, ...
     return with_embedding_groups(cluster, geo, [stages])[0]
 
 
-def with_embedding_groups(cluster: Cluster, geo: Geometry, stage_sets: list[tuple[int, ...]]) -> list[Geometry]:
+def with_embedding_groups(cluster: Cluster, geo: Geometry, stage_sets: list[tuple[int, ...]],
+                          links: Links | None = None) -> list[Geometry]:
     """with_embedding_group for each of `stage_sets` (the encoder splits of one placement): sets of as many stages
-    are costed in one call."""
+    are costed in one call (`links`: the placement's, where already built)."""
     result: list[Geometry] = [replace(geo, embedding_allreduce_s_per_byte=0.0, embedding_allreduce_latency_s=0.0)
                               for _ in stage_sets]
     by_size: dict[int, list[int]] = {}
     for i, stages in enumerate(stage_sets):
         if len(stages) >= 2:
             by_size.setdefault(len(stages), []).append(i)
-    links = Links(cluster, geo.placement)
+    links = Links(cluster, geo.placement) if links is None and by_size else links
     for size, sets in by_size.items():
+        assert links is not None
         groups = np.stack([geo.node[list(stage_sets[i])].reshape(size, -1).T for i in sets])
         cost, latency = links.allreduce(groups)
         for i, set_cost, set_latency in zip(sets, cost, latency):
@@ -140,6 +253,7 @@ class Links:
 
     def __init__(self, cluster: Cluster, placement: tuple[str, ...]):
         types = [cluster.node_types[n] for n in placement]
+        self.types = placement
         self.intra = np.array([t.intra_node_bytes_per_s for t in types])
         self.inter = np.array([t.inter_node_bytes_per_s for t in types])
         self.intra_latency = np.array([t.intra_node_latency_s for t in types])
@@ -183,6 +297,32 @@ class Links:
         pair_latency = np.where(local, self.intra_latency[src],
                                 np.maximum(self.inter_latency[src], self.inter_latency[dst]))
         return np.maximum(intra, inter), pair_latency.max(axis=1, initial=0.0)
+
+    def stage_key(self, nodes: tuple[int, ...], offset: int) -> tuple:
+        """What the collectives among the ranks of one stage depend on: the rank its first node starts it at
+        (`offset`), and each of its `nodes`' type, domain relative to the first node's and that domain's network
+        interfaces."""
+        first = self.domain[nodes[0]]
+        return offset, tuple((self.types[n], int(self.domain[n] - first), float(self.domain_inter[self.domain[n]]))
+                             for n in nodes)
+
+    def alltoall(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(S,) seconds per byte and (S,) latency: for each set s, all-to-alls run at once, one per row of groups[s]
+        (the nodes of its n members), each member holding one byte split evenly among the members. A member with
+        c members in its domain sends (c - 1) / n over its intra-node link and (n - c) / n through its domain's
+        network interfaces, which carry every member's of the set at once; the busiest link sets the time. The
+        slowest link's latency is paid once."""
+        der = self.derating
+        domains = self.domain[groups]  # (S, R, n)
+        sets, n = groups.shape[0], groups.shape[-1]
+        local = (domains[..., :, None] == domains[..., None, :]).sum(-1)  # members of each one's group in its domain
+        intra = ((local - 1) / n * der.collective_intra_node / self.intra[groups]).reshape(sets, -1).max(axis=1)
+        load = np.zeros((sets, len(self.domain_inter)))
+        np.add.at(load, (np.broadcast_to(np.arange(sets)[:, None, None], domains.shape), domains), (n - local) / n)
+        inter = (load * der.collective_inter_node / self.domain_inter).max(axis=1)
+        latency = np.where((local < n).reshape(sets, -1).any(axis=1), self.inter_latency[groups].reshape(sets, -1).max(axis=1),
+                           self.intra_latency[groups].reshape(sets, -1).max(axis=1))
+        return np.maximum(intra, inter), latency
 
     def allreduce(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(S,) seconds per gradient byte and (S,) latency: for each set s, all-reduces run at once, one per row

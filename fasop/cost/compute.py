@@ -3,7 +3,7 @@ GPU types hosting the stage (the slowest sets the pace)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -33,7 +33,7 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
     """Compute of each stage for G placements (the node types hosting each stage), each with its stages' segments
     (G, pp) and encoder stages (G,), and K micro-batch sizes, row g K + k. Placements share the few GPU sets their
     stages have, so each set's profiles are read once. With `selective`, the layers' attention cores too."""
-    tp, pp, whole = config.tp, config.pp, config.pp == 1
+    tp, pp, whole, layout = config.tp, config.pp, config.pp == 1, config.layout
     segment = np.repeat(segment, len(sizes), axis=0)
     stage_gpus = per_stage(placements, lambda names: tuple(sorted({cluster.node_types[n].gpu for n in names})))
     gpu_sets = sorted({gpus for stages in stage_gpus for gpus in stages})
@@ -45,12 +45,13 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
         """(3, kinds, K) forward + backward, the forward alone and the attention core's forward (layers, with
         `selective`; else 0) of one unit of each kind for one micro-batch on a stage of these GPU types: the
         slower type's step, and that type's forward and core."""
-        times = np.array([[profiles[g].times_s(tp, kind, sizes) for kind in kinds] for g in gpus])
+        times = np.array([[profiles[g].layer_times_s(model, tp, kind, sizes, layout) if kind in model.layer_kinds
+                           else profiles[g].times_s(tp, kind, sizes, layout) for kind in kinds] for g in gpus])
         if config.tp_comm_overlap:  # the layers' collectives hidden behind their GEMMs
             for i, g in enumerate(gpus):
                 for j, kind in enumerate(model.layer_kinds):
                     times[i, j] *= 1 - hidden_shares(model, profiles[g], tp, kind, sizes)
-        core = np.array([[profiles[g].attention_core_forward_s(model, tp, kind, sizes)
+        core = np.array([[profiles[g].layer_core_forward_s(model, tp, kind, sizes, layout)
                           if selective and kind in model.layer_kinds else np.zeros(len(sizes)) for kind in kinds]
                          for g in gpus])
         step = times[..., 0] + times[..., 1]
@@ -85,6 +86,18 @@ def stage_compute(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile
     core = tuple(unit_s(kind, True, core=True) for kind in model.layer_kinds) if selective else ()
     return StageCompute(tuple(names for names in gpu for _ in sizes), layer_s, fixed_s, layer_forward_s,
                         fixed_forward_s, tuple(kind_forward_s), core)
+
+
+def with_layer_exchange(compute: StageCompute, forward_s: np.ndarray, backward_s: np.ndarray,
+                        whole_layers: int = 0) -> StageCompute:
+    """`compute` with the seconds each layer's communication adds to its forward and backward passes
+    (fasop.cost.communication.layer_exchange_s, (G K, pp) each), part of what recomputation repeats; a stage
+    holding the whole model (`whole_layers`, pp = 1) counts its layers' as fixed."""
+    extra = dict(fixed_s=compute.fixed_s + whole_layers * (forward_s + backward_s),
+                 fixed_forward_s=compute.fixed_forward_s + whole_layers * forward_s) if whole_layers else {}
+    return replace(compute, layer_s=compute.layer_s + forward_s + backward_s,
+                   layer_forward_s=compute.layer_forward_s + forward_s,
+                   kind_forward_s=tuple(f + forward_s for f in compute.kind_forward_s), **extra)
 
 
 def recompute_times(model: Model, config: Config, compute: StageCompute,

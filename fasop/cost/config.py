@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from fasop.cost.roofline import Layout
 from fasop.cost.schedule import interleaving_error
 from fasop.inputs.model import Model
 
@@ -37,6 +38,34 @@ class Config:
     recompute_num_layers: int | None = None  # full only: --recompute-num-layers
     sequence_parallel: bool = False  # --sequence-parallel; only meaningful when tp > 1
     tp_comm_overlap: bool = False  # --tp-comm-overlap (fasop.cost.tpoverlap): with sequence parallelism
+    cp: int = 1  # --context-parallel-size: ranks sharing each sequence (world = tp cp dp pp)
+    ep: int = 1  # --expert-model-parallel-size: ranks sharing each MoE layer's experts
+    etp: int = 0  # --expert-tensor-parallel-size: each expert's tensor-parallel ranks (0: tp, Megatron-LM's default)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_split(self) -> int:
+        """The ranks one MoE layer's routed experts are split over: etp x ep."""
+        return self.expert_tp * self.ep
+
+    @property
+    def dense_dp(self) -> int:
+        """The ranks that reduce a dense parameter's gradient and shard its optimizer state: dp x cp (Megatron's
+        data-parallel group with context parallelism)."""
+        return self.dp * self.cp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel degree: the ranks holding the same experts, tp cp dp / (etp ep) (Megatron's
+        expert grid folded out of tp x cp x dp)."""
+        return self.tp * self.cp * self.dp // self.expert_split
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.cp, self.ep, 0 if self.expert_tp == self.tp else self.etp)
 
     @property
     def blocked_layers(self) -> int:

@@ -148,17 +148,23 @@ class ScheduleBatch:
 
 
 def optimizer_times(model: Model, cluster: Cluster, placements: list[tuple[tuple[str, ...], ...]], config: Config,
-                    fixed_params: np.ndarray, layer_params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                    fixed_params: np.ndarray, layer_params: np.ndarray,
+                    experts: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(fixed, per layer): (G, pp) seconds of each stage's optimizer step for G placements (the node types hosting
     each stage), a memory-bound pass over its ranks' optimizer state (sharded over the data-parallel group with the
-    distributed optimizer) at the memory bandwidth of the stage's slowest GPU; an fp8 model's layers add the
-    once-a-step FP8 casts of their weights (fasop.cost.fp8)."""
+    distributed optimizer; of the parameters, `experts` (fixed, per layer) over the expert-data-parallel group) at
+    the memory bandwidth of the stage's slowest GPU; an fp8 model's layers add the once-a-step FP8 casts of their
+    weights (fasop.cost.fp8)."""
     def slowest(names: tuple[str, ...]) -> float:
         return min(cluster.node_types[n].gpu_memory_bytes_per_s for n in names)
 
     bandwidth: np.ndarray = np.array(per_stage(placements, slowest))
-    shard = config.dp if config.distributed_optimizer else 1
-    per_param = optimizer_traffic_bytes(model) / shard / bandwidth
+    sharded = config.distributed_optimizer
+    per_param = optimizer_traffic_bytes(model) / (config.dense_dp if sharded else 1) / bandwidth
     cast = weight_cast_bytes(model) / bandwidth
-    whole = all_layer_params(model, config.tp) if config.pp == 1 else 0.0  # one stage: its layers count as fixed
-    return fixed_params * per_param + whole * cast, layer_params * (per_param + cast)
+    whole = all_layer_params(model, config.tp, config.expert_split) if config.pp == 1 else 0.0
+    fixed, layer = fixed_params * per_param + whole * cast, layer_params * (per_param + cast)
+    if experts is not None and model.is_moe and sharded:  # expert state sharded over edp instead
+        per_expert = optimizer_traffic_bytes(model) / config.expert_dp / bandwidth - per_param
+        fixed, layer = fixed + experts[0] * per_expert, layer + experts[1] * per_expert
+    return fixed, layer

@@ -21,6 +21,7 @@ import numpy as np
 from fasop.cost.config import RECOMPUTE_MODES, Config, per_stage, recomputed_layers
 from fasop.cost.fp8 import gemm_input_bytes, weight_memory_bytes
 from fasop.cost.pipeline import end_chunks_in_flight, in_flight
+from fasop.cost.roofline import DENSE, Layout
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 
@@ -77,6 +78,11 @@ def bytes_per_param(model: Model, dp: int, distributed_optimizer: bool) -> float
     distributed-optimizer table (docs/cost-model.md section 8)."""
     kept = model.precision_bytes + gradient_bytes(model)
     return kept + optimizer_state_bytes(model) / (dp if distributed_optimizer else 1)
+
+
+def step_bytes_per_param(model: Model, dp: int, distributed_optimizer: bool) -> float:
+    """Model state per parameter in the optimizer step: bytes_per_param and main_gradient_bytes."""
+    return bytes_per_param(model, dp, distributed_optimizer) + main_gradient_bytes(model, dp, distributed_optimizer)
 
 
 def main_gradient_bytes(model: Model, dp: int, distributed_optimizer: bool) -> float:
@@ -149,8 +155,9 @@ def _mlp_activation_bytes(model: Model, seq: int, mbs: int) -> np.ndarray:
 
 
 @cache
-def _layer_parts(model: Model, kind: str) -> tuple[np.ndarray, float]:
-    """(replicated, split, scores) bytes of one layer for one sample at tp = 1, and the bytes of its input."""
+def _layer_parts(model: Model, kind: str, moe: bool = False) -> tuple[np.ndarray, float]:
+    """(replicated, split, scores) bytes of one layer for one sample at tp = 1, and the bytes of its input; an
+    MoE layer's without its FFN (moe_ffn_bytes)."""
     p, h = model.precision_bytes, model.hidden_size
     if kind == "decoder" and model.is_encoder_decoder:
         s, s_enc = model.decoder_seq_length, model.encoder_seq_length
@@ -160,61 +167,118 @@ def _layer_parts(model: Model, kind: str) -> tuple[np.ndarray, float]:
     else:
         s = model.encoder_seq_length if kind == "encoder" else model.seq_length
         parts = _attention_activation_bytes(model, s, s, 1, cross=False)
-    return parts + _mlp_activation_bytes(model, s, 1), float(p * s * h)
+    if moe:
+        parts = parts + np.array([p * s * h, 0.0, 0.0])  # the FFN norm's input
+    else:
+        parts = parts + _mlp_activation_bytes(model, s, 1)
+    return parts, float(p * s * h)
+
+
+def moe_ffn_bytes(model: Model, kind: str, tp: int, layout: Layout) -> float:
+    """Activation bytes an MoE layer's FFN keeps for one sample on one rank (Megatron-core's alltoall dispatcher,
+    read from its code: no published formula; the busiest rank's, moe_load_imbalance times the mean routed
+    tokens): on its T = s / (tp cp) sequence-parallel
+    tokens, the router's input and fp32 scores (T E), the permuted tokens the experts take (T k etp, each expert's
+    gathered over etp), their fc1 output (2 F_e / etp wide for SwiGLU) and fc2 input (F_e / etp), the experts'
+    outputs the weighted sum reads (T k), and the shared experts' FFN as a dense one's, split over tp."""
+    p, h, k = model.precision_bytes, model.hidden_size, model.moe_router_topk
+    s = model.encoder_seq_length if kind == "encoder" else (model.decoder_seq_length or model.seq_length)
+    shard = s / (tp * layout.cp)
+    etp = layout.expert_tp(tp)
+    routed, ffn = shard * k * etp * model.moe_load_imbalance, model.expert_ffn_hidden_size / etp
+    ffn_in = 2 * ffn if model.ffn_activation == "swiglu" else ffn
+    kept = p * shard * h + FP32_BYTES * shard * model.num_experts + p * routed * (h + ffn_in + ffn) + p * shard * k * h
+    shared = model.moe_shared_expert_intermediate_size
+    if shared:
+        glu = 2 if model.ffn_activation == "swiglu" else 1
+        kept += (p * s * h + (glu + 1) * p * s * shared / tp) / layout.cp  # its gathered input, fc1 out, fc2 in
+    return kept
 
 
 def layer_activation_bytes(model: Model, kind: str, mbs: int, tp: int, sequence_parallel: bool = True,
-                           recompute: str = "none") -> float:
+                           recompute: str = "none", layout: Layout = DENSE) -> float:
     """Activation bytes one layer keeps for one micro-batch until its backward pass, per GPU (Korthikanti et
     al. 2022, Table 2, generalised): everything / t with sequence parallelism, else the replicated part whole;
-    selective recomputation drops the attention scores; a fully recomputed layer keeps only its input."""
-    (replicated, split, scores), layer_input = _layer_parts(model, kind)
+    selective recomputation drops the attention scores; a fully recomputed layer keeps only its input. The mean
+    layer of an MoE model's segment, and on a rank of `layout`: everything / cp (context parallelism splits every
+    sequence)."""
     whole = 1 if sequence_parallel else tp  # the replicated part is divided by tp only with sequence parallelism
-    if recompute == "full":
-        return mbs * layer_input * whole / tp
-    kept = replicated * whole / tp + split / tp + (scores / tp if recompute == "none" else 0.0)
-    return mbs * kept
+    share = model.moe_share(kind)
+
+    def kept(moe: bool) -> float:
+        (replicated, split, scores), layer_input = _layer_parts(model, kind, moe)
+        if recompute == "full":
+            return layer_input * whole / tp
+        return replicated * whole / tp + split / tp + (scores / tp if recompute == "none" else 0.0)
+
+    per_sample = kept(False) if share < 1 else 0.0
+    if share:
+        moe = kept(True) + (0.0 if recompute == "full" else moe_ffn_bytes(model, kind, tp, layout) * layout.cp)
+        per_sample = (1 - share) * per_sample + share * moe
+    return mbs * per_sample / layout.cp
 
 
 @cache
-def _kind_activation_bytes(model: Model, tp: int, sequence_parallel: bool, recompute: str) -> np.ndarray:
+def _kind_activation_bytes(model: Model, tp: int, sequence_parallel: bool, recompute: str,
+                           layout: Layout = DENSE) -> np.ndarray:
     """layer_activation_bytes of one sample for each layer kind (memoised: searches ask often)."""
-    return np.array([layer_activation_bytes(model, kind, 1, tp, sequence_parallel, recompute)
+    return np.array([layer_activation_bytes(model, kind, 1, tp, sequence_parallel, recompute, layout)
                      for kind in model.layer_kinds])
 
 
-def embedding_activation_bytes(model: Model, mbs: int, tp: int, sequence_parallel: bool = True) -> float:
+def embedding_activation_bytes(model: Model, mbs: int, tp: int, sequence_parallel: bool = True, cp: int = 1) -> float:
     """The embedding's dropout mask (after the scatter to the sequence-parallel region when that is on)."""
     mask = DROPOUT_MASK_BYTES if model.dropout else 0
-    return mask * model.input_seq_length * mbs * model.hidden_size / (tp if sequence_parallel else 1)
+    return mask * model.input_seq_length * mbs * model.hidden_size / (tp if sequence_parallel else 1) / cp
 
 
-def head_activation_bytes(model: Model, mbs: int, tp: int, sequence_parallel: bool = True) -> float:
+def head_activation_bytes(model: Model, mbs: int, tp: int, sequence_parallel: bool = True, cp: int = 1) -> float:
     """Final norm and output-layer inputs (split only with sequence parallelism), and the fp32 logits that the
-    vocabulary-parallel cross-entropy keeps."""
+    vocabulary-parallel cross-entropy keeps; of the rank's 1/cp of the sequence."""
     s, h = model.seq_length, model.hidden_size
     inputs = 2 * model.precision_bytes * s * mbs * h / (tp if sequence_parallel else 1)
-    return inputs + 4 * s * mbs * model.padded_vocab(tp) / tp
+    return (inputs + 4 * s * mbs * model.padded_vocab(tp) / tp) / cp
 
 
 def stage_params(model: Model, config: Config, segment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(fixed, per layer): (pp,) parameters per rank on each stage beyond its partitioned layers, and those of
-    one of its layers."""
+    one of its layers (an MoE layer's routed experts split over etp x ep, the rest over tp)."""
     tp, pp, whole = config.tp, config.pp, config.pp == 1
-    kind_params = np.array([model.layer_params(kind) / tp for kind in model.layer_kinds])
+    kind_params = np.array([_rank_layer_params(model, kind, tp, config.expert_split) for kind in model.layer_kinds])
     fixed_params = np.zeros(pp)
     fixed_params[0] += model.embedding_params(tp)
     fixed_params[-1] += model.head_params(tp, shares_stage_with_embedding=whole)
     if model.is_encoder_decoder and not whole:
         fixed_params[min(config.encoder_stages, pp - 1)] += model.decoder_embedding_params(tp)
     if whole:
-        fixed_params[0] += all_layer_params(model, tp)
+        fixed_params[0] += all_layer_params(model, tp, config.expert_split)
     return fixed_params, kind_params[segment]
 
 
-def all_layer_params(model: Model, tp: int) -> float:
-    """Parameters per rank of every transformer layer: what one stage holding the whole model counts as fixed."""
-    return float(sum(n * model.layer_params(kind) / tp for n, kind in zip(model.segment_layers, model.layer_kinds)))
+def stage_expert_params(model: Model, config: Config, segment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fixed, per layer): of stage_params, the routed experts' (their gradients are reduced and their optimizer
+    state sharded over the expert-data-parallel group, not the data-parallel one)."""
+    split = config.expert_split
+    per_layer = np.array([model.layer_expert_params(kind) / split for kind in model.layer_kinds])
+    fixed = np.zeros(config.pp)
+    if config.pp == 1:
+        fixed[0] = sum(n * model.layer_expert_params(kind) / split
+                       for n, kind in zip(model.segment_layers, model.layer_kinds))
+    return fixed, per_layer[segment]
+
+
+def _rank_layer_params(model: Model, kind: str, tp: int, expert_split: int) -> float:
+    """Parameters one rank holds of the mean layer of segment `kind`."""
+    experts = model.layer_expert_params(kind)
+    return (model.layer_params(kind) - experts) / tp + experts / expert_split if experts else model.layer_params(kind) / tp
+
+
+def all_layer_params(model: Model, tp: int, expert_split: int | None = None) -> float:
+    """Parameters per rank of every transformer layer: what one stage holding the whole model counts as fixed
+    (routed experts split over `expert_split` = etp x ep ranks, default tp)."""
+    split = tp if expert_split is None else expert_split
+    return float(sum(n * _rank_layer_params(model, kind, tp, split)
+                     for n, kind in zip(model.segment_layers, model.layer_kinds)))
 
 
 def stage_capacity_gib(cluster: Cluster, placements: list[tuple[tuple[str, ...], ...]]) -> np.ndarray:
@@ -271,15 +335,23 @@ def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: 
     recomputation all but its attention scores; in the backward one recomputed layer at a time is rebuilt
     whole, for one micro-batch."""
     fixed_params, layer_params = params
-    tp, pp, sp = config.tp, config.pp, config.sequence_parallel
-    per_param = bytes_per_param(model, config.dp, config.distributed_optimizer)
-    step_per_param = per_param + main_gradient_bytes(model, config.dp, config.distributed_optimizer)
+    tp, pp, sp, cp = config.tp, config.pp, config.sequence_parallel, config.cp
+    fixed_experts, layer_experts = stage_expert_params(model, config, segment)
+    per_param, step_per_param = (np.array([state(model, dp, config.distributed_optimizer)
+                                           for dp in (config.dense_dp, config.expert_dp)]) for state in
+                                 (bytes_per_param, step_bytes_per_param))
+
+    def state_bytes(params: np.ndarray, experts: np.ndarray, per: np.ndarray) -> np.ndarray:
+        """Bytes of the model state of `params` parameters per rank, `experts` of them routed experts'."""
+        return (params - experts) * per[0] + experts * per[1] if model.is_moe else params * per[0]
+
     # an fp8 model's cached FP8 weights: its layers' (the embedding and the output layer stay bf16)
     fp8_weights = weight_memory_bytes(model)
     fixed_fp8 = np.zeros(pp)
     if pp == 1:
-        fixed_fp8[0] = fp8_weights * all_layer_params(model, tp)
-    whole_act, selective_act, input_act = (_kind_activation_bytes(model, tp, sp, mode) for mode in RECOMPUTE_MODES)
+        fixed_fp8[0] = fp8_weights * all_layer_params(model, tp, config.expert_split)
+    whole_act, selective_act, input_act = (_kind_activation_bytes(model, tp, sp, mode, config.layout)
+                                           for mode in RECOMPUTE_MODES)
     full = config.recompute == "full"
     kept_act = selective_act if config.recompute == "selective" else whole_act
     recomputed_act = input_act - whole_act if full else np.zeros_like(whole_act)
@@ -288,8 +360,8 @@ def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: 
     # chunks (the first stage's first, the last stage's last), the layers' for their stage's
     ends = end_chunks_in_flight(pp, num_microbatches, config.virtual_stages) * mbs[:, None]
     end_act = np.zeros((len(mbs), pp))
-    end_act[:, 0] += embedding_activation_bytes(model, 1, tp, sp) * ends[:, 0]
-    end_act[:, -1] += head_activation_bytes(model, 1, tp, sp) * ends[:, 1]
+    end_act[:, 0] += embedding_activation_bytes(model, 1, tp, sp, cp) * ends[:, 0]
+    end_act[:, -1] += head_activation_bytes(model, 1, tp, sp, cp) * ends[:, 1]
     fixed_act = np.zeros(pp)
     fixed_working = 0.0
     if pp == 1:  # one stage: its layers are not partitioned, all fixed; each segment is a block of its own
@@ -300,19 +372,22 @@ def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: 
     held = in_flight(pp, num_microbatches, config.virtual_stages) * mbs[:, None]  # samples whose activations a stage holds
     one = mbs[:, None] / GIB  # the working layer's micro-batch
     return StageMemory(
-        fixed_gib=(fixed_params * per_param + fixed_fp8 + fixed_act * held + end_act) / GIB + fixed_working * one,
-        layer_gib=(layer_params * (per_param + fp8_weights) + kept_act[segment] * held) / GIB,
+        fixed_gib=(state_bytes(fixed_params, fixed_experts, per_param) + fixed_fp8 + fixed_act * held + end_act) / GIB
+        + fixed_working * one,
+        layer_gib=(state_bytes(layer_params, layer_experts, per_param + fp8_weights) + kept_act[segment] * held) / GIB,
         recomputed_gib=recomputed_act[segment] * held / GIB,
         working_gib=working_act[segment] * one,
-        step_fixed_gib=np.broadcast_to((fixed_params * step_per_param + fixed_fp8) / GIB, held.shape).copy(),
-        step_layer_gib=np.broadcast_to(layer_params * (step_per_param + fp8_weights) / GIB, held.shape).copy())
+        step_fixed_gib=np.broadcast_to((state_bytes(fixed_params, fixed_experts, step_per_param) + fixed_fp8) / GIB,
+                                       held.shape).copy(),
+        step_layer_gib=np.broadcast_to(state_bytes(layer_params, layer_experts, step_per_param + fp8_weights) / GIB,
+                                       held.shape).copy())
 
 
-def head_fits(model: Model, cluster: Cluster, tp: int, mbs: int, sequence_parallel: bool = True) -> bool:
+def head_fits(model: Model, cluster: Cluster, tp: int, mbs: int, sequence_parallel: bool = True, cp: int = 1) -> bool:
     """Whether the output layer's activations of one micro-batch fit the largest GPU's usable memory (the last
     stage holds them; a size that fails fits no stage)."""
     usable = usable_gib(cluster, max(t.gpu_memory_gib for t in cluster.node_types.values()))
-    return bool(mbs * (head_activation_bytes(model, 1, tp, sequence_parallel) / GIB) <= usable * (1 + 1e-9))
+    return bool(mbs * (head_activation_bytes(model, 1, tp, sequence_parallel, cp) / GIB) <= usable * (1 + 1e-9))
 
 
 def layers_that_fit(memory: StageMemory, recomputed: tuple[float, float], usable: np.ndarray,

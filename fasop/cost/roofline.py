@@ -59,6 +59,10 @@ CROSS_ENTROPY_KERNELS = (6, 2)
 # "Matrix Multiplication Background User's Guide" (tile and wave quantization; stas00/ml-engineering,
 # training/performance/README.md, retells it). Either orientation, whichever wastes less.
 MATMUL_TILE = (256, 128)
+# An MoE router's kernels after its linear layer, forward and backward: the score function (softmax or sigmoid),
+# top-k, the routing map's scatter, the probabilities' gather and the load-balancing loss's reductions
+# (megatron/core/transformer/moe/router.py and moe_utils.py, counted from their torch calls; fused variants fewer).
+ROUTING_KERNELS = (8, 6)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ class UnitWork:
     forward: tuple[Kernel, ...]
     backward: tuple[Kernel, ...]
     collectives: tuple[float, ...]  # payload bytes of each all-gather or reduce-scatter
+    expert_collectives: tuple[float, ...] = ()  # those over the expert-tensor-parallel group (MoE layers)
+    expert_tp: int = 1  # that group's ranks
 
     @property
     def forward_flops(self) -> float:
@@ -158,16 +164,55 @@ class Rates:
         return float(np.exp(np.interp(math.log(payload_bytes), payloads, busbw))) * 1e9
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a plan splits a unit's work beyond tensor parallelism: over `cp` context-parallel ranks (each holds
+    1/cp of every sequence) and, in MoE layers, over `ep` expert-parallel ranks (each holds num_experts / ep of
+    the experts) of `etp`-way tensor-parallel experts (0: Megatron-LM's default, the attention's tp)."""
+
+    cp: int = 1
+    ep: int = 1
+    etp: int = 0
+
+    def expert_tp(self, tp: int) -> int:
+        return self.etp or tp
+
+
+DENSE = Layout()
+
+
+def moe_kind(kind: str) -> str:
+    """The profile kind of the MoE layers of segment `kind` ("layer", "encoder", "decoder")."""
+    return f"moe_{kind}"
+
+
+def causal(model: Model, kind: str) -> bool:
+    """Whether a layer's self-attention is causal and its fused kernel skips the masked half of the scores: a
+    decoder's, with flash attention (the unfused path computes every score, then masks)."""
+    return model.flash_attention and kind in ("layer", "decoder") and model.architecture != "encoder"
+
+
 # -- FLOP counts (closed forms; the kernels below add up to them) -----------------------------------------
 def _attention_matmul_weights(model: Model) -> int:
-    """Q, K, V and output projections (no biases)."""
+    """Q, K, V and output projections (no biases; multi-latent attention's down- and up-projections)."""
     h, qa, kv = model.hidden_size, model.attention_width, model.kv_width
+    if model.multi_latent_attention:
+        heads, qk = model.num_attention_heads, model.qk_head_dim + model.qk_pos_emb_head_dim
+        q = h * heads * qk if not model.q_lora_rank else model.q_lora_rank * (h + heads * qk)
+        kv_r = model.kv_lora_rank
+        return q + h * (kv_r + model.qk_pos_emb_head_dim) + kv_r * heads * (model.qk_head_dim + model.v_head_dim) \
+            + heads * model.v_head_dim * h
     return h * qa + 2 * h * kv + qa * h
 
 
-def _mlp_matmul_weights(model: Model) -> int:
-    h, f = model.hidden_size, model.ffn_hidden_size
-    return (3 if model.ffn_activation == "swiglu" else 2) * h * f
+def _mlp_matmul_weights(model: Model, kind: str) -> float:
+    """The FFN's matmul weights a token passes through: the dense FFN's, or in the mean layer of an MoE model's
+    segment its share of MoE layers' top-k routed experts, shared experts and router."""
+    glu = 3 if model.ffn_activation == "swiglu" else 2
+    h, share = model.hidden_size, model.moe_share(kind)
+    moe = h * (glu * (model.moe_router_topk * model.expert_ffn_hidden_size
+                      + model.moe_shared_expert_intermediate_size) + model.num_experts)
+    return (1 - share) * glu * h * model.ffn_hidden_size + share * moe
 
 
 def _seq_lengths(model: Model, kind: str) -> tuple[int, int]:
@@ -178,21 +223,32 @@ def _seq_lengths(model: Model, kind: str) -> tuple[int, int]:
 
 
 def layer_forward_flops(model: Model, kind: str, mbs: int, tp: int = 1) -> float:
-    """Matmul FLOPs of one transformer layer's forward pass for one micro-batch, per GPU of a tp group:
-    2 x weights x tokens, plus 2 x 2 x b s^2 x heads x kv_channels for the scores and the context."""
+    """Matmul FLOPs of one transformer layer's forward pass for one micro-batch, per GPU of a tp group (the
+    segment's mean layer in an MoE model): 2 x weights x tokens, plus the scores and the context
+    (attention_core_forward_flops)."""
     b, h, qa, kv = mbs, model.hidden_size, model.attention_width, model.kv_width
     s, s_enc = _seq_lengths(model, kind)
-    flops = 2.0 * b * s * (_attention_matmul_weights(model) + _mlp_matmul_weights(model))
+    flops = 2.0 * b * s * (_attention_matmul_weights(model) + _mlp_matmul_weights(model, kind))
     if s_enc:  # cross-attention projections: Q and output over the decoder, K and V over the encoder
         flops += 2.0 * b * (s * (h * qa + qa * h) + s_enc * 2 * h * kv)
     return flops / tp + attention_core_forward_flops(model, kind, mbs, tp)
 
 
 def attention_core_forward_flops(model: Model, kind: str, mbs: int, tp: int = 1) -> float:
-    """Scores Q.K^T and context scores.V of one layer's forward (the full s x s matrix; cross-attention too),
-    per GPU of a tp group: the attention core that Megatron-LM's selective recomputation reruns."""
+    """Scores Q.K^T and context scores.V of one layer's forward (2 b s s_k heads (d_qk + d_v): the full s x s
+    matrix, half of it for a causal fused kernel; cross-attention too), per GPU of a tp group: the attention core
+    that Megatron-LM's selective recomputation reruns."""
     s, s_enc = _seq_lengths(model, kind)
-    return 2 * 2 * mbs * s * (s + s_enc) * model.attention_width / tp
+    qk, v = _head_dims(model)
+    self_attention = s * s / (2 if causal(model, kind) else 1)
+    return 2 * mbs * (self_attention + s * s_enc) * model.num_attention_heads * (qk + v) / tp
+
+
+def _head_dims(model: Model) -> tuple[int, int]:
+    """(query-key, value) dimensions of one attention head."""
+    if model.multi_latent_attention:
+        return model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
+    return model.kv_channels, model.kv_channels
 
 
 @cache
@@ -249,27 +305,34 @@ def _elementwise(name: str, read: float, written: float, p: int, mask: float = 0
             (Kernel(f"{name} grad", 0.0, p * (2 * read + written) + mask, launches[1]),))
 
 
-def _attention(model: Model, b: int, s_q: int, s_k: int, tp: int) -> list[Work]:
-    """The attention core for s_q query and s_k key tokens per sample."""
-    p, d = model.precision_bytes, model.kv_channels
-    heads, groups = model.num_attention_heads / tp, model.num_query_groups / tp
-    q, kv = b * s_q * heads * d, b * s_k * groups * d  # elements of Q (and of the output), of K (and of V)
-    flops = 2.0 * b * s_q * s_k * heads * d  # each of Q.K^T and scores x V
+def _attention(model: Model, b: int, s_q: float, s_k: int, tp: int, masked: bool = False, steps: int = 1) -> list[Work]:
+    """The attention core for s_q query and s_k key tokens per sample (`masked`: a causal fused kernel computes
+    half the scores; `steps`: one kernel per step of context parallelism's ring, each on its share)."""
+    p = model.precision_bytes
+    qk, v = _head_dims(model)
+    heads = model.num_attention_heads / tp
+    kv_heads = heads if model.multi_latent_attention else model.num_query_groups / tp
+    q, out = b * s_q * heads * qk, b * s_q * heads * v  # elements of Q and of the output
+    k, kv = b * s_k * kv_heads * qk, b * s_k * kv_heads * v  # of K and of V
+    scored = b * s_q * s_k * heads / (2 if masked else 1)  # query-key pairs computed
     if model.flash_attention:
-        forward = Kernel("flash attention", 2 * flops, p * (2 * q + 2 * kv), attention_core=True)
-        return [(forward, (Kernel("flash attention grad", 4 * flops, 2 * forward.bytes, 2),))]
+        flops = 2.0 * scored * (qk + v)  # Q.K^T and scores x V
+        forward = Kernel("flash attention", flops, p * (q + k + kv + out), steps, attention_core=True)
+        return [(forward, (Kernel("flash attention grad", 2 * flops, 2 * forward.bytes, 2 * steps),))]
+    flops = 2.0 * scored * qk
+    kv = k  # the unfused path: keys and values are kv_channels wide alike
     scores = b * heads * s_q * s_k
     mask = DROPOUT_MASK_BYTES_PER_ELEMENT * scores if model.dropout else 0.0
-    batch = b * heads
+    batch, d = b * heads, qk
     # backward: Q.K^T gives the gradients of Q (s_q x d) and K (s_k x d), scores x V those of the scores
     # (s_q x s_k) and of V (s_k x d)
-    qk = Kernel("scores Q.K^T", flops, p * (q + kv + scores), output=(batch, s_q, s_k), attention_core=True)
-    qk_grads = (Kernel("scores grad Q", flops, qk.bytes, output=(batch, s_q, d)),
-                Kernel("scores grad K", flops, qk.bytes, output=(batch, s_k, d)))
+    qk_kernel = Kernel("scores Q.K^T", flops, p * (q + kv + scores), output=(batch, s_q, s_k), attention_core=True)
+    qk_grads = (Kernel("scores grad Q", flops, qk_kernel.bytes, output=(batch, s_q, d)),
+                Kernel("scores grad K", flops, qk_kernel.bytes, output=(batch, s_k, d)))
     context = Kernel("context scores.V", flops, p * (scores + kv + q), output=(batch, s_q, d), attention_core=True)
     context_grads = (Kernel("context grad scores", flops, context.bytes, output=(batch, s_q, s_k)),
                      Kernel("context grad V", flops, context.bytes, output=(batch, s_k, d)))
-    work = [(qk, qk_grads), _core(_elementwise("scale-mask-softmax", scores, scores, p))]
+    work = [(qk_kernel, qk_grads), _core(_elementwise("scale-mask-softmax", scores, scores, p))]
     if model.dropout:
         work.append(_core(_elementwise("attention dropout", scores, scores, p, mask)))
     return [*work, (context, context_grads)]
@@ -280,60 +343,154 @@ def _core(work: Work) -> Work:
     return replace(forward, attention_core=True), backward
 
 
-def _layer(model: Model, kind: str, b: int, tp: int) -> tuple[list, tuple[float, ...]]:
-    """(forward, backward) pairs of one transformer layer, and the payload bytes of its collectives per pass."""
+def _self_attention(model: Model, kind: str, b: int, s: int, tp: int, cp: int) -> list[Work]:
+    """Norm, query-key-value projections (multi-latent attention's low-rank ones, their down-projections on
+    every tensor-parallel rank), rotary embedding, the attention core of the rank's s / cp queries over all s
+    keys, output projection and residual."""
     p, h = model.precision_bytes, model.hidden_size
-    s, s_enc = _seq_lengths(model, kind)
-    tokens, qa, kv = b * s, model.attention_width / tp, model.kv_width / tp
+    tokens = b * s / cp
     shard = tokens * h / tp  # sequence-parallel shard of the hidden states
+    work = [_elementwise("norm", shard, shard, p, 0.0, (1, 2))]
+    qk, v = _head_dims(model)
+    heads = model.num_attention_heads / tp
+    if model.multi_latent_attention:
+        rope, q_rank, kv_rank = model.qk_pos_emb_head_dim, model.q_lora_rank, model.kv_lora_rank
+        if q_rank:
+            work += [*_linear(model, "Q down", tokens, h, q_rank, after_norm=True),
+                     _elementwise("Q norm", tokens * q_rank, tokens * q_rank, p, 0.0, (1, 2)),
+                     *_linear(model, "Q up", tokens, q_rank, heads * qk)]
+        else:
+            work += _linear(model, "Q", tokens, h, heads * qk, after_norm=True)
+        work += [*_linear(model, "KV down", tokens, h, kv_rank + rope),
+                 _elementwise("KV norm", tokens * kv_rank, tokens * kv_rank, p, 0.0, (1, 2)),
+                 *_linear(model, "KV up", tokens, kv_rank, heads * (model.qk_head_dim + v)),
+                 _elementwise("rotary", tokens * (heads + 1) * rope, tokens * (heads + 1) * rope, p, launches=(2, 2))]
+        width = heads * v
+    else:
+        qa, kv = model.attention_width / tp, model.kv_width / tp
+        work += _linear(model, "QKV", tokens, h, qa + 2 * kv, after_norm=True)
+        if model.position_embedding == "rope":  # applied to Q and to K
+            work.append(_elementwise("rotary", tokens * (qa + kv), tokens * (qa + kv), p, launches=(2, 2)))
+        width = qa
+    work += [*_attention(model, b, s / cp, s, tp, causal(model, kind), cp), *_linear(model, "attention output", tokens, width, h),
+             _residual(model, shard)]
+    return work
+
+
+def _residual(model: Model, shard: float) -> Work:
+    """The fused bias-dropout-add after attention and after the FFN: one kernel each way."""
     mask = DROPOUT_MASK_BYTES_PER_ELEMENT * shard if model.dropout else 0.0
-    norm = ("norm", shard, shard, p, 0.0, (1, 2))
-    residual = ("bias-dropout-add", 2 * shard, shard, p, mask)  # fused in Megatron: one kernel each way
-    work = [_elementwise(*norm), *_linear(model, "QKV", tokens, h, qa + 2 * kv, after_norm=True)]
-    if model.position_embedding == "rope":  # applied to Q and to K
-        work.append(_elementwise("rotary", tokens * (qa + kv), tokens * (qa + kv), p, launches=(2, 2)))
-    work += [*_attention(model, b, s, s, tp), *_linear(model, "attention output", tokens, qa, h),
-             _elementwise(*residual)]
+    return _elementwise("bias-dropout-add", 2 * shard, shard, p=model.precision_bytes, mask=mask)
+
+
+def _mlp(model: Model, name: str, tokens: float, ffn: float, tp: int) -> list[Work]:
+    """An FFN of width `ffn` split over tp on `tokens` tokens: its input projection (2 ffn wide for SwiGLU), the
+    activation and its output projection."""
+    ffn_in = 2 * ffn if model.ffn_activation == "swiglu" else ffn
+    h, p = model.hidden_size, model.precision_bytes
+    return [*_linear(model, f"{name} in", tokens, h, ffn_in / tp, after_norm=True),
+            _elementwise(model.ffn_activation, tokens * ffn_in / tp, tokens * ffn / tp, p),
+            *_linear(model, f"{name} out", tokens, ffn / tp, h)]
+
+
+def _grouped(model: Model, name: str, experts: float, m: float, k: float, n: float) -> list[Work]:
+    """A grouped GEMM (Transformer Engine's GroupedLinear): each of `experts` local experts multiplies its m x k
+    tokens by its k x n weight, in one launch, in the model's precision as a linear layer's GEMMs (an fp8
+    model's on the FP8 tensor cores, with their casts). Each expert's output is tiled on its own, so few tokens
+    per expert leave tiles part-empty (wave_efficiency): how its efficiency falls with the tokens per expert."""
+    def grouped(kernel: Kernel) -> Kernel:
+        output = None if kernel.output is None else (experts, *kernel.output[1:])
+        return replace(kernel, flops=experts * kernel.flops, bytes=experts * kernel.bytes, output=output)
+
+    return [(grouped(forward), tuple(grouped(kernel) for kernel in backward))
+            for forward, backward in _linear(model, name, m, k, n)]
+
+
+def _moe(model: Model, b: int, s: int, tp: int, layout: Layout) -> tuple[list[Work], list[float], list[float]]:
+    """An MoE layer's FFN on one rank, as Megatron-core's alltoall token dispatcher runs it: the router, the
+    permutation of the rank's sequence-parallel tokens into expert order, the experts' grouped GEMMs on the
+    tokens the dispatch brings (top-k of every token of the expert-parallel group, spread over the experts, the
+    busiest rank's moe_load_imbalance times the mean), the unpermutation and weighted sum, and the shared experts on every token
+    (split over tp like a dense FFN). The expert-parallel all-to-alls are the plan's (fasop.cost.communication);
+    the kernels, and the payloads of the tensor-parallel collectives (the shared experts') and of the
+    expert-tensor-parallel ones."""
+    p, h, k = model.precision_bytes, model.hidden_size, model.moe_router_topk
+    experts, etp = model.num_experts, layout.expert_tp(tp)
+    tokens = b * s / layout.cp
+    shard = tokens / tp  # the MoE layer's tokens: the sequence-parallel shard
+    # the tokens the rank's experts process, each expert's tokens gathered over etp: the busiest rank's
+    routed = shard * k * etp * model.moe_load_imbalance
+    local = experts / layout.ep
+    ffn = model.expert_ffn_hidden_size / etp
+    ffn_in = 2 * ffn if model.ffn_activation == "swiglu" else ffn
+    work: list[Work] = [_elementwise("norm", shard * h, shard * h, p, 0.0, (1, 2)),
+                        _matmul("router", shard, h, experts, p),
+                        _elementwise("routing", shard * experts, shard * experts, FP32_BYTES, launches=ROUTING_KERNELS),
+                        _elementwise("permute", shard * h, shard * k * h, p),
+                        *_grouped(model, "experts in", local, routed / local, h, ffn_in),
+                        _elementwise(model.ffn_activation, routed * ffn_in, routed * ffn, p),
+                        *_grouped(model, "experts out", local, routed / local, ffn, h),
+                        _elementwise("unpermute", shard * k * h, shard * h, p)]
+    collectives: list[float] = []
+    if model.moe_shared_expert_intermediate_size:
+        work += _mlp(model, "shared experts", tokens, model.moe_shared_expert_intermediate_size, tp)
+        collectives = [float(p * tokens * h)] * 2  # their all-gather and reduce-scatter
+    expert_collectives = [float(p * routed * h)] * 2 if etp > 1 else []
+    return [*work, _residual(model, shard * h)], collectives, expert_collectives
+
+
+def _layer(model: Model, kind: str, b: int, tp: int, layout: Layout = DENSE,
+           moe: bool = False) -> tuple[list, tuple[float, ...], tuple[float, ...]]:
+    """(forward, backward) pairs of one transformer layer (an MoE layer with `moe`) on one rank, and the payload
+    bytes of its tensor-parallel and its expert-tensor-parallel collectives per pass."""
+    p, h, cp = model.precision_bytes, model.hidden_size, layout.cp
+    s, s_enc = _seq_lengths(model, kind)
+    tokens = b * s / cp
+    shard = tokens * h / tp
+    work = _self_attention(model, kind, b, s, tp, cp)
     # 2 all-gathers (of the norms' outputs: FP8 for an fp8 model, Transformer Engine gathers the quantized
-    # tensor) and 2 reduce-scatters of b s h (or 2 all-reduces)
+    # tensor) and 2 reduce-scatters of b s h (or 2 all-reduces); an MoE layer's FFN has its own
     gathered = FP8_BYTES if model.fp8 else p
-    collectives: list[float] = [float(gathered * tokens * h)] * 2 + [float(p * tokens * h)] * 2
+    cross: list[float] = []
     if s_enc:
         enc_tokens = b * s_enc
-        work += [_elementwise(*norm), *_linear(model, "cross Q", tokens, h, qa, after_norm=True),
+        qa, kv = model.attention_width / tp, model.kv_width / tp
+        work += [_elementwise("norm", shard, shard, p, 0.0, (1, 2)),
+                 *_linear(model, "cross Q", tokens, h, qa, after_norm=True),
                  *_linear(model, "cross KV", enc_tokens, h, 2 * kv), *_attention(model, b, s, s_enc, tp),
-                 *_linear(model, "cross output", tokens, qa, h), _elementwise(*residual)]
+                 *_linear(model, "cross output", tokens, qa, h), _residual(model, shard)]
         # all-gathers of the query input and of the encoder output, one reduce-scatter
-        collectives += [gathered * tokens * h, p * enc_tokens * h, p * tokens * h]
-    ffn = model.ffn_hidden_size / tp
-    ffn_in = 2 * ffn if model.ffn_activation == "swiglu" else ffn
-    work += [_elementwise(*norm), *_linear(model, "FFN in", tokens, h, ffn_in, after_norm=True),
-             _elementwise(model.ffn_activation, tokens * ffn_in, tokens * ffn, p),
-             *_linear(model, "FFN out", tokens, ffn, h), _elementwise(*residual)]
-    return work, tuple(collectives)
+        cross = [gathered * tokens * h, p * enc_tokens * h, p * tokens * h]
+    if moe:
+        ffn_work, ffn_collectives, expert_collectives = _moe(model, b, s, tp, layout)
+        return (work + ffn_work, (gathered * tokens * h, p * tokens * h, *cross, *ffn_collectives),
+                tuple(expert_collectives))
+    work += [_elementwise("norm", shard, shard, p, 0.0, (1, 2)),
+             *_mlp(model, "FFN", tokens, model.ffn_hidden_size, tp), _residual(model, shard)]
+    return work, (*[float(gathered * tokens * h)] * 2, *[float(p * tokens * h)] * 2, *cross), ()
 
 
-def _embedding(model: Model, b: int, s: int, weights: float, tp: int) -> list[Work]:
+def _embedding(model: Model, b: int, s: int, weights: float, tp: int, cp: int = 1) -> list[Work]:
     """Vocabulary-parallel gather (the rank's rows; a full b s h output before the reduce-scatter), learned
     positions added, dropout on the shard. Backward: the dense gradient of the rank's table (zeroed, then the
     rows added), 2 bytes written and the fp32 main gradient accumulated per weight."""
-    p, h, tokens = model.precision_bytes, model.hidden_size, b * s
+    p, h, tokens = model.precision_bytes, model.hidden_size, b * s / cp
     gather = Kernel("embedding gather", 0.0, p * (tokens * h / tp + tokens * h))
     gather_grad = Kernel("embedding grad", 0.0, p * (tokens * h + tokens * h / tp)
                          + (p + MAIN_GRAD_BYTES_PER_WEIGHT) * weights, 2)
     work: list[Work] = [(gather, (gather_grad,))]
     if model.position_embedding == "learned":
-        work.append(_elementwise("positions", tokens * h + s * h, tokens * h, p))
+        work.append(_elementwise("positions", tokens * h + s / cp * h, tokens * h, p))
     if model.dropout:
         shard = tokens * h / tp
         work.append(_elementwise("embedding dropout", shard, shard, p, DROPOUT_MASK_BYTES_PER_ELEMENT * shard))
     return work
 
 
-def _head(model: Model, b: int, tp: int) -> list:
+def _head(model: Model, b: int, tp: int, cp: int = 1) -> list:
     """Final norm, (BERT: LM-head transform, its GeLU and norm), logits, cross-entropy; BERT's pooler and
     binary head."""
-    p, h, s = model.precision_bytes, model.hidden_size, model.seq_length
+    p, h, s = model.precision_bytes, model.hidden_size, model.seq_length / cp
     tokens, shard, vocab = b * s, b * s * h / tp, model.padded_vocab(tp) / tp
     work = [_elementwise("final norm", shard, shard, p, 0.0, (1, 2))]
     if model.architecture == "encoder":  # not split over tp
@@ -348,25 +505,35 @@ def _head(model: Model, b: int, tp: int) -> list:
     return work
 
 
-def _unit(kind: str, work: list, collectives: tuple[float, ...]) -> UnitWork:
+def _unit(kind: str, work: list, collectives: tuple[float, ...], expert_collectives: tuple[float, ...] = (),
+          expert_tp: int = 1) -> UnitWork:
     """The forward kernels in order, and the backward ones in the order autograd runs them: the last forward
     kernel's first."""
-    return UnitWork(kind, tuple(f for f, _ in work), tuple(k for _, bwd in reversed(work) for k in bwd), collectives)
+    return UnitWork(kind, tuple(f for f, _ in work), tuple(k for _, bwd in reversed(work) for k in bwd), collectives,
+                    expert_collectives, expert_tp)
 
 
 @lru_cache(maxsize=4096)
-def unit_work(model: Model, tp: int, mbs: int) -> dict[str, UnitWork]:
-    """The kernels of every profile kind of `model` at (tp, mbs), in pipeline order."""
+def unit_work(model: Model, tp: int, mbs: int, layout: Layout = DENSE) -> dict[str, UnitWork]:
+    """The kernels of every profile kind of `model` at (tp, mbs) on one rank of `layout`, in pipeline order
+    (fasop.inputs.profiles.required_kinds): an MoE model's segments have a kind for their MoE layers (moe_kind),
+    beside the dense one where they have dense layers."""
     p, h, b = model.precision_bytes, model.hidden_size, mbs
     s = model.input_seq_length
-    units = {"embedding": _unit("embedding", _embedding(model, b, s, model.embedding_params(tp), tp), (p * b * s * h,))}
+    shard = b * s / layout.cp
+    units = {"embedding": _unit("embedding", _embedding(model, b, s, model.embedding_params(tp), tp, layout.cp),
+                                (p * shard * h,))}
     for kind in model.layer_kinds:
         if kind == "decoder" and model.is_encoder_decoder:
             s = model.decoder_seq_length
             units["decoder_embedding"] = _unit("decoder_embedding", _embedding(
-                model, b, s, model.decoder_embedding_params(tp), tp), (p * b * s * h,))
-        units[kind] = _unit(kind, *_layer(model, kind, b, tp))
-    units["head"] = _unit("head", _head(model, b, tp), (p * b * model.seq_length * h,))
+                model, b, s, model.decoder_embedding_params(tp), tp, layout.cp), (p * b * s / layout.cp * h,))
+        if model.moe_share(kind) < 1:  # the segment's dense layers
+            units[kind] = _unit(kind, *_layer(model, kind, b, tp, layout))
+        if model.moe_layers(kind):
+            units[moe_kind(kind)] = _unit(moe_kind(kind), *_layer(model, kind, b, tp, layout, moe=True),
+                                          layout.expert_tp(tp))
+    units["head"] = _unit("head", _head(model, b, tp, layout.cp), (p * b * model.seq_length / layout.cp * h,))
     return units
 
 
@@ -427,31 +594,35 @@ def attention_core_time_share(work: UnitWork, tp: int, rates: Rates) -> float:
 
 
 @lru_cache(maxsize=2**16)
-def unit_seconds(model: Model, tp: int, mbs: int, kind: str, rates: Rates) -> tuple[float, float]:
+def unit_seconds(model: Model, tp: int, mbs: int, kind: str, rates: Rates,
+                 layout: Layout = DENSE) -> tuple[float, float]:
     """unit_times of one unit of `model` (memoised: the micro-batch scaling of profiles asks again and again)."""
-    forward, backward = unit_pass_queues(model, tp, mbs, kind, rates)
+    forward, backward = unit_pass_queues(model, tp, mbs, kind, rates, layout)
     return forward.seconds(), backward.seconds()
 
 
 @lru_cache(maxsize=2**16)
-def unit_attention_core_share(model: Model, tp: int, mbs: int, kind: str, rates: Rates) -> float:
+def unit_attention_core_share(model: Model, tp: int, mbs: int, kind: str, rates: Rates,
+                              layout: Layout = DENSE) -> float:
     """attention_core_time_share of one unit of `model` (memoised)."""
-    return attention_core_time_share(unit_work(model, tp, mbs)[kind], tp, rates)
+    return attention_core_time_share(unit_work(model, tp, mbs, layout)[kind], tp, rates)
 
 
 def unit_queues(work: UnitWork, tp: int, rates: Rates) -> tuple[PassQueue, PassQueue]:
     """The forward and the backward launch queue of one unit, each pass's tensor-parallel collectives (ring:
     (tp - 1) / tp of each payload at the link's bus bandwidth for that payload, not overlapped) after its
     compute kernels."""
-    collectives = tuple((tp - 1) / tp * payload / rates.collective_bytes_per_s(payload)
-                        for payload in work.collectives) if tp > 1 else ()  # one GPU launches no collective
+    collectives = tuple((group - 1) / group * payload / rates.collective_bytes_per_s(payload)
+                        for payloads, group in ((work.collectives, tp), (work.expert_collectives, work.expert_tp))
+                        if group > 1 for payload in payloads)  # one GPU launches no collective
     return pass_queue(work.forward, rates, collectives), pass_queue(work.backward, rates, collectives)
 
 
 @lru_cache(maxsize=2**16)
-def unit_pass_queues(model: Model, tp: int, mbs: int, kind: str, rates: Rates) -> tuple[PassQueue, PassQueue]:
+def unit_pass_queues(model: Model, tp: int, mbs: int, kind: str, rates: Rates,
+                     layout: Layout = DENSE) -> tuple[PassQueue, PassQueue]:
     """unit_queues of one unit of `model` (memoised: what measured profiles are fitted to and scaled by)."""
-    return unit_queues(unit_work(model, tp, mbs)[kind], tp, rates)
+    return unit_queues(unit_work(model, tp, mbs, layout)[kind], tp, rates)
 
 
 def unit_times(work: UnitWork, tp: int, rates: Rates) -> tuple[float, float]:

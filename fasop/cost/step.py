@@ -14,8 +14,8 @@ from itertools import chain
 
 import numpy as np
 
-from fasop.cost.communication import Geometry, allreduce_times, p2p_times
-from fasop.cost.compute import recompute_times, stage_compute
+from fasop.cost.communication import Geometry, allreduce_times, layer_exchange_s, p2p_times
+from fasop.cost.compute import recompute_times, stage_compute, with_layer_exchange
 from fasop.cost.config import Config, fewest_layers, recomputed_affine, segments
 from fasop.cost.exact import ScheduleBatch, bucket_params, optimizer_times
 from fasop.cost.fp8 import gathered_param_bytes
@@ -24,6 +24,7 @@ from fasop.cost.memory import (
     gradient_bytes,
     layers_that_fit,
     stage_capacity_gib,
+    stage_expert_params,
     stage_memory_gib,
     stage_params,
     usable_gib,
@@ -111,20 +112,27 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     split_params = [stage_params(model, configs[0], segment) for (_, configs), segment in zip(splits, split_segments)]
     segment = np.array(split_segments)[split_of_geo]  # (G, pp)
     fixed_params, layer_params = (np.array([params[i] for params in split_params])[split_of_geo] for i in range(2))
+    experts = stage_expert_params(model, config, segment[0])  # the same on every split: MoE models have one segment
+    experts = (np.broadcast_to(experts[0], segment.shape), np.broadcast_to(experts[1], segment.shape))
     placements = [geo.stage_node_types for geo in geos]
     compute = stage_compute(model, cluster, profiles, placements, config, tuple(int(b) for b in mbs_values), segment,
                             np.array([configs[0].encoder_stages for _, configs in splits])[split_of_geo],
-                            selective=any(c.recompute == "selective" for _, configs in splits for c in configs))
+                            selective=config.cp > 1 or any(c.recompute == "selective" for _, configs in splits
+                                                           for c in configs))
     segment_rows = np.repeat(segment, k, axis=0)
+    if config.cp > 1 or config.ep > 1:  # the context ring and the expert all-to-alls, in each layer's passes
+        core = np.choose(segment_rows, compute.kind_core_forward_s) if config.cp > 1 else np.zeros(segment_rows.shape)
+        compute = with_layer_exchange(compute, *layer_exchange_s(model, geos, config, segment, mbs, core),
+                                      model.num_layers if whole else 0)
     fixed_layers = np.zeros(pp, dtype=int)
     if whole:
         fixed_layers[0] = model.num_layers
     boundary, exchange, wrap = p2p_times(model, geos, config, segment, mbs)
-    ar_fixed, ar_layer, emb_ar = allreduce_times(model, geos, config, fixed_params, layer_params, k)
-    opt_fixed, opt_layer = (np.repeat(t, k, axis=0)
-                            for t in optimizer_times(model, cluster, placements, config, fixed_params, layer_params))
+    ar_fixed, ar_layer, emb_ar = allreduce_times(model, geos, config, fixed_params, layer_params, k, experts)
+    opt_fixed, opt_layer = (np.repeat(t, k, axis=0) for t in
+                            optimizer_times(model, cluster, placements, config, fixed_params, layer_params, experts))
     grad_share, gather_fixed, gather_layer = reduction_shares(model, config)
-    buckets = np.full(rows, float(bucket_params(config.dp)))
+    buckets = np.full(rows, float(bucket_params(config.dense_dp)))
     capacity = np.repeat(stage_capacity_gib(cluster, placements), k, axis=0)
     usable = usable_gib(cluster, capacity)
     refused = None  # micro-batch counts Megatron cannot interleave: nothing fits

@@ -71,7 +71,7 @@ def bundled_figures() -> OverlapFigures:
     return OverlapFigures(data.pipeline_splits, data.pipeline_sm_margin, tuple(data.gpus))
 
 
-def overlap_error(model: Model, tp: int, sequence_parallel: bool, gpus: tuple[str, ...]) -> str | None:
+def overlap_error(model: Model, tp: int, sequence_parallel: bool, gpus: tuple[str, ...], cp: int = 1) -> str | None:
     """Why a plan of `model` at `tp` on GPU types `gpus` cannot run --tp-comm-overlap, or None. Megatron-LM
     needs sequence parallelism (so tp > 1) and Transformer Engine; the userbuffers need the tensor group in one
     NVLink domain (fasop keeps it in one node). Encoder-decoder models are refused: Megatron turns the overlap
@@ -80,6 +80,8 @@ def overlap_error(model: Model, tp: int, sequence_parallel: bool, gpus: tuple[st
         return "needs tensor parallelism (tp > 1) with sequence parallelism, as Megatron-LM does"
     if model.is_encoder_decoder:
         return "not for encoder-decoder models (Megatron-LM turns it off at their cross-attention)"
+    if model.is_moe or cp > 1:
+        return "not modelled with experts or context parallelism"
     offered = bundled_figures().gpus
     missing = sorted(set(gpus) - set(offered))
     if missing:

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs import bundled
 from fasop.inputs.names import Name
-from fasop.inputs.tomlfile import Flag, Range, Table, Text, read_toml, validated
+from fasop.inputs.tomlfile import Flag, Range, Table, Text, expected, read_toml, validated
 
 PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 2}  # fp8: its tensors outside the FP8 GEMMs, in bf16
 PRECISIONS = ("fp16", "bf16", "fp32", "fp8")
@@ -31,6 +31,10 @@ MAX_WIDTH = 2**20  # hidden_size, kv_channels (ffn_hidden_size: 4x)
 MAX_HEADS = 2**16
 MAX_SEQ_LENGTH = 2**24
 MAX_VOCAB = 2**24
+MAX_EXPERTS = 2**16
+MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+              "moe_capacity_factor", "moe_load_imbalance")
+MLA_FIELDS = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")  # q_lora_rank: optional
 # Fields that change an estimate and that the shape does not imply: how the model is built and trained. A model
 # file that leaves one out takes the default of ModelTable, and the command line says so (docs/formats.md). The
 # shape's own defaults (kv_channels, num_query_groups, ffn_hidden_size) follow from the fields given, and
@@ -70,14 +74,32 @@ class Model:
     main_params_dtype: str = "fp32"  # MAIN_PARAMS_DTYPES
     exp_avg_dtype: str = "fp32"  # MOMENT_DTYPES
     exp_avg_sq_dtype: str = "fp32"
+    # Mixture-of-Experts, as Megatron-LM's arguments name it (num_experts 0: a dense model)
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0  # each routed expert's FFN width (0: ffn_hidden_size)
+    moe_shared_expert_intermediate_size: int = 0  # the shared experts' FFN width, all of them together
+    moe_layer_freq: int | tuple[int, ...] = 1  # as the file gives it: every k-th layer, or 0/1 per layer
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_load_imbalance: float = 1.0  # the busiest expert rank's routed tokens over the mean (1: in balance)
+    # multi-latent attention (DeepSeek-V2/V3): the low ranks of queries (0: not compressed) and keys/values, and
+    # the head dimensions of the query-key product, its rotary part and the values
+    multi_latent_attention: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
     global_batch_size: int = 1
     make_vocab_size_divisible_by: int = 128
     source: str = ""
     file: str = field(default="", compare=False)
+    file_seq_length: int = field(default=0, compare=False)  # the sequence length the model file gives
     defaulted: tuple[str, ...] = field(default=(), compare=False)  # ASSUMED_FIELDS the model file leaves out
 
     def __hash__(self) -> int:  # cheap: the cached methods below hash the model on every call
-        return hash((self.name, self.hidden_size, self.encoder_num_layers, self.decoder_num_layers))
+        return hash((self.name, self.hidden_size, self.encoder_num_layers, self.decoder_num_layers,
+                     self.encoder_seq_length, self.decoder_seq_length))
 
     def defaults_taken(self) -> dict[str, bool | str]:
         """The values taken for the fields the model file leaves out (`defaulted`), by field."""
@@ -92,6 +114,11 @@ class Model:
     def seq_length(self) -> int:
         """Tokens per sample that count as training tokens (the decoder's, or the encoder's alone)."""
         return self.decoder_seq_length or self.encoder_seq_length
+
+    @property
+    def seq_length_changed(self) -> bool:
+        """Whether the sequence length is not the model file's (--seq-length): plans then record it."""
+        return bool(self.file_seq_length) and self.seq_length != self.file_seq_length
 
     @property
     def input_seq_length(self) -> int:
@@ -140,28 +167,84 @@ class Model:
         unit = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // unit) * unit
 
+    # -- Mixture-of-Experts layers -----------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @cache
+    def moe_layers(self, kind: str) -> int:
+        """MoE layers of the segment of profile kind `kind`: Megatron-LM's --moe-layer-freq, an integer k making
+        layer i (0-based, in each segment) an MoE layer iff i % k == 0, or one 0/1 per layer of the model."""
+        if not self.is_moe:
+            return 0
+        segment = self.layer_kinds.index(kind)
+        if isinstance(self.moe_layer_freq, int):
+            return -(-self.segment_layers[segment] // self.moe_layer_freq)
+        start = sum(self.segment_layers[:segment])
+        return sum(self.moe_layer_freq[start:start + self.segment_layers[segment]])
+
+    def moe_share(self, kind: str) -> float:
+        """The MoE layers' share of the layers of segment `kind`: a stage's layers are costed as the segment's
+        mean layer (docs/cost-model.md section 13)."""
+        return self.moe_layers(kind) / self.segment_layers[self.layer_kinds.index(kind)]
+
     # -- parameters (counts, whole model; a tensor-parallel rank holds 1/tp of each) ----------------
     def _norm_params(self) -> int:
         return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
 
     def _attention_params(self) -> int:
-        h, qa, kv = self.hidden_size, self.attention_width, self.kv_width
+        h = self.hidden_size
+        if self.multi_latent_attention:  # Megatron-core's MLA modules, their low-rank norms included
+            heads, qk = self.num_attention_heads, self.qk_head_dim + self.qk_pos_emb_head_dim
+            q = h * heads * qk if not self.q_lora_rank else h * self.q_lora_rank + self.q_lora_rank * (1 + heads * qk)
+            kv = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + self.kv_lora_rank * (
+                1 + heads * (self.qk_head_dim + self.v_head_dim))
+            return q + kv + heads * self.v_head_dim * h
+        qa, kv = self.attention_width, self.kv_width
         bias = (qa + 2 * kv + h) if self.linear_bias else 0
         return h * qa + 2 * h * kv + qa * h + bias
 
-    def _mlp_params(self) -> int:
-        h, f = self.hidden_size, self.ffn_hidden_size
+    def _mlp_params(self, ffn: int | None = None) -> int:
+        h, f = self.hidden_size, self.ffn_hidden_size if ffn is None else ffn
         if self.ffn_activation == "swiglu":
             return 3 * h * f + ((2 * f + h) if self.linear_bias else 0)
         return 2 * h * f + ((f + h) if self.linear_bias else 0)
 
-    @cache
-    def layer_params(self, kind: str) -> int:
-        """Parameters of one transformer layer of profile kind `kind`."""
-        params = self._attention_params() + self._mlp_params() + 2 * self._norm_params()
+    def unit_layer_params(self, kind: str, moe: bool = False) -> int:
+        """Parameters of one transformer layer of segment `kind`, dense or MoE (router, shared experts and every
+        routed expert in place of the FFN): a profile unit's."""
+        params = self._attention_params() + 2 * self._norm_params()
+        if moe:
+            shared = self.moe_shared_expert_intermediate_size
+            params += (self.num_experts * (self.hidden_size + (1 if self.linear_bias else 0))
+                       + (self._mlp_params(shared) if shared else 0) + self.expert_params())
+        else:
+            params += self._mlp_params()
         if kind == "decoder" and self.is_encoder_decoder:  # cross-attention and its norm
             params += self._attention_params() + self._norm_params()
         return params
+
+    def expert_params(self) -> int:
+        """Parameters of one MoE layer's routed experts, all of them (split over the expert-parallel ranks)."""
+        return self.num_experts * self._mlp_params(self.expert_ffn_hidden_size) if self.is_moe else 0
+
+    @cache
+    def layer_params(self, kind: str) -> float:
+        """Parameters of the mean transformer layer of profile kind `kind`'s segment (one layer of a dense
+        model)."""
+        share = self.moe_share(kind)
+        dense = self.unit_layer_params(kind) if share < 1 else 0
+        return (1 - share) * dense + share * self.unit_layer_params(kind, moe=True) if share else float(dense)
+
+    @cache
+    def layer_expert_params(self, kind: str) -> float:
+        """Of layer_params, the routed experts' (0 for a dense model)."""
+        return self.moe_share(kind) * self.expert_params()
 
     @cache
     def embedding_params(self, tp: int) -> float:
@@ -233,6 +316,20 @@ class ModelTable(Table):
     main_params_dtype: Literal["fp32", "fp16", "none"] = "fp32"
     exp_avg_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
     exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    num_experts: Annotated[int, Range(1, MAX_EXPERTS)] | None = None
+    moe_router_topk: Annotated[int, Range(1, MAX_EXPERTS)] | None = None  # default 2, Megatron-LM's
+    moe_ffn_hidden_size: Annotated[int, Range(1, 4 * MAX_WIDTH)] | None = None  # default ffn_hidden_size
+    moe_shared_expert_intermediate_size: Annotated[int, Range(1, 4 * MAX_WIDTH)] | None = None
+    moe_layer_freq: Annotated[int | list[int], expected(
+        "an integer k >= 1 (every k-th layer) or a list of 0 and 1, one per layer")] | None = None
+    moe_capacity_factor: Annotated[float, Range(0, 1024, low_allowed=False)] | None = None
+    moe_load_imbalance: Annotated[float, Range(1, 1024)] | None = None
+    multi_latent_attention: Flag = False
+    q_lora_rank: Width | None = None
+    kv_lora_rank: Width | None = None
+    qk_head_dim: Width | None = None
+    qk_pos_emb_head_dim: Width | None = None
+    v_head_dim: Width | None = None
     global_batch_size: Annotated[int, Range(1, 2**31 - 1)]
     make_vocab_size_divisible_by: Width = 128
 
@@ -287,6 +384,7 @@ def load_model(model_name: str) -> Model:
         if getattr(table, key) != "fp32" and not table.use_precision_aware_optimizer:
             raise InputError(f"{where}.{key}", "other than \"fp32\" only with use_precision_aware_optimizer = true, "
                                                f"as Megatron-LM asserts; got {getattr(table, key)!r}")
+    moe, mla = _experts(table, where, enc_layers + dec_layers), _latent_attention(table, where)
     return Model(
         name=table.name, architecture=table.architecture,
         encoder_num_layers=enc_layers, decoder_num_layers=dec_layers,
@@ -310,12 +408,71 @@ def load_model(model_name: str) -> Model:
         main_params_dtype=table.main_params_dtype,
         exp_avg_dtype=table.exp_avg_dtype,
         exp_avg_sq_dtype=table.exp_avg_sq_dtype,
+        **moe, **mla,
         global_batch_size=table.global_batch_size,
         make_vocab_size_divisible_by=table.make_vocab_size_divisible_by,
         source=table.source,
         file=model_name if is_bundled else str(path),
+        file_seq_length=dec_seq or enc_seq,
         defaulted=tuple(name for name in ASSUMED_FIELDS if name not in table.model_fields_set),
     )
+
+
+def _experts(table: ModelTable, where: str, num_layers: int) -> dict:
+    """The Model fields of the file's Mixture-of-Experts layers, checked (none for a dense model)."""
+    if table.num_experts is None:
+        for key in MOE_FIELDS:
+            if getattr(table, key) is not None:
+                raise InputError(f"{where}.{key}", "only with num_experts (a Mixture-of-Experts model)")
+        return {}
+    topk = 2 if table.moe_router_topk is None else table.moe_router_topk
+    if topk > table.num_experts:
+        raise InputError(f"{where}.moe_router_topk", f"expected at most num_experts = {table.num_experts}, got {topk}")
+    given = 1 if table.moe_layer_freq is None else table.moe_layer_freq
+    freq: int | tuple[int, ...]
+    if isinstance(given, list):
+        if len(given) != num_layers or not set(given) <= {0, 1} or not any(given):
+            raise InputError(f"{where}.moe_layer_freq", f"expected {num_layers} entries of 0 or 1 (one per layer, at "
+                                                        f"least one 1), got {len(given)} entries")
+        freq = tuple(given)
+    elif not 1 <= given <= num_layers:
+        raise InputError(f"{where}.moe_layer_freq", f"expected an integer from 1 to {num_layers}, got {given}")
+    else:
+        freq = given
+    return {"num_experts": table.num_experts, "moe_router_topk": topk,
+            "moe_ffn_hidden_size": table.moe_ffn_hidden_size or 0,
+            "moe_shared_expert_intermediate_size": table.moe_shared_expert_intermediate_size or 0,
+            "moe_layer_freq": freq, "moe_capacity_factor": table.moe_capacity_factor,
+            "moe_load_imbalance": 1.0 if table.moe_load_imbalance is None else table.moe_load_imbalance}
+
+
+def _latent_attention(table: ModelTable, where: str) -> dict:
+    """The Model fields of multi-latent attention, checked: every rank and head dimension given (Megatron-LM's
+    --kv-lora-rank defaults to 32, not the models' 512, so a file states them all)."""
+    if not table.multi_latent_attention:
+        for key in ("q_lora_rank", *MLA_FIELDS):
+            if getattr(table, key) is not None:
+                raise InputError(f"{where}.{key}", "only with multi_latent_attention = true")
+        return {}
+    for key in MLA_FIELDS:
+        if getattr(table, key) is None:
+            raise InputError(f"{where}.{key}", "missing (multi_latent_attention = true)")
+    if table.num_query_groups not in (None, table.num_attention_heads):
+        raise InputError(f"{where}.num_query_groups", "multi-latent attention has no query groups: leave it out")
+    return {"multi_latent_attention": True, "q_lora_rank": table.q_lora_rank or 0,
+            **{key: getattr(table, key) for key in MLA_FIELDS}}
+
+
+def with_seq_length(model: Model, seq_length: int) -> Model:
+    """`model` trained on samples of `seq_length` tokens (`--seq-length`, for long-context plans)."""
+    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or not 1 <= seq_length <= MAX_SEQ_LENGTH:
+        raise ArgumentError("seq_length", f"expected an integer from 1 to {MAX_SEQ_LENGTH:,}", seq_length)
+    if model.is_encoder_decoder:
+        raise ArgumentError("seq_length", "applies to one-sequence models; an encoder-decoder model gives "
+                                          "encoder_seq_length and decoder_seq_length in its file", seq_length)
+    if model.architecture == "encoder":
+        return replace(model, encoder_seq_length=seq_length)
+    return replace(model, decoder_seq_length=seq_length)
 
 
 def with_precision(model: Model, precision: str, fp8_recipe: str | None = None,

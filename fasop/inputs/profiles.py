@@ -27,9 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from fasop.cost.roofline import (
+    DENSE,
+    Layout,
     PassQueue,
     Rates,
     attention_core_share,
+    moe_kind,
     unit_attention_core_share,
     unit_pass_queues,
     unit_seconds,
@@ -179,15 +182,15 @@ class RooflineShape:
     tp: int
     kind: str
 
-    def __call__(self, mbs: int) -> tuple[float, float]:
-        return unit_seconds(self.model, self.tp, mbs, self.kind, self.rates)
+    def __call__(self, mbs: int, layout: Layout = DENSE) -> tuple[float, float]:
+        return unit_seconds(self.model, self.tp, mbs, self.kind, self.rates, layout)
 
     def queues(self, mbs: int) -> tuple[PassQueue, PassQueue]:
         """The forward and backward launch queues of the roofline (fasop.cost.roofline.PassQueue)."""
         return unit_pass_queues(self.model, self.tp, mbs, self.kind, self.rates)
 
-    def attention_core_share(self, mbs: int) -> float:
-        return unit_attention_core_share(self.model, self.tp, mbs, self.kind, self.rates)
+    def attention_core_share(self, mbs: int, layout: Layout = DENSE) -> float:
+        return unit_attention_core_share(self.model, self.tp, mbs, self.kind, self.rates, layout)
 
 
 def roofline_shape(model: Model, spec: GpuSpec, tp: int, kind: str) -> RooflineShape:
@@ -227,37 +230,85 @@ class GpuProfile:
             raise InputError(self.file, f"no rows for tp={tp} kind={kind}")
         return curve.at(mbs)
 
-    def times_s(self, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
-        """(K, 2) forward and backward seconds of one unit for each micro-batch size (memoised: searches ask often)."""
-        key = (tp, kind, mbs_values)
+    def times_s(self, tp: int, kind: str, mbs_values: tuple[int, ...], layout: Layout = DENSE) -> np.ndarray:
+        """(K, 2) forward and backward seconds of one unit for each micro-batch size (memoised: searches ask
+        often), on one rank of `layout`: the profiled time (a rank of no context or expert parallelism) times the
+        roofline's ratio of the layout's time to it, pass by pass (layout_ratio)."""
+        key = (tp, kind, mbs_values, layout)
         if key not in self._memo:
-            self._memo[key] = np.array([self.time(tp, kind, b) for b in mbs_values]).reshape(-1, 2)
+            times = np.array([self.time(tp, kind, b) for b in mbs_values]).reshape(-1, 2)
+            self._memo[key] = times if layout == DENSE else times * self.layout_ratio(tp, kind, mbs_values, layout)
         return self._memo[key]
+
+    @property
+    def prices_layouts(self) -> bool:
+        """Whether every unit has a roofline to price context and expert parallelism on (layout_ratio)."""
+        return all(isinstance(curve.shape, RooflineShape) for curve in self.curves.values())
+
+    def layout_ratio(self, tp: int, kind: str, mbs_values: tuple[int, ...], layout: Layout) -> np.ndarray:
+        """(K, 2) a unit's time on one rank of `layout` over its time without context or expert parallelism, per
+        pass, on this GPU's roofline."""
+        shape = self.curves[(tp, kind)].shape if (tp, kind) in self.curves else None
+        if not isinstance(shape, RooflineShape):
+            raise InputError(self.file, f"tp={tp} kind={kind}: context and expert parallelism are priced on the "
+                                        f"roofline, and GPU {self.gpu} has no spec to draw one from: give it a [[gpu]] "
+                                        "table in the cluster file")
+        return np.array([np.divide(shape(b, layout), shape(b)) for b in mbs_values])
 
     def step_s(self, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
         """Forward + backward seconds of one unit for each micro-batch size."""
         times = self.times_s(tp, kind, mbs_values)
         return times[:, 0] + times[:, 1]
 
-    def attention_core_forward_s(self, model: Model, tp: int, kind: str, mbs_values: tuple[int, ...]) -> np.ndarray:
+    def attention_core_forward_s(self, model: Model, tp: int, kind: str, mbs_values: tuple[int, ...],
+                                 layout: Layout = DENSE) -> np.ndarray:
         """Forward seconds of a layer's attention core for each micro-batch size (memoised): the forward times
         the core's share of it on the roofline of this GPU (its time share), or of its FLOPs where the profile
         has no roofline (a GPU the catalogue lacks, a precision without a tensor-core peak)."""
-        key = ("core", tp, kind, mbs_values)
+        key = ("core", tp, kind, mbs_values, layout)
         if key not in self._memo:
             shape = self.curves[(tp, kind)].shape if (tp, kind) in self.curves else None
             if isinstance(shape, RooflineShape):
-                shares = np.array([shape.attention_core_share(b) for b in mbs_values])
+                shares = np.array([shape.attention_core_share(b, layout) for b in mbs_values])
             else:
                 shares = np.full(len(mbs_values), attention_core_share(model, kind))
-            self._memo[key] = self.times_s(tp, kind, mbs_values)[:, 0] * shares
+            self._memo[key] = self.times_s(tp, kind, mbs_values, layout)[:, 0] * shares
         return self._memo[key]
+
+    def layer_times_s(self, model: Model, tp: int, kind: str, mbs_values: tuple[int, ...],
+                      layout: Layout = DENSE) -> np.ndarray:
+        """(K, 2) times_s of the mean layer of segment `kind`: its dense and its MoE layers' units weighted by
+        their counts (one unit for a dense model)."""
+        share = model.moe_share(kind)
+        if not share:
+            return self.times_s(tp, kind, mbs_values, layout)
+        moe = self.times_s(tp, moe_kind(kind), mbs_values, layout)
+        return moe if share == 1 else (1 - share) * self.times_s(tp, kind, mbs_values, layout) + share * moe
+
+    def layer_core_forward_s(self, model: Model, tp: int, kind: str, mbs_values: tuple[int, ...],
+                             layout: Layout = DENSE) -> np.ndarray:
+        """attention_core_forward_s of the mean layer of segment `kind`."""
+        share = model.moe_share(kind)
+        if not share:
+            return self.attention_core_forward_s(model, tp, kind, mbs_values, layout)
+        moe = self.attention_core_forward_s(model, tp, moe_kind(kind), mbs_values, layout)
+        if share == 1:
+            return moe
+        return (1 - share) * self.attention_core_forward_s(model, tp, kind, mbs_values, layout) + share * moe
 
 
 def required_kinds(model: Model) -> tuple[str, ...]:
-    if model.is_encoder_decoder:
-        return ("embedding", "encoder", "decoder_embedding", "decoder", "head")
-    return ("embedding", "layer", "head")
+    """The units a profile of `model` times, in pipeline order: each segment's dense layer where it has one, and
+    its MoE layer where it has one."""
+    kinds = ["embedding"]
+    for kind in model.layer_kinds:
+        if kind == "decoder":
+            kinds += ["decoder_embedding"] if model.is_encoder_decoder else []
+        if model.moe_share(kind) < 1:
+            kinds.append(kind)
+        if model.moe_layers(kind):
+            kinds.append(moe_kind(kind))
+    return (*kinds, "head")
 
 
 def identity_line(model_name: str, gpu: str, precision: str | None = None, kernel_launch_us: float | None = None) -> str:

@@ -159,6 +159,63 @@ def tensor_parallel_flags(p: PlanSpec) -> list[tuple[str, ...]]:
                                   (("--tp-comm-overlap",), p.tp_comm_overlap)) if on]
 
 
+def context_expert_flags(p: PlanSpec, model: Any) -> list[tuple[str, ...]]:
+    """`--context-parallel-size` above 1, and an MoE model's expert-parallel and expert-tensor-parallel sizes."""
+    flags: list[tuple[str, ...]] = [("--context-parallel-size", str(p.cp))] if p.cp > 1 else []
+    if getattr(model, "is_moe", False):
+        flags += [("--expert-model-parallel-size", str(p.ep)), ("--expert-tensor-parallel-size", str(p.etp))]
+    return flags
+
+
+def moe_layer_freq(freq: int | tuple[int, ...]) -> str:
+    """Megatron-LM's --moe-layer-freq: the integer, or the per-layer list as the run-length expression its
+    parser evaluates (no spaces: [0]*3+[1]*58)."""
+    if isinstance(freq, int):
+        return str(freq)
+    runs: list[list[int]] = []
+    for value in freq:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return "+".join(f"[{value}]*{count}" for value, count in runs)
+
+
+def _moe_flags(model: Any) -> list[tuple[str, ...]]:
+    """An MoE model's experts as Megatron-core runs them here and fasop prices them: the alltoall token dispatcher
+    and grouped GEMM (fasop.cost.roofline); top-1 softmax routing with Megatron-LM's required pre-softmax."""
+    if not getattr(model, "is_moe", False):
+        return []
+    if model.architecture != "decoder":
+        raise InputError(f"{model.file}: model.architecture", f"{model.architecture} MoE models: stock Megatron-LM has "
+                                                              "MoE layers only in GPT-style decoders (fasop plans them, "
+                                                              "but emits no launch for them)")
+    flags: list[tuple[str, ...]] = [("--num-experts", str(model.num_experts)),
+                                    ("--moe-router-topk", str(model.moe_router_topk)),
+                                    ("--moe-ffn-hidden-size", str(model.expert_ffn_hidden_size)),
+                                    ("--moe-layer-freq", moe_layer_freq(model.moe_layer_freq)),
+                                    ("--moe-token-dispatcher-type", "alltoall"), ("--moe-grouped-gemm",)]
+    if model.moe_shared_expert_intermediate_size:
+        flags.append(("--moe-shared-expert-intermediate-size", str(model.moe_shared_expert_intermediate_size)))
+    if model.moe_capacity_factor is not None:
+        flags.append(("--moe-expert-capacity-factor", f"{model.moe_capacity_factor:g}"))
+    if model.moe_router_topk == 1:
+        flags.append(("--moe-router-pre-softmax",))
+    return flags
+
+
+def _latent_attention_flags(model: Any) -> list[tuple[str, ...]]:
+    """Multi-latent attention with every rank and head dimension given (--kv-lora-rank's default, 32, is not the
+    models')."""
+    if not getattr(model, "multi_latent_attention", False):
+        return []
+    flags: list[tuple[str, ...]] = [("--multi-latent-attention",)]
+    if model.q_lora_rank:
+        flags.append(("--q-lora-rank", str(model.q_lora_rank)))
+    return flags + [("--" + name.replace("_", "-"), str(getattr(model, name)))
+                    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")]
+
+
 def recompute_flags(p: PlanSpec) -> list[tuple[str, ...]]:
     """Activation recomputation: `--recompute-granularity`, and for full recomputation its method and layers."""
     if p.recompute == "none":
@@ -186,6 +243,7 @@ def _optimizer_flags(model: Any) -> list[tuple[str, ...]]:
 def _newer_model_flags(model: Any) -> list[tuple[str, ...]]:
     """The model's flags that Megatron-LM gained after the FASOP fork was made."""
     newer: list[tuple[str, ...]] = []
+    newer += _moe_flags(model) + _latent_attention_flags(model)
     if model.num_query_groups != model.num_attention_heads:
         newer.append(("--group-query-attention",))
         newer.append(("--num-query-groups", str(model.num_query_groups)))

@@ -7,6 +7,7 @@ from typing import Any
 
 from fasop.launch.megatron import (
     ENTRY_SCRIPTS,
+    context_expert_flags,
     data_flags,
     model_flags,
     recompute_flags,
@@ -28,6 +29,7 @@ def run_inter_script(plan: Plan, model: Any, cluster: Any, p: PlanSpec, opts: La
     entry = opts.entry_script or ENTRY_SCRIPTS[model.architecture]
     entry_value = quote(entry) if os.path.isabs(entry) else f'"$MEGATRON_PATH"/{quote(entry)}'
     parallel: list[tuple[str, ...]] = [("--tensor-model-parallel-size", str(p.tp)), ("--pipeline-model-parallel-size", str(p.pp))]
+    parallel += context_expert_flags(p, model)
     parallel += split_layer_flags(p, model, opts, where)
     parallel += tensor_parallel_flags(p)
     parallel += recompute_flags(p)

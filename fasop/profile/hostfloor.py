@@ -15,6 +15,7 @@ from fasop.inputs.model import Model
 # does measurable work; the model's kinds of layers, attention, activation and flags kept.
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "kv_channels": 16, "ffn_hidden_size": 128, "seq": 16,
         "vocab_size": 128}
+TINY_EXPERTS = 8
 
 
 def tiny_model(model: Model) -> Model:
@@ -25,7 +26,24 @@ def tiny_model(model: Model) -> Model:
                    num_attention_heads=heads, kv_channels=TINY["kv_channels"],
                    num_query_groups=heads if model.num_query_groups == model.num_attention_heads else heads // 2,
                    ffn_hidden_size=TINY["ffn_hidden_size"], encoder_seq_length=seq if model.encoder_seq_length else 0,
-                   decoder_seq_length=seq if model.decoder_seq_length else 0, vocab_size=TINY["vocab_size"])
+                   decoder_seq_length=seq if model.decoder_seq_length else 0, vocab_size=TINY["vocab_size"],
+                   **_tiny_experts(model))
+
+
+def _tiny_experts(model: Model) -> dict:
+    """An MoE model's tiny layers: MoE layers of at most TINY_EXPERTS experts of the tiny FFN (every layer, so
+    the floor counts the router's and permutation's kernels), and multi-latent attention of the tiny heads."""
+    fields: dict = {}
+    if model.is_moe:
+        ffn = TINY["ffn_hidden_size"]
+        fields.update(num_experts=min(model.num_experts, TINY_EXPERTS), moe_layer_freq=1, moe_ffn_hidden_size=ffn,
+                      moe_router_topk=min(model.moe_router_topk, TINY_EXPERTS),
+                      moe_shared_expert_intermediate_size=ffn if model.moe_shared_expert_intermediate_size else 0)
+    if model.multi_latent_attention:
+        d = TINY["kv_channels"]
+        fields.update(q_lora_rank=d if model.q_lora_rank else 0, kv_lora_rank=d, qk_head_dim=d,
+                      qk_pos_emb_head_dim=d // 2, v_head_dim=d)
+    return fields
 
 
 def host_floor_us(tiny: Model, seconds: dict[str, float]) -> float:

@@ -11,6 +11,9 @@ split over the (padded) vocabulary; the loss is Megatron's vocabulary-parallel c
 Every weight is drawn at full size from a seeded generator and each rank keeps its slice, so the same seed
 gives the same function at every tensor degree (tests compare tp=2 with tp=1).
 
+MoE layers run every expert on this rank (no expert parallelism; the cost model prices that from the roofline),
+one GEMM pair per expert; multi-latent attention follows megatron-core's modules.
+
 Left out: BERT's token-type embedding and padding mask, T5's relative position bias (position_embedding =
 "relative" builds no position term), Megatron's fused kernels (bias-GELU, masked softmax) and fp32 main
 gradients. Attention always goes through torch.nn.functional.scaled_dot_product_attention, which picks a
@@ -231,11 +234,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (h -> ffn -> h) or SwiGLU (gate and up projections, silu(gate) x up, down projection)."""
+    """GELU (h -> ffn -> h) or SwiGLU (gate and up projections, silu(gate) x up, down projection); `ffn`: its
+    width where not the model's (shared experts)."""
 
-    def __init__(self, model: Model, init: Init, group: Group):
+    def __init__(self, model: Model, init: Init, group: Group, ffn: int | None = None):
         super().__init__()
-        h, f = model.hidden_size, model.ffn_hidden_size
+        h, f = model.hidden_size, model.ffn_hidden_size if ffn is None else ffn
         self.group, self.swiglu = group, model.ffn_activation == "swiglu"
         pieces = [_rows(init.normal(f, h), group) for _ in range(2 if self.swiglu else 1)]
         self.fc1_weight = init.param(torch.cat(pieces))
@@ -254,22 +258,125 @@ class MLP(nn.Module):
         return out + self.fc2_bias if self.fc2_bias is not None else out
 
 
-class TransformerLayer(nn.Module):
-    """Pre-norm layer: x + attention(norm(x)) [+ cross-attention], then + MLP(norm(x)), dropout on each branch."""
+class LatentAttention(nn.Module):
+    """Multi-latent attention as megatron-core builds it: the low-rank down-projections of the queries (when
+    compressed) and of the keys and values with the shared rotary key, on every rank (replicated), their norms,
+    the up-projections split over the group by heads, rotary embedding of the rotary parts, attention of
+    qk_head_dim + qk_pos_emb_head_dim wide queries and keys over v_head_dim wide values, the row-parallel output
+    projection. No biases."""
 
-    def __init__(self, model: Model, kind: str, init: Init, group: Group):
+    def __init__(self, model: Model, init: Init, group: Group, seq: int):
+        super().__init__()
+        h, heads = model.hidden_size, model.num_attention_heads
+        self.group, self.dropout_p = group, _dropout(model)
+        self.heads = heads // group.size
+        self.nope, self.rope, self.v = model.qk_head_dim, model.qk_pos_emb_head_dim, model.v_head_dim
+        self.q_rank, self.kv_rank = model.q_lora_rank, model.kv_lora_rank
+        qk = self.nope + self.rope
+        if self.q_rank:
+            self.q_down = init.param(init.normal(self.q_rank, h))
+            self.q_norm = nn.RMSNorm(self.q_rank, eps=NORM_EPS).to(device=init.device, dtype=init.dtype)
+            self.q_up = init.param(_rows(init.normal(heads * qk, self.q_rank), group))
+        else:
+            self.q_proj = init.param(_rows(init.normal(heads * qk, h), group))
+        self.kv_down = init.param(init.normal(self.kv_rank + self.rope, h))
+        self.kv_norm = nn.RMSNorm(self.kv_rank, eps=NORM_EPS).to(device=init.device, dtype=init.dtype)
+        self.kv_up = init.param(_rows(init.normal(heads * (self.nope + self.v), self.kv_rank), group))
+        self.proj_weight = init.param(_columns(init.normal(h, heads * self.v), group))
+        self.rotary = Rotary(seq, self.rope, init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_group(x, self.group)
+        b, s, _ = x.shape
+        q = F.linear(self.q_norm(F.linear(x, self.q_down)), self.q_up) if self.q_rank else F.linear(x, self.q_proj)
+        q = q.view(b, s, self.heads, self.nope + self.rope).transpose(1, 2)
+        latent, k_rope = F.linear(x, self.kv_down).split([self.kv_rank, self.rope], dim=-1)
+        kv = F.linear(self.kv_norm(latent), self.kv_up).view(b, s, self.heads, self.nope + self.v).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v], dim=-1)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        k_rope = self.rotary(k_rope.unsqueeze(1)).expand(b, self.heads, s, self.rope)
+        q = torch.cat([q_nope, self.rotary(q_rope)], dim=-1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        context = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
+                                                 is_causal=True)
+        out = F.linear(context.transpose(1, 2).reshape(b, s, self.heads * self.v), self.proj_weight)
+        return reduce_from_group(out, self.group)
+
+
+class Experts(nn.Module):
+    """A Mixture-of-Experts FFN on one rank, every expert local (no expert parallelism) and split over the group
+    (expert tensor parallelism = tp, Megatron-LM's default): the router (h x E, its scores in fp32), softmax and
+    top-k, the tokens sorted into expert order, each expert's FFN on its tokens (one GEMM pair per expert that
+    has tokens, where Megatron's grouped GEMM launches one: a profile taken here keeps the host's launches per
+    expert), the outputs weighted by their scores and scattered back, the row-parallel sum all-reduced, and the
+    shared experts as a dense FFN beside."""
+
+    def __init__(self, model: Model, init: Init, group: Group):
+        super().__init__()
+        h, e, f = model.hidden_size, model.num_experts, model.expert_ffn_hidden_size
+        self.group, self.topk, self.swiglu = group, model.moe_router_topk, model.ffn_activation == "swiglu"
+        self.router = init.param(init.normal(e, h))
+        self.router_bias = _bias(init, e, model.linear_bias)
+        pieces = 2 if self.swiglu else 1
+        # a parameter per expert: autograd then writes each expert's weight gradient alone (a slice of one stacked
+        # parameter would add a zero-filled gradient of every expert's weights per expert)
+        self.fc1 = nn.ParameterList([init.param(torch.cat([_rows(init.normal(f, h), group) for _ in range(pieces)]))
+                                     for _ in range(e)])
+        self.fc2 = nn.ParameterList([init.param(_columns(init.normal(h, f), group)) for _ in range(e)])
+        self.fc1_bias = nn.ParameterList([init.param(torch.zeros(self.fc1[0].shape[0])) for _ in range(e)]
+                                         if model.linear_bias else [])
+        self.fc2_bias = _bias(init, e * h, model.linear_bias)
+        shared = model.moe_shared_expert_intermediate_size
+        self.shared = MLP(model, init, group, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        tokens = copy_to_group(x.reshape(b * s, h), self.group)
+        bias = self.router_bias.float() if self.router_bias is not None else None
+        scores = F.linear(tokens.float(), self.router.float(), bias).softmax(dim=-1)
+        weights, chosen = scores.topk(self.topk, dim=-1)
+        order = chosen.reshape(-1).argsort(stable=True)
+        source = order // self.topk  # the token each routed copy comes from, in expert order
+        counts = torch.bincount(chosen.reshape(-1), minlength=len(self.fc1)).tolist()  # the host learns them
+        routed = tokens[source]
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            if count:
+                hidden = F.linear(routed[start:start + count], self.fc1[expert],
+                                  self.fc1_bias[expert] if len(self.fc1_bias) else None)
+                if self.swiglu:
+                    gate, up = hidden.chunk(2, dim=-1)
+                    hidden = F.silu(gate) * up
+                else:
+                    hidden = F.gelu(hidden)
+                outputs.append(F.linear(hidden, self.fc2[expert]))
+                start += count
+        weighted = torch.cat(outputs) * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+        out = reduce_from_group(torch.zeros_like(tokens).index_add(0, source, weighted), self.group)
+        if self.fc2_bias is not None:  # each chosen expert's output bias, weighted, once after the sum
+            out = out + (weights.unsqueeze(-1).to(x.dtype) * self.fc2_bias.view(-1, h)[chosen]).sum(dim=1)
+        out = out.view(b, s, h)
+        return out + self.shared(x) if self.shared is not None else out
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm layer: x + attention(norm(x)) [+ cross-attention], then + MLP(norm(x)) (an MoE layer's experts
+    with `moe`), dropout on each branch."""
+
+    def __init__(self, model: Model, kind: str, init: Init, group: Group, moe: bool = False):
         super().__init__()
         self.cross = kind == "decoder" and model.is_encoder_decoder
         seq = model.encoder_seq_length if kind == "encoder" else model.seq_length
         causal = model.architecture != "encoder" and kind != "encoder"
         self.dropout_p = _dropout(model)
         self.input_norm = _norm(model, init)
-        self.attention = Attention(model, init, group, causal=causal, cross=False, seq=seq)
+        self.attention: nn.Module = (LatentAttention(model, init, group, seq) if model.multi_latent_attention else
+                                     Attention(model, init, group, causal=causal, cross=False, seq=seq))
         if self.cross:
             self.cross_norm = _norm(model, init)
             self.cross_attention = Attention(model, init, group, causal=False, cross=True, seq=seq)
         self.mlp_norm = _norm(model, init)
-        self.mlp = MLP(model, init, group)
+        self.mlp: nn.Module = Experts(model, init, group) if moe else MLP(model, init, group)
 
     def _residual(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         return x + F.dropout(branch, self.dropout_p, self.training)
@@ -369,11 +476,12 @@ def build_unit(model: Model, kind: str, group: Group, dtype: torch.dtype, device
     if kind == "head":
         seq = model.seq_length
         return Unit(kind, Head(model, init, group), lambda mbs, g: (hidden(mbs, seq, g), token_ids(mbs, seq, g)))
-    layer = TransformerLayer(model, kind, init, group)
+    segment = kind.removeprefix("moe_")  # an MoE layer's kind is moe_ and its segment's
+    layer = TransformerLayer(model, segment, init, group, moe=kind != segment)
     if layer.cross:
         s, s_enc = model.decoder_seq_length, model.encoder_seq_length
         return Unit(kind, layer, lambda mbs, g: (hidden(mbs, s, g), hidden(mbs, s_enc, g)))
-    seq = model.encoder_seq_length if kind == "encoder" else model.seq_length
+    seq = model.encoder_seq_length if segment == "encoder" else model.seq_length
     return Unit(kind, layer, lambda mbs, g: (hidden(mbs, seq, g),))
 
 

@@ -32,7 +32,20 @@ from fasop.search.evaluation import (
     plans_of,
     records,
 )
-from fasop.search.space import PLACEMENT_LIMIT, Group, Inputs, combinations, groups, max_stages, prepare, tensor_degrees
+from fasop.search.space import (
+    PLACEMENT_LIMIT,
+    Degrees,
+    Group,
+    Inputs,
+    combinations,
+    degrees_of,
+    groups,
+    key_degrees,
+    max_stages,
+    plan_key,
+    prepare,
+    tensor_degrees,
+)
 
 PARALLEL_NODES = 32  # clusters this large are searched with one process per core
 
@@ -71,7 +84,7 @@ class SearchResult:
     # the best step time and price per step of the plans leaving each set of node types idle (() for none)
     idle_bests: dict[tuple[str, ...], tuple[float, float]] = field(default_factory=dict)
     # (node types searched, tp, dp) of every plan found out of memory: where a search with more memory can find more
-    unfit_combos: set[tuple[tuple[str, ...], int, int]] = field(default_factory=set)
+    unfit_combos: set[tuple[tuple[str, ...], Degrees]] = field(default_factory=set)
 
     @property
     def idle(self) -> list[IdleChoice]:
@@ -93,11 +106,11 @@ class SearchResult:
 
 
 def _oversized_plans(todo: list[Group]) -> int:
-    """Plans (tp, dp, pp, placement, micro-batch size) whose micro-batch size `groups` left out."""
+    """Plans (plan_key) whose micro-batch size `groups` left out."""
     placements_of: dict[tuple, set] = {}
     oversized: dict[tuple, int] = {}
     for group in todo:
-        combo = (group.config.tp, group.config.dp)
+        combo = degrees_of(group.config)
         placements_of.setdefault(combo, set()).update(geo.placement for geo in group.geos)
         oversized[combo] = group.oversized
     return sum(len(placements_of[combo]) * n for combo, n in oversized.items())
@@ -109,8 +122,7 @@ def _without(todo: list[Group], exclude: frozenset[tuple]) -> list[Group]:
     kept = []
     for group in todo:
         config = group.config
-        wanted = [(geo, [mbs for mbs in group.mbs_values
-                         if (config.tp, config.dp, config.pp, geo.placement, int(mbs)) not in exclude])
+        wanted = [(geo, [mbs for mbs in group.mbs_values if plan_key(config, geo.placement, int(mbs)) not in exclude])
                   for geo in group.geos]
         geos = [geo for geo, sizes in wanted if sizes]
         if geos:
@@ -119,10 +131,10 @@ def _without(todo: list[Group], exclude: frozenset[tuple]) -> list[Group]:
     return kept
 
 
-def evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int = PLACEMENT_LIMIT,
+def evaluate(inputs: Inputs, combos: list[Degrees], placement_limit: int = PLACEMENT_LIMIT,
              keep: int | None = None, progress: Callable[[int, int], None] | None = None,
              sort: str = "time", exclude: frozenset[tuple] = frozenset()) -> SearchResult:
-    """Plans of the given (tp, dp) combinations, unranked. With `keep`, partition problems whose lower bound
+    """Plans of the given combinations of degrees, unranked. With `keep`, partition problems whose lower bound
     cannot reach the keep-th best plan by `sort` found so far are skipped (they cannot be among the best).
     Plans whose key (plan_keys) is in `exclude` are neither solved nor counted, out of memory or otherwise."""
     with _without_cyclic_gc():
@@ -158,12 +170,12 @@ def _evaluate_depth(tally: _Tally, inputs: Inputs, batch: DepthBatch, bound: np.
     tally.unfit.append((batch, np.flatnonzero(np.isinf(terms["step_time_s"]) & (solved | beaten) & ~excluded)))
 
 
-def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int, keep: int | None,
+def _evaluate(inputs: Inputs, combos: list[Degrees], placement_limit: int, keep: int | None,
               progress: Callable[[int, int], None] | None, sort: str, exclude: frozenset[tuple]) -> SearchResult:
     """The steps of fasop.search.evaluation in turn, pipeline depths most promising first."""
     todo = groups(inputs, combos, placement_limit)
     oversized = _oversized_plans(todo)
-    unfit_combos = {(group.config.tp, group.config.dp) for group in todo if group.oversized}
+    unfit_combos = {degrees_of(group.config) for group in todo if group.oversized}
     if exclude:
         todo = _without(todo, exclude)
     batches, unbuilt = depth_batches(inputs, plans_of(todo))
@@ -182,7 +194,7 @@ def _evaluate(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: in
     result = SearchResult(rows, len(tally.best) + oversized, tally.solved, len(unfit) + oversized, tally.pruned,
                           tally.dominated)
     names = tuple(inputs.cluster.node_types)
-    result.unfit_combos = {(names, tp, dp) for tp, dp in unfit_combos | {key[:2] for key in unfit}}
+    result.unfit_combos = {(names, combo) for combo in unfit_combos | {key_degrees(key) for key in unfit}}
     closest = None if rows else closest_fit(tally.unfit, inputs.cluster)
     if closest is not None:
         result.closest_memory_factor, result.closest_plan = closest
@@ -214,7 +226,7 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     bound_placements: of the first this many plans, those whose placement was searched as type blocks get the
     integer program's optimality_gap (fasop.search.placementbound).
     exclude: plans (tp, dp, pp, placement, micro-batch size) to leave out, as if not in the space.
-    only_combos: search only these (node types, tp, dp) (SearchResult.unfit_combos), on every node-type set.
+    only_combos: search only these (node types, degrees) (SearchResult.unfit_combos), on every node-type set.
     """
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
                      sequence_parallel, tp_comm_overlap)
@@ -269,10 +281,10 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     return result
 
 
-def _only(inputs: Inputs, combos: list[tuple[int, int]], only_combos: frozenset[tuple] | None) -> list[tuple[int, int]]:
-    """The (tp, dp) of `combos` that `only_combos` names for the node types of inputs.cluster (all without it)."""
+def _only(inputs: Inputs, combos: list[Degrees], only_combos: frozenset[tuple] | None) -> list[Degrees]:
+    """The degrees of `combos` that `only_combos` names for the node types of inputs.cluster (all without it)."""
     names = tuple(inputs.cluster.node_types)
-    return combos if only_combos is None else [(tp, dp) for tp, dp in combos if (names, tp, dp) in only_combos]
+    return combos if only_combos is None else [combo for combo in combos if (names, combo) in only_combos]
 
 
 def node_type_subsets(cluster: Cluster) -> list[Cluster]:
@@ -341,7 +353,7 @@ def idle_choices(bests: dict[tuple[str, ...], tuple[float, float]]) -> list[Idle
     return choices
 
 
-def _search(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int, keep: int | None,
+def _search(inputs: Inputs, combos: list[Degrees], placement_limit: int, keep: int | None,
             progress: Callable[[int, int], None] | None, sort: str, workers: int | None,
             exclude: frozenset[tuple]) -> SearchResult:
     """The plans of `combos` on inputs.cluster, unranked: in this process, or in one process per core for large

@@ -53,7 +53,8 @@ def plan_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], 
 def _costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile],
            spec: PlanSpec) -> tuple[StageCosts, np.ndarray, Geometry]:
     """The plan's stage costs, its layer counts as those costs take them (K = 1 row) and its rank geometry."""
-    geo = with_embedding_group(cluster, geometry(cluster, spec.placement, spec.tp, spec.dp, spec.pp),
+    experts = (spec.ep, spec.etp) if model.is_moe else None
+    geo = with_embedding_group(cluster, geometry(cluster, spec.placement, spec.tp, spec.dp, spec.pp, spec.cp, experts),
                                embedding_stages(model, spec.config))
     costs = stage_costs(model, cluster, profiles, geo, spec.config, [spec.mbs])
     return costs, (np.array(spec.layers_per_stage) - costs.fixed_layers)[None, :], geo

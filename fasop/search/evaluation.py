@@ -31,7 +31,7 @@ from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.search.partition import least_admitting, lower_bounds, optimal_partitions
 from fasop.search.record import plan_rows
-from fasop.search.space import Group, Inputs
+from fasop.search.space import Group, Inputs, degrees_of, plan_key
 
 VIRTUAL_STAGES = (1, 2)  # model chunks per pipeline rank the search tries (interleaved 1F1B beyond 1)
 # deepest pipeline the search interleaves: the schedule of deeper ones costs more to build than it is likely to gain
@@ -54,7 +54,7 @@ def plans_of(todo: list[Group]) -> list[list[Group]]:
     fasop.search.space.groups lists one after another."""
     plans: list[list[Group]] = []
     for group in todo:
-        if plans and plans[-1][0].config.pp == group.config.pp and plans[-1][0].config.tp == group.config.tp:
+        if plans and degrees_of(plans[-1][0].config) == degrees_of(group.config):
             plans[-1].append(group)
         else:
             plans.append([group])
@@ -176,17 +176,20 @@ def depth_bounds(batch: DepthBatch, bounded: bool) -> np.ndarray:
 # -- 3. and 4. partition and schedule ---------------------------------------------------------------------------
 
 def plan_keys(batch: DepthBatch, cluster: Cluster, sort: str) -> tuple[list[tuple], np.ndarray, np.ndarray]:
-    """Each row's plan (tp, dp, pp, placement, micro-batch size), the index of that plan among the batch's, and
+    """Each row's plan (plan_key), the index of that plan among the batch's, and
     the row's ranking weight: 1 to rank by time, the price of a second to rank by cost."""
     keys: list[tuple] = []
     weight: list[float] = []
+    prices: dict[tuple[str, ...], float] = {}  # per placement: placements recur in every plan of the batch
     for entry in batch.entries:
         config = entry.configs[0]
         for group in entry.splits:
             for geo in group.geos:
-                price_per_s = cost_per_step_usd(price_per_hour_usd(cluster, geo.placement), 1.0)
+                if geo.placement not in prices:
+                    prices[geo.placement] = cost_per_step_usd(price_per_hour_usd(cluster, geo.placement), 1.0)
+                price_per_s = prices[geo.placement]
                 for mbs in group.mbs_values:
-                    keys.append((config.tp, config.dp, config.pp, geo.placement, int(mbs)))
+                    keys.append(plan_key(config, geo.placement, int(mbs)))
                     weight.append(price_per_s if sort == "cost" else 1.0)
     ids: dict[tuple, int] = {}
     plan = np.array([ids.setdefault(key, len(ids)) for key in keys])

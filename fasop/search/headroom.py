@@ -46,9 +46,11 @@ def over_headroom(plan: Plan, cluster: Cluster, memory_headroom: float) -> bool:
     return memory_load(plan, cluster) > memory_headroom * (1 + HEADROOM_TOLERANCE)
 
 
-def _key(plan: Plan) -> tuple:
+def _key(plan: Plan) -> tuple[tuple, tuple]:
+    """(the plan's fasop.search.space.plan_key, each stage's degrees in a stage-group plan, else ())."""
     degrees = tuple((s.tp, s.dp) for s in plan.stages or []) if plan.is_stage_groups else ()
-    return plan.tp, plan.dp, plan.pp, tuple(plan.placement), plan.mbs, degrees
+    return (plan.tp, plan.dp, plan.pp, tuple(plan.placement), plan.mbs, plan.cp or 1, plan.ep or 1,
+            plan.etp or plan.tp), degrees
 
 
 def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None, *,
@@ -66,7 +68,7 @@ def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = Non
     if not tight.out_of_memory:  # every plan fits below the headroom (with `keep`: of those it did not prune)
         return tight
     options.pop("progress", None)  # the bar followed the longer search
-    below = frozenset(plan_key[:5] for plan_key in map(_key, tight.plans) if not plan_key[5])
+    below = frozenset(key for key, stages in map(_key, tight.plans) if not stages)
     # with `keep`: the flagged plans fill the places left, and the search counts the plans out of memory
     rest = search_plans(model, cluster, gbs, profiles_dir, keep=keep and max(keep - len(tight.plans), 1),
                         exclude=below, only_combos=frozenset(tight.unfit_combos), **options)

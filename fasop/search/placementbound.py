@@ -75,11 +75,14 @@ def placement_bound_s(inputs: Inputs, plan: Plan, time_limit_s: float = BOUND_TI
 
 def placement_gaps(inputs: Inputs, plans: list[Plan], time_limit_s: float = BOUND_TIME_LIMIT_S) -> list[Plan]:
     """`plans`, each whose placement was searched as type blocks with its `optimality_gap`: how far its closed
-    form can be above the best placement's (plans of the same shape share one bound)."""
+    form can be above the best placement's (plans of the same shape share one bound); none for plans of context
+    parallelism or MoE models."""
     bounds: dict[tuple, float | None] = {}
     result = []
     for plan in plans:
-        if plan.placement_search == "type-blocks" and plan.closed_form_step_s:
+        # the stage-group program prices stages of tp and dp alone: not plans of context or expert parallelism
+        plain = (plan.cp or 1) == 1 and plan.ep is None
+        if plan.placement_search == "type-blocks" and plan.closed_form_step_s and plain:
             key = (plan.tp, plan.dp, plan.pp, plan.mbs, plan.recompute, plan.virtual_stages,
                    tuple(sorted(Counter(plan.placement).items())))
             if key not in bounds:

@@ -17,7 +17,7 @@ from fasop.cost.fp8 import check_param_gather, recipe_error
 from fasop.errors import ArgumentError
 from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
-from fasop.inputs.model import PRECISIONS, Model, with_precision
+from fasop.inputs.model import PRECISIONS, Model, with_precision, with_seq_length
 from fasop.inputs.profiles import GpuProfile
 from fasop.plans import Plan
 from fasop.search.engine import SORT_KEYS, SearchResult, idle_bests
@@ -25,8 +25,10 @@ from fasop.search.headroom import DEFAULT_MEMORY_HEADROOM, over_headroom, search
 
 
 def plan_model(model: Model, plan: Plan) -> Model:
-    """`model` in the precision a plan names (an fp8 plan's recipe and parameter gather with it); a plan that
-    names none is the model file's."""
+    """`model` in the precision a plan names (an fp8 plan's recipe and parameter gather with it) and at the
+    sequence length it names; a plan that names neither is the model file's."""
+    if plan.seq_length is not None:
+        model = with_seq_length(model, plan.seq_length)
     if plan.precision is None:
         return model
     return with_precision(model, plan.precision, plan.fp8_recipe, plan.fp8_param_gather)

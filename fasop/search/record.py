@@ -10,8 +10,15 @@ from fasop.cost.config import Config, chunk_layers
 from fasop.cost.fp8 import plan_fields
 from fasop.cost.price import cost_per_step_usd, price_per_hour_usd
 from fasop.cost.step import StageCosts, breakdown
+from fasop.inputs.model import Model
 from fasop.inputs.profiles import profile_sources
 from fasop.search.space import Inputs
+
+
+def degree_fields(model: Model, config: Config) -> dict[str, int]:
+    """The plan fields of context and expert parallelism: cp where it is above 1, ep and etp for an MoE model."""
+    return {**({"cp": config.cp} if config.cp > 1 else {}),
+            **({"ep": config.ep, "etp": config.expert_tp} if model.is_moe else {})}
 
 
 def plan_rows(inputs: Inputs, plans: list[tuple[Config, Geometry, bool]], costs: StageCosts, counts: np.ndarray,
@@ -48,9 +55,12 @@ def plan_rows(inputs: Inputs, plans: list[tuple[Config, Geometry, bool]], costs:
         recompute = {"recompute": config.recompute, "recompute_method": config.recompute_method,
                      "recompute_num_layers": config.recompute_num_layers}
         rows.append({
-            "model": model.name, "model_file": model.file, "cluster": cluster.name, "cluster_file": cluster.file,
+            "model": model.name, "model_file": model.file,
+            **({"seq_length": model.seq_length} if model.seq_length_changed else {}),
+            "cluster": cluster.name, "cluster_file": cluster.file,
             **sources, "kind": "3d",
             "gbs": config.gbs, "mbs": mbs, "tp": config.tp, "dp": config.dp, "pp": config.pp,
+            **degree_fields(model, config),
             "num_microbatches": config.gbs // (config.dp * mbs),
             "placement": list(geo.placement), "layers_per_stage": layers[k].tolist(),
             "encoder_stages": config.encoder_stages, "distributed_optimizer": config.distributed_optimizer,

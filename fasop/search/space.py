@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
-from fasop.cost.communication import Geometry, geometry, with_embedding_groups
+from fasop.cost.communication import Geometry, Links, geometry, with_embedding_groups, with_experts
 from fasop.cost.config import (
     RECOMPUTE_MODES,
     Config,
@@ -19,7 +20,7 @@ from fasop.cost.config import (
     with_recompute,
 )
 from fasop.cost.fp8 import check_param_gather
-from fasop.cost.memory import head_fits
+from fasop.cost.memory import GIB, bytes_per_param, head_fits, usable_gib
 from fasop.cost.tpoverlap import overlap_error, overlap_pays
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs.catalogue import merged_specs
@@ -130,11 +131,17 @@ def encoder_splits(model: Model, pp: int) -> list[int]:
     return [e for e in range(1, pp) if e <= model.encoder_num_layers and pp - e <= model.decoder_num_layers]
 
 
-def _signature(geo: Geometry) -> tuple:
-    """What the costs of a placement depend on, but its tied embedding's all-reduce."""
+def _signature(geo: Geometry, experts: bool = False) -> tuple:
+    """What the costs of a placement depend on, but its tied embedding's all-reduce (`experts`: what its expert
+    groups add)."""
+    if experts:
+        return tuple(() if part is None else tuple(np.round(part, 18)) for part in (
+            geo.alltoall_s_per_byte, geo.alltoall_latency_s, geo.expert_allreduce_s_per_byte,
+            geo.expert_allreduce_latency_s))
     return (geo.stage_node_types, tuple(np.round(geo.boundary_s_per_byte, 18)),
             tuple(np.round(geo.dp_allreduce_s_per_byte, 18)), tuple(np.round(geo.boundary_latency_s, 15)),
-            tuple(np.round(geo.dp_allreduce_latency_s, 15)))
+            tuple(np.round(geo.dp_allreduce_latency_s, 15)),
+            *(() if part is None else tuple(np.round(part, 18)) for part in (geo.ring_s_per_byte, geo.ring_latency_s)))
 
 
 @dataclass(frozen=True)
@@ -149,59 +156,181 @@ class Group:
     variants: tuple[Config, ...] = ()  # config under each recompute mode to search, lightest first
 
 
-def combinations(inputs: Inputs) -> list[tuple[int, int]]:
-    """Every (tp, dp) whose pipeline degree uses all GPUs and whose data-parallel degree divides the batch."""
+class Degrees(NamedTuple):
+    """A plan's parallel degrees but its pipeline's (world / (tp cp dp)): tensor, data, context, and for an MoE
+    model's experts, expert and expert-tensor (ep 1, etp tp for a dense model: its expert grid is the dense one)."""
+
+    tp: int
+    dp: int
+    cp: int = 1
+    ep: int = 1
+    etp: int = 0  # 0: tp
+
+
+def degrees_of(config: Config) -> Degrees:
+    return Degrees(config.tp, config.dp, config.cp, config.ep, config.expert_tp)
+
+
+def plan_key(config: Config, placement: tuple[str, ...], mbs: int) -> tuple:
+    """What tells one plan of a search from the others but its layers' partition and recomputation."""
+    return (config.tp, config.dp, config.pp, placement, mbs, config.cp, config.ep, config.expert_tp)
+
+
+def key_degrees(key: tuple) -> Degrees:
+    """The degrees of a plan_key."""
+    return Degrees(key[0], key[1], *key[5:])
+
+
+# Context parallelism is searched where each rank keeps at least this many tokens of a sequence, as NVIDIA's
+# published Megatron recipes run it (NeMo and Megatron-Bridge performance tables, dgxc-benchmarking: CP from
+# 8K-token sequences at 2 ranks up, 4K tokens per rank or more): a documented subset of the plan space
+# (docs/cost-model.md section 13); a plan file or --cp may give any degree Megatron-LM runs.
+MIN_CONTEXT_TOKENS = 4096
+
+
+def context_degrees(model: Model, ranks: int) -> list[int]:
+    """The context-parallel degrees searched with `ranks` GPUs left per pipeline stage and data replica: 1, and
+    divisors c with the sequence divisible by 2 c (Megatron-LM's rule: each rank holds two of 2 c chunks) and
+    at least MIN_CONTEXT_TOKENS per rank, for models Megatron-LM runs context parallelism on (flash attention,
+    one sequence)."""
+    if context_error(model, 2) is not None:
+        return [1]
+    s = model.seq_length
+    return [c for c in divisors(ranks) if c == 1 or (s % (2 * c) == 0 and s // c >= MIN_CONTEXT_TOKENS)]
+
+
+def context_error(model: Model, cp: int) -> str | None:
+    """Why `model` cannot run `cp`-way context parallelism, or None."""
+    if cp == 1:
+        return None
+    if model.is_encoder_decoder:
+        return "context parallelism needs a one-sequence model (Megatron-LM has it for GPT-style models)"
+    if not model.flash_attention:
+        return "context parallelism runs in Transformer Engine's fused attention: the model needs flash_attention"
+    if model.seq_length % (2 * cp):
+        return f"the sequence length {model.seq_length} must be divisible by 2 cp = {2 * cp} (Megatron-LM's rule)"
+    return None
+
+
+def expert_degrees(model: Model, tp: int, ranks: int) -> list[tuple[int, int]]:
+    """(ep, etp) searched for a stage of `ranks` = tp cp dp GPUs: for a dense model (1, tp); for an MoE model
+    every ep dividing the experts with etp either 1 (each expert whole, advised for fine-grained experts) or tp
+    (Megatron-LM's default; not for experts with linear biases), etp ep dividing tp cp dp (the expert grid folds
+    out of the dense one)."""
+    if not model.is_moe:
+        return [(1, tp)]
+    etps = [1] if model.linear_bias else sorted({1, tp})  # Megatron-core: biased experts only with etp 1
+    return [(ep, etp) for ep in divisors(model.num_experts) for etp in etps if ranks % (ep * etp) == 0]
+
+
+def combinations(inputs: Inputs) -> list[Degrees]:
+    """Every set of degrees whose pipeline degree uses all GPUs and whose data-parallel degree divides the batch."""
     model, world, gbs = inputs.model, inputs.cluster.num_gpus, inputs.gbs
-    return [(tp, dp) for tp in tensor_degrees(inputs) for dp in divisors(world // tp)
-            if gbs % dp == 0 and world // (tp * dp) <= max_stages(model)]
+    # context and expert parallelism are priced on the roofline: only where every GPU type has one
+    priced = all(profile.prices_layouts for profile in inputs.profiles.values())
+    combos = []
+    for tp in tensor_degrees(inputs):
+        if model.is_moe and tp > 1 and not inputs.sequence_parallel:
+            continue  # Megatron-LM's MoE layers need sequence parallelism with tp > 1
+        for cp in context_degrees(model, world // tp) if priced else [1]:
+            for dp in divisors(world // (tp * cp)):
+                if gbs % dp or world // (tp * cp * dp) > max_stages(model):
+                    continue
+                combos += [Degrees(tp, dp, cp, ep, etp) for ep, etp in expert_degrees(model, tp, tp * cp * dp)
+                           if priced or ep == 1]
+    # an MoE model's expert degrees multiply the combinations: those whose state cannot fit are not built (all of
+    # them where none can, so that the search still finds the plan closest to fitting)
+    fitting = [combo for combo in combos if state_fits(inputs, combo)] if model.is_moe else combos
+    return fitting or combos
 
 
-def micro_batch_sizes(inputs: Inputs, tp: int, dp: int) -> tuple[list[int], int]:
+def state_fits(inputs: Inputs, degrees: Degrees) -> bool:
+    """Whether the model state of a plan of these degrees may fit: its mean rank's (every parameter's weights,
+    gradients and optimizer state over the pipeline's stages, each stage on as many ranks) within the mean usable
+    memory of the cluster's GPUs. Every rank's state fits its own GPU in a plan that fits, and the sums of both
+    over the ranks are the means times the GPUs, so a plan failing this fits nowhere: its placements are not
+    built."""
+    model, cluster = inputs.model, inputs.cluster
+    tp, dp, cp, ep, etp = degrees
+    pp = cluster.num_gpus // (tp * cp * dp)
+    experts = sum(n * model.layer_expert_params(kind) for n, kind in zip(model.segment_layers, model.layer_kinds))
+    dense = model.total_params() - experts
+    sharded = inputs.distributed_optimizer
+    state = (dense / tp * bytes_per_param(model, dp * cp, sharded)
+             + experts / (etp * ep) * bytes_per_param(model, tp * cp * dp // (etp * ep), sharded)) / pp
+    types = cluster.node_types.values()
+    usable = sum(t.count * t.gpus_per_node * usable_gib(cluster, t.gpu_memory_gib) for t in types) / cluster.num_gpus
+    return bool(state / GIB <= usable * (1 + 1e-9))
+
+
+def micro_batch_sizes(inputs: Inputs, tp: int, dp: int, cp: int = 1) -> tuple[list[int], int]:
     """(sizes worth partitioning, how many sizes were left out). Every size divides the batch of one
     data-parallel replica; a size whose output-layer activations alone exceed the largest GPU's usable memory
     fits no stage (the last stage holds them, and memory only grows with the size), so it is counted out of
     memory without being built: their number grows with the divisors of the batch, not with the answer."""
     sizes = divisors(inputs.gbs // dp)
     sequence_parallel = inputs.sequence_parallel and sequence_parallel_on(tp)
-    kept = [b for b in sizes if b == 1 or head_fits(inputs.model, inputs.cluster, tp, b, sequence_parallel)]
+    kept = [b for b in sizes if b == 1 or head_fits(inputs.model, inputs.cluster, tp, b, sequence_parallel, cp)]
     return kept, len(sizes) - len(kept)
 
 
-def groups(inputs: Inputs, combos: list[tuple[int, int]], placement_limit: int = PLACEMENT_LIMIT) -> list[Group]:
+def groups(inputs: Inputs, combos: list[Degrees], placement_limit: int = PLACEMENT_LIMIT) -> list[Group]:
     model, cluster = inputs.model, inputs.cluster
     result = []
-    for tp, dp in combos:
-        pp = cluster.num_gpus // (tp * dp)
-        mbs_values, oversized = micro_batch_sizes(inputs, tp, dp)
-        nodes, exhaustive = placements(cluster, tp * dp, placement_limit)
-        geos = [geometry(cluster, placement, tp, dp, pp) for placement in nodes]
-        signatures = [_signature(geo) for geo in geos]
+    links_of: dict[tuple[str, ...], Links] = {}  # each placement's links, built once for every plan on it
+    dense: tuple = ()  # (tp, dp, cp) and its placements' geometries: the expert degrees of a combo vary fastest
+    stage_experts: dict = {}  # the expert groups' figures of a stage (with_experts), by the links it spans
+    for tp, dp, cp, ep, etp in (Degrees(*combo) for combo in combos):  # (tp, dp) alone: a dense plan's
+        pp = cluster.num_gpus // (tp * cp * dp)
+        mbs_values, oversized = micro_batch_sizes(inputs, tp, dp, cp)
         sequence_parallel = inputs.sequence_parallel and sequence_parallel_on(tp)
         configs = [Config(tp, dp, pp, 1, inputs.gbs, split, inputs.distributed_optimizer,
                           overlap_grad_reduce=inputs.overlap,
                           overlap_param_gather=param_gather_overlaps(inputs.overlap, inputs.distributed_optimizer),
                           sequence_parallel=sequence_parallel,
-                          tp_comm_overlap=tp_comm_overlap_on(inputs, tp, sequence_parallel, mbs_values))
+                          tp_comm_overlap=tp_comm_overlap_on(inputs, tp, sequence_parallel, mbs_values, cp),
+                          cp=cp, ep=ep, etp=etp)
                    for split in encoder_splits(model, pp)]
-        stage_sets = [embedding_stages(model, config) for config in configs]
-        embedded = [with_embedding_groups(cluster, geo, stage_sets) for geo in geos]  # [placement][split]
+        if not dense or dense[0] != (tp, dp, cp):
+            dense = ((tp, dp, cp), *_dense_geometries(inputs, links_of, tp, dp, cp, pp, configs, placement_limit))
+        _, geos, signatures, embedded, exhaustive = dense
+        if model.is_moe:
+            embedded = [[with_experts(geo, links_of[geo.placement], tp, ep, etp, stage_experts) for geo in per_split]
+                        for per_split in embedded]
         for j, config in enumerate(configs):
             unique: dict[tuple, Geometry] = {}
             for signature, per_split in zip(signatures, embedded):
                 geo = per_split[j]
-                unique.setdefault(signature + (round(geo.embedding_allreduce_s_per_byte, 18),
-                                               round(geo.embedding_allreduce_latency_s, 15)), geo)
+                unique.setdefault(signature + _signature(geo, experts=True) + (
+                    round(geo.embedding_allreduce_s_per_byte, 18), round(geo.embedding_allreduce_latency_s, 15)), geo)
             variants = tuple(with_recompute(config, mode) for mode in recompute_modes(inputs))
             result.append(Group(variants[0], list(unique.values()), mbs_values, exhaustive, oversized, variants))
     return result
 
 
-def tp_comm_overlap_on(inputs: Inputs, tp: int, sequence_parallel: bool, mbs_values: list[int]) -> bool:
+def _dense_geometries(inputs: Inputs, links_of: dict[tuple[str, ...], Links], tp: int, dp: int, cp: int, pp: int,
+                      configs: list[Config], placement_limit: int) -> tuple[list, list, list, bool]:
+    """(geometries, their signatures, each with the embedding groups of each encoder split, whether every
+    placement was searched) of the placements of a plan's dense grid."""
+    cluster = inputs.cluster
+    nodes, exhaustive = placements(cluster, tp * cp * dp, placement_limit)
+    for placement in nodes:
+        if placement not in links_of:
+            links_of[placement] = Links(cluster, placement)
+    geos = [geometry(cluster, placement, tp, dp, pp, cp, links=links_of[placement], keyed=inputs.model.is_moe)
+            for placement in nodes]
+    stage_sets = [embedding_stages(inputs.model, config) for config in configs]
+    embedded = [with_embedding_groups(cluster, geo, stage_sets, links_of[geo.placement])
+                for geo in geos]  # [placement][split]
+    return geos, [_signature(geo) for geo in geos], embedded, exhaustive
+
+
+def tp_comm_overlap_on(inputs: Inputs, tp: int, sequence_parallel: bool, mbs_values: list[int], cp: int = 1) -> bool:
     """Whether the search's plans at `tp` run --tp-comm-overlap: where asked, Megatron runs it on every GPU type of
     the cluster, and it hides time at every micro-batch size there (fasop.cost.tpoverlap.overlap_pays). Then it
     only shortens layers, so it is simply on rather than searched both ways."""
     model = inputs.model
-    return (inputs.tp_comm_overlap and overlap_error(model, tp, sequence_parallel, tuple(inputs.profiles)) is None
+    return (inputs.tp_comm_overlap and overlap_error(model, tp, sequence_parallel, tuple(inputs.profiles), cp) is None
             and overlap_pays(model, inputs.profiles, tp, tuple(mbs_values)))
 
 

@@ -24,14 +24,14 @@ from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.plans import Plan
 from fasop.search.record import virtual_layout
-from fasop.search.space import check_global_batch
+from fasop.search.space import check_global_batch, context_error
 
 Refuse = Callable[[str, str], InputError]  # (field, problem) -> the error naming it
 # The Plan fields a specification is made of, named as plan_spec takes them.
 SHAPE_FIELDS = ("tp", "dp", "pp", "mbs", "gbs", "placement", "layers_per_stage", "encoder_stages",
                 "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "virtual_stages",
                 "layers_per_virtual_stage", "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel",
-                "tp_comm_overlap")
+                "tp_comm_overlap", "cp", "ep", "etp")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class PlanSpec:
     recompute_num_layers: int | None
     sequence_parallel: bool
     tp_comm_overlap: bool = False
+    cp: int = 1
+    ep: int = 1
+    etp: int = 0  # an MoE model's expert-tensor-parallel degree (0: tp; a dense model's is its tp)
 
     @property
     def num_microbatches(self) -> int:
@@ -69,7 +72,8 @@ class PlanSpec:
                       overlap_grad_reduce=self.overlap_grad_reduce, overlap_param_gather=self.overlap_param_gather,
                       virtual_stages=self.virtual_stages, recompute=self.recompute,
                       recompute_method=self.recompute_method, recompute_num_layers=self.recompute_num_layers,
-                      sequence_parallel=self.sequence_parallel, tp_comm_overlap=self.tp_comm_overlap)
+                      sequence_parallel=self.sequence_parallel, tp_comm_overlap=self.tp_comm_overlap, cp=self.cp,
+                      ep=self.ep, etp=self.etp)
 
 
 def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: int, placement: Sequence[str],
@@ -79,7 +83,7 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
               layers_per_virtual_stage: Sequence[int] | None = None, recompute: str = "none",
               recompute_method: str | None = None, recompute_num_layers: int | None = None,
               sequence_parallel: bool | None = None, tp_comm_overlap: bool = False,
-              gpus_per_node: int | None = None,
+              cp: int = 1, ep: int = 1, etp: int | None = None, gpus_per_node: int | None = None,
               where: str | None = None) -> PlanSpec:
     """The plan checked against `model` and `cluster`. Arguments are named as plan files name their fields;
     None: fasop's default (the model's global batch, the encoder stages the layers imply, parameters gathered
@@ -104,9 +108,10 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
     if gpn % tp or model.num_attention_heads % tp or model.num_query_groups % tp:
         raise refuse("tp", f"expected a divisor of the {gpn} GPUs per node, of the {model.num_attention_heads} "
                            f"attention heads and of the {model.num_query_groups} query groups, got {tp}")
-    if tp * dp * pp != len(placement) * gpn:
-        raise refuse("placement", f"tp x dp x pp = {tp * dp * pp} GPUs, but the placement's {len(placement)} nodes "
-                                  f"of {gpn} GPUs hold {len(placement) * gpn}")
+    etp = _check_context_and_experts(model, tp, dp, cp, ep, etp, sequence_parallel, refuse)
+    if tp * cp * dp * pp != len(placement) * gpn:
+        raise refuse("placement", f"tp x cp x dp x pp = {tp * cp * dp * pp} GPUs, but the placement's "
+                                  f"{len(placement)} nodes of {gpn} GPUs hold {len(placement) * gpn}")
     if gbs % (dp * mbs):
         raise refuse("mbs", f"dp x mbs = {dp * mbs} must divide the global batch size {gbs}")
     if len(layers) != pp or sum(layers) != model.num_layers:
@@ -121,7 +126,7 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
     problem = recompute_error(recompute, recompute_method, recompute_num_layers)
     if problem:
         raise refuse("recompute", problem)
-    _check_tensor_parallel(model, cluster, placement, tp, sequence_parallel, tp_comm_overlap, refuse)
+    _check_tensor_parallel(model, cluster, placement, tp, sequence_parallel, tp_comm_overlap, refuse, cp)
     spec = PlanSpec(tp=tp, dp=dp, pp=pp, mbs=mbs, gbs=gbs, placement=placement, layers_per_stage=layers,
                     gpus_per_node=gpn, encoder_stages=encoder, distributed_optimizer=distributed_optimizer,
                     overlap_grad_reduce=overlap_grad_reduce,
@@ -129,7 +134,8 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
                                                                overlap_param_gather),
                     virtual_stages=virtual_stages, layers_per_virtual_stage=(), recompute=recompute,
                     recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-                    sequence_parallel=sequence_parallel_on(tp, sequence_parallel), tp_comm_overlap=tp_comm_overlap)
+                    sequence_parallel=sequence_parallel_on(tp, sequence_parallel), tp_comm_overlap=tp_comm_overlap,
+                    cp=cp, ep=ep, etp=etp)
     if pp > 1 and (np.array(layers) < fewest_layers(model, spec.config)).any():
         raise refuse("layers_per_stage", f"every stage needs at least the {spec.config.blocked_layers} layers "
                                          "block recomputation reruns in it" if spec.config.blocked_layers else
@@ -160,16 +166,41 @@ def _check_nodes(cluster: Cluster, placement: tuple[str, ...], refuse: Refuse) -
 
 
 def _check_tensor_parallel(model: Model, cluster: Cluster, placement: tuple[str, ...], tp: int,
-                           sequence_parallel: bool | None, tp_comm_overlap: bool, refuse: Refuse) -> None:
+                           sequence_parallel: bool | None, tp_comm_overlap: bool, refuse: Refuse, cp: int = 1) -> None:
     """Sequence parallelism needs tp > 1, as Megatron-LM does; --tp-comm-overlap runs where Megatron-LM and the
     userbuffers allow it (fasop.cost.tpoverlap.overlap_error)."""
     if sequence_parallel and tp == 1:
         raise refuse("sequence_parallel", "needs tensor parallelism (tp > 1), as Megatron-LM does")
     if tp_comm_overlap:
         gpus = tuple(sorted({cluster.node_types[name].gpu for name in placement}))
-        problem = overlap_error(model, tp, sequence_parallel_on(tp, sequence_parallel), gpus)
+        problem = overlap_error(model, tp, sequence_parallel_on(tp, sequence_parallel), gpus, cp)
         if problem:
             raise refuse("tp_comm_overlap", problem)
+
+
+def _check_context_and_experts(model: Model, tp: int, dp: int, cp: int, ep: int, etp: int | None,
+                               sequence_parallel: bool | None, refuse: Refuse) -> int:
+    """Megatron-LM's rules for context and expert parallelism (round 3 reference, part A sections 2 and 3);
+    the expert-tensor-parallel degree, by default tp (1 for experts with biases; a dense model's is its tp)."""
+    problem = context_error(model, cp)
+    if problem:
+        raise refuse("cp", problem)
+    if not model.is_moe:
+        for name, value in (("ep", ep), ("etp", etp)):
+            if value not in (None, 1) and not (name == "etp" and value == tp):
+                raise refuse(name, f"expert parallelism needs an MoE model (num_experts); {model.name} is dense")
+        return tp
+    etp = (1 if model.linear_bias else tp) if etp is None else etp
+    if model.linear_bias and etp != 1:
+        raise refuse("etp", f"experts with linear biases need etp 1, as megatron-core asserts; got {etp}")
+    if model.num_experts % ep:
+        raise refuse("ep", f"expected a divisor of the {model.num_experts} experts, got {ep}")
+    if (tp * cp * dp) % (etp * ep):
+        raise refuse("etp", f"etp x ep = {etp * ep} must divide tp x cp x dp = {tp * cp * dp} (Megatron-LM folds the "
+                            "expert grid out of the dense one)")
+    if tp > 1 and not sequence_parallel_on(tp, sequence_parallel):
+        raise refuse("sequence_parallel", "MoE layers with tp > 1 need sequence parallelism, as Megatron-LM does")
+    return etp
 
 
 def _encoder_stages(model: Model, layers: tuple[int, ...], refuse: Refuse) -> int:
