@@ -136,7 +136,7 @@ def test_moe_activation_bytes_by_hand():
     s, h, f, k, e, p = model.seq_length, model.hidden_size, model.expert_ffn_hidden_size, 2, 8, 2
     t = s / 2
     expected = p * t * h + 4 * t * e + p * t * k * (h + 2 * f + f) + p * t * k * h
-    assert moe_ffn_bytes(model, "layer", 2, Layout(etp=1)) == pytest.approx(expected, rel=1e-12)
+    assert moe_ffn_bytes(model, "layer", 2, 1) == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
@@ -356,7 +356,7 @@ def test_load_imbalance_scales_the_busiest_ranks_experts():
         return sum(k.flops for k in unit_work(m, 1, 1, Layout(ep=8, etp=1))[moe_kind("layer")].forward
                    if k.name.startswith("experts"))
     assert experts_flops(hot) == pytest.approx(2 * experts_flops(model), rel=1e-12)
-    assert moe_ffn_bytes(hot, "layer", 1, Layout(ep=8, etp=1)) > moe_ffn_bytes(model, "layer", 1, Layout(ep=8, etp=1))
+    assert moe_ffn_bytes(hot, "layer", 1, 1) > moe_ffn_bytes(model, "layer", 1, 1)
 
 
 # -- properties -----------------------------------------------------------------------------------------------

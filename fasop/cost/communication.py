@@ -93,7 +93,7 @@ def layer_exchange_s(model: Model, geos: list[Geometry], config: Config, segment
     rows = len(geos) * len(mbs)
     forward, backward = np.zeros((rows, config.pp)), np.zeros((rows, config.pp))
     p, h = model.precision_bytes, model.hidden_size
-    seq = np.array([_segment_seq(model, kind) for kind in model.layer_kinds])[segment]  # (G, pp)
+    seq = np.array([model.layer_seq_length(kind) for kind in model.layer_kinds])[segment]  # (G, pp)
     samples = np.tile(mbs, len(geos))[:, None]
     seq_rows = np.repeat(seq, len(mbs), axis=0)
     if config.ep > 1:
@@ -112,10 +112,6 @@ def layer_exchange_s(model: Model, geos: list[Geometry], config: Config, segment
         forward += (config.cp - 1) * np.maximum(send - step, 0.0)
         backward += (config.cp - 1) * 2 * np.maximum(send - step, 0.0)
     return forward, backward
-
-
-def _segment_seq(model: Model, kind: str) -> int:
-    return model.encoder_seq_length if kind == "encoder" else (model.decoder_seq_length or model.seq_length)
 
 
 def kv_chunk_bytes(model: Model, tp: int, cp: int) -> float:

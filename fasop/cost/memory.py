@@ -165,7 +165,7 @@ def _layer_parts(model: Model, kind: str, moe: bool = False) -> tuple[np.ndarray
         parts = parts + _attention_activation_bytes(model, s, s_enc, 1, cross=True)
         parts[0] += p * s * h  # the cross-attention norm's input
     else:
-        s = model.encoder_seq_length if kind == "encoder" else model.seq_length
+        s = model.layer_seq_length(kind)
         parts = _attention_activation_bytes(model, s, s, 1, cross=False)
     if moe:
         parts = parts + np.array([p * s * h, 0.0, 0.0])  # the FFN norm's input
@@ -174,24 +174,24 @@ def _layer_parts(model: Model, kind: str, moe: bool = False) -> tuple[np.ndarray
     return parts, float(p * s * h)
 
 
-def moe_ffn_bytes(model: Model, kind: str, tp: int, layout: Layout) -> float:
-    """Activation bytes an MoE layer's FFN keeps for one sample on one rank (Megatron-core's alltoall dispatcher,
-    read from its code: no published formula; the busiest rank's, moe_load_imbalance times the mean routed
-    tokens): on its T = s / (tp cp) sequence-parallel
-    tokens, the router's input and fp32 scores (T E), the permuted tokens the experts take (T k etp, each expert's
-    gathered over etp), their fc1 output (2 F_e / etp wide for SwiGLU) and fc2 input (F_e / etp), the experts'
-    outputs the weighted sum reads (T k), and the shared experts' FFN as a dense one's, split over tp."""
+def moe_ffn_bytes(model: Model, kind: str, tp: int, etp: int) -> float:
+    """Activation bytes an MoE layer's FFN keeps for one sample on one rank without context parallelism (which
+    divides them, as every activation, by cp), as Megatron-core's alltoall dispatcher keeps them (read from its
+    code: no published formula; the busiest rank's, moe_load_imbalance times the mean routed tokens): on its
+    T = s / tp sequence-parallel tokens, the router's input and fp32 scores (T E), the permuted tokens the experts
+    take (T k etp, each expert's gathered over etp), their fc1 output (2 F_e / etp wide for SwiGLU) and fc2 input
+    (F_e / etp), the experts' outputs the weighted sum reads (T k), and the shared experts' FFN as a dense one's,
+    split over tp."""
     p, h, k = model.precision_bytes, model.hidden_size, model.moe_router_topk
-    s = model.encoder_seq_length if kind == "encoder" else (model.decoder_seq_length or model.seq_length)
-    shard = s / (tp * layout.cp)
-    etp = layout.expert_tp(tp)
+    s = model.layer_seq_length(kind)
+    shard = s / tp
     routed, ffn = shard * k * etp * model.moe_load_imbalance, model.expert_ffn_hidden_size / etp
     ffn_in = 2 * ffn if model.ffn_activation == "swiglu" else ffn
     kept = p * shard * h + FP32_BYTES * shard * model.num_experts + p * routed * (h + ffn_in + ffn) + p * shard * k * h
     shared = model.moe_shared_expert_intermediate_size
     if shared:
         glu = 2 if model.ffn_activation == "swiglu" else 1
-        kept += (p * s * h + (glu + 1) * p * s * shared / tp) / layout.cp  # its gathered input, fc1 out, fc2 in
+        kept += p * s * h + (glu + 1) * p * s * shared / tp  # its gathered input, fc1 out, fc2 in
     return kept
 
 
@@ -213,7 +213,7 @@ def layer_activation_bytes(model: Model, kind: str, mbs: int, tp: int, sequence_
 
     per_sample = kept(False) if share < 1 else 0.0
     if share:
-        moe = kept(True) + (0.0 if recompute == "full" else moe_ffn_bytes(model, kind, tp, layout) * layout.cp)
+        moe = kept(True) + (0.0 if recompute == "full" else moe_ffn_bytes(model, kind, tp, layout.expert_tp(tp)))
         per_sample = (1 - share) * per_sample + share * moe
     return mbs * per_sample / layout.cp
 

@@ -219,7 +219,7 @@ def _seq_lengths(model: Model, kind: str) -> tuple[int, int]:
     """(tokens per sample of the layer, of the encoder output its cross-attention reads, or 0)."""
     if kind == "decoder" and model.is_encoder_decoder:
         return model.decoder_seq_length, model.encoder_seq_length
-    return (model.encoder_seq_length if kind == "encoder" else model.seq_length), 0
+    return model.layer_seq_length(kind), 0
 
 
 def layer_forward_flops(model: Model, kind: str, mbs: int, tp: int = 1) -> float:

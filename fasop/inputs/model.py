@@ -115,6 +115,10 @@ class Model:
         """Tokens per sample that count as training tokens (the decoder's, or the encoder's alone)."""
         return self.decoder_seq_length or self.encoder_seq_length
 
+    def layer_seq_length(self, kind: str) -> int:
+        """Tokens per sample of a transformer layer of segment `kind` (the encoder's, or the decoder's)."""
+        return self.encoder_seq_length if kind == "encoder" else self.seq_length
+
     @property
     def seq_length_changed(self) -> bool:
         """Whether the sequence length is not the model file's (--seq-length): plans then record it."""

@@ -366,7 +366,7 @@ class TransformerLayer(nn.Module):
     def __init__(self, model: Model, kind: str, init: Init, group: Group, moe: bool = False):
         super().__init__()
         self.cross = kind == "decoder" and model.is_encoder_decoder
-        seq = model.encoder_seq_length if kind == "encoder" else model.seq_length
+        seq = model.layer_seq_length(kind)
         causal = model.architecture != "encoder" and kind != "encoder"
         self.dropout_p = _dropout(model)
         self.input_norm = _norm(model, init)
@@ -481,7 +481,7 @@ def build_unit(model: Model, kind: str, group: Group, dtype: torch.dtype, device
     if layer.cross:
         s, s_enc = model.decoder_seq_length, model.encoder_seq_length
         return Unit(kind, layer, lambda mbs, g: (hidden(mbs, s, g), hidden(mbs, s_enc, g)))
-    seq = model.encoder_seq_length if segment == "encoder" else model.seq_length
+    seq = model.layer_seq_length(segment)
     return Unit(kind, layer, lambda mbs, g: (hidden(mbs, seq, g),))
 
 
