@@ -310,8 +310,12 @@ class Links:
         slowest link's latency is paid once."""
         der = self.derating
         domains = self.domain[groups]  # (S, R, n)
-        sets, n = groups.shape[0], groups.shape[-1]
-        local = (domains[..., :, None] == domains[..., None, :]).sum(-1)  # members of each one's group in its domain
+        sets, rows, n = groups.shape
+        # members of each one's group in its domain: the count of its (group, domain) pair, in work linear in the
+        # members (a comparison of every pair would be quadratic in the group)
+        keys = np.arange(sets * rows).reshape(sets, rows, 1) * len(self.domain_inter) + domains
+        _, pair, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        local = counts[pair].reshape(domains.shape)
         intra = ((local - 1) / n * der.collective_intra_node / self.intra[groups]).reshape(sets, -1).max(axis=1)
         load = np.zeros((sets, len(self.domain_inter)))
         np.add.at(load, (np.broadcast_to(np.arange(sets)[:, None, None], domains.shape), domains), (n - local) / n)
