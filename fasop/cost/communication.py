@@ -92,21 +92,24 @@ def layer_exchange_s(model: Model, geos: list[Geometry], config: Config, segment
       share of the attention core is exposed."""
     rows = len(geos) * len(mbs)
     forward, backward = np.zeros((rows, config.pp)), np.zeros((rows, config.pp))
+
+    def per_row(name: str) -> np.ndarray:
+        """(G K, pp) a Geometry field of each placement, for each micro-batch size."""
+        return np.repeat(np.array([getattr(geo, name) for geo in geos]), len(mbs), axis=0)
+
     p, h = model.precision_bytes, model.hidden_size
     seq = np.array([model.layer_seq_length(kind) for kind in model.layer_kinds])[segment]  # (G, pp)
     samples = np.tile(mbs, len(geos))[:, None]
     seq_rows = np.repeat(seq, len(mbs), axis=0)
     if config.ep > 1:
         share = np.repeat(np.array([model.moe_share(kind) for kind in model.layer_kinds])[segment], len(mbs), axis=0)
-        per_byte, latency = (np.repeat(np.array([getattr(geo, name) for geo in geos]), len(mbs), axis=0)
-                             for name in ("alltoall_s_per_byte", "alltoall_latency_s"))
+        per_byte, latency = per_row("alltoall_s_per_byte"), per_row("alltoall_latency_s")
         payload = p * samples * seq_rows / (config.tp * config.cp) * model.moe_router_topk * h * model.moe_load_imbalance
         alltoalls = 2 * share * (payload * per_byte + latency)
         forward += alltoalls
         backward += alltoalls
     if config.cp > 1:
-        per_byte, latency = (np.repeat(np.array([getattr(geo, name) for geo in geos]), len(mbs), axis=0)
-                             for name in ("ring_s_per_byte", "ring_latency_s"))
+        per_byte, latency = per_row("ring_s_per_byte"), per_row("ring_latency_s")
         send = kv_chunk_bytes(model, config.tp, config.cp) * samples * seq_rows * per_byte + latency
         step = core_forward_s / config.cp
         forward += (config.cp - 1) * np.maximum(send - step, 0.0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -279,22 +280,22 @@ class GpuProfile:
                       layout: Layout = DENSE) -> np.ndarray:
         """(K, 2) times_s of the mean layer of segment `kind`: its dense and its MoE layers' units weighted by
         their counts (one unit for a dense model)."""
-        share = model.moe_share(kind)
-        if not share:
-            return self.times_s(tp, kind, mbs_values, layout)
-        moe = self.times_s(tp, moe_kind(kind), mbs_values, layout)
-        return moe if share == 1 else (1 - share) * self.times_s(tp, kind, mbs_values, layout) + share * moe
+        return _mean_layer(model, kind, lambda unit: self.times_s(tp, unit, mbs_values, layout))
 
     def layer_core_forward_s(self, model: Model, tp: int, kind: str, mbs_values: tuple[int, ...],
                              layout: Layout = DENSE) -> np.ndarray:
         """attention_core_forward_s of the mean layer of segment `kind`."""
-        share = model.moe_share(kind)
-        if not share:
-            return self.attention_core_forward_s(model, tp, kind, mbs_values, layout)
-        moe = self.attention_core_forward_s(model, tp, moe_kind(kind), mbs_values, layout)
-        if share == 1:
-            return moe
-        return (1 - share) * self.attention_core_forward_s(model, tp, kind, mbs_values, layout) + share * moe
+        return _mean_layer(model, kind, lambda unit: self.attention_core_forward_s(model, tp, unit, mbs_values, layout))
+
+
+def _mean_layer(model: Model, kind: str, of_unit: Callable[[str], np.ndarray]) -> np.ndarray:
+    """`of_unit` of the mean layer of segment `kind`: of its dense unit and its MoE unit (moe_kind), weighted by
+    the segment's share of MoE layers; only the unit the segment has where it has one kind."""
+    share = model.moe_share(kind)
+    if not share:
+        return of_unit(kind)
+    moe = of_unit(moe_kind(kind))
+    return moe if share == 1 else (1 - share) * of_unit(kind) + share * moe
 
 
 def required_kinds(model: Model) -> tuple[str, ...]:
