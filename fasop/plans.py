@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 
 from fasop.errors import ArgumentError, InputError
 from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_json, write_atomically
+from fasop.inputs.model import MAX_SEQ_LENGTH
 from fasop.inputs.names import NAME, NAME_RULE
 from fasop.inputs.tomlfile import Range, Table, expected, validated
 
@@ -89,7 +90,8 @@ class Plan(Table):
     family: str | None = None  # fasop compare: the strategies this plan is the best of
     model: str | None = None
     model_file: str | None = None
-    seq_length: Count | None = None  # tokens per sample where not the model file's (--seq-length)
+    # tokens per sample where not the model file's (--seq-length)
+    seq_length: Annotated[int, Range(1, MAX_SEQ_LENGTH)] | None = None
     cluster: str | None = None
     cluster_file: str | None = None
     profiles: str | None = None  # the --profiles folder as given; absent: the bundled profiles of the model

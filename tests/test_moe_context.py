@@ -282,10 +282,16 @@ def _run_inter_flags(model, cluster, plan) -> dict[str, list[str]]:
     return flag_values(megatron_args(render_plan(plan, model, cluster, SMOKE)["run_inter.sh"]))
 
 
+# DeepSeek-V3's plan: the best `fasop search --model deepseek-v3 --cluster h100-a100-a10g --prune` finds
+DEEPSEEK_BEST = dict(tp=1, dp=24, pp=32, cp=1, ep=8, etp=1, layers=[1, *[4] * 10, *[1] * 20, 0],
+                     placement=["A100"] * 3 + ["H100"] * 32 + ["A100"] * 61)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("name, fields", [
     ("qwen3-30b-a3b", dict(tp=2, dp=4, pp=1, cp=1, ep=8, etp=1, layers=[48])),
     ("deepseek-v3", dict(tp=1, dp=8, pp=2, cp=1, ep=8, etp=1, layers=[30, 31])),
+    ("deepseek-v3", DEEPSEEK_BEST),
     ("mixtral-8x7b", dict(tp=2, dp=2, pp=1, cp=2, ep=4, etp=2, layers=[32])),
 ])
 def test_megatron_core_accepts_the_emitted_expert_and_context_flags(name, fields):
@@ -297,11 +303,12 @@ def test_megatron_core_accepts_the_emitted_expert_and_context_flags(name, fields
     from fasop.launch.megatron import moe_layer_freq
 
     model = load_model(name)
+    fields = dict(fields)
     layers = fields.pop("layers")
     cluster = load_cluster("h100-a100-a10g")
     world = fields["tp"] * fields["cp"] * fields["dp"] * len(layers)
-    plan = estimate(model, cluster, **fields, mbs=1, placement=["H100"] * (world // 8), layers_per_stage=layers,
-                    recompute="full")
+    placement = fields.pop("placement", ["H100"] * (world // 8))
+    plan = estimate(model, cluster, **fields, mbs=1, placement=placement, layers_per_stage=layers, recompute="full")
     args = _run_inter_flags(model, cluster, plan)
     assert args["--expert-model-parallel-size"] == [str(fields["ep"])]
     assert args["--expert-tensor-parallel-size"] == [str(fields["etp"])]
@@ -337,6 +344,12 @@ def test_megatron_core_accepts_the_emitted_expert_and_context_flags(name, fields
         config = transformer_config.TransformerConfig(**common)
     assert config.expert_model_parallel_size == fields["ep"] and config.num_moe_experts == model.num_experts
     assert config.context_parallel_size == fields["cp"]
+    if "--pipeline-model-parallel-layout" in args:  # an uneven split: megatron-core's own layout reads it
+        layout_module = pytest.importorskip("megatron.core.transformer.pipeline_parallel_layer_layout")
+        enums = pytest.importorskip("megatron.core.transformer.enums")
+        layout = layout_module.PipelineParallelLayerLayout(one["--pipeline-model-parallel-layout"], len(layers))
+        layout.validate_layer_layout(num_layers=model.num_layers, mtp_num_layers=None)
+        assert [row[0].count(enums.LayerType.decoder) for row in layout.layout] == layers
 
 
 def test_emit_refuses_encoder_moe_models(tmp_path):
@@ -405,3 +418,69 @@ def test_memory_never_rises_as_ep_or_cp_doubles(tp, ep, recompute, mbs):
         base, doubled = memory(cp, ep), memory(cp, 2 * ep)
         assert all(b >= d - 1e-9 for b, d in zip(base, doubled))
     assert all(b >= d - 1e-9 for b, d in zip(memory(1, ep), memory(2, ep)))
+
+
+# -- hostile input ---------------------------------------------------------------------------------------------
+def _one_line(result, *fragments: str) -> None:
+    """Exit code 2, one `Error:` line on stderr naming each fragment, no traceback."""
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in result.output, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("value, fragment", [("0", "0 is not in the range x>=1"), ("nan", "'nan' is not a valid integer"),
+                                             ("99999999999", "expected an integer from 1 to 16,777,216")])
+def test_a_bad_sequence_length_is_one_line_and_writes_nothing(runner, tmp_path, value, fragment):
+    from fasop.cli import main
+
+    out = tmp_path / "plans.json"
+    result = runner.invoke(main, ["search", "--model", "llama3-8b", "--cluster", "h100x8-a10gx4", "--seq-length", value,
+                                  "--output", str(out)])
+    _one_line(result, "--seq-length", fragment)
+    assert not out.exists()
+
+
+def test_a_sequence_beyond_the_model_files_is_noted(runner):
+    from fasop.cli import main
+
+    result = runner.invoke(main, ["estimate", "--model", "llama3-8b", "--cluster", "h100x8-a10gx4", "--tp", "2", "--dp",
+                                  "2", "--cp", "2", "--pp", "1", "--mbs", "1", "--placement", "H100", "--layers", "32",
+                                  "--seq-length", "16384"])
+    assert result.exit_code in (0, 3), result.output
+    assert ("note: --seq-length 16384 is beyond the 8192 tokens llama3-8b was set up for; its rope positions must "
+            "stretch to it") in result.stderr
+    assert "cp=2" in result.stdout
+
+
+@pytest.mark.parametrize("options, fragments", [
+    (["--ep", "3"], ("--ep", "expected a divisor of the 8 experts, got 3")),
+    (["--ep", "8", "--etp", "2"], ("--etp", "etp x ep = 16 must divide tp x cp x dp = 8")),
+    (["--cp", "3"], ("--cp", "must be divisible by 2 cp = 6")),
+    (["--ep", str(2**70)], ("--ep", "expected a divisor of the 8 experts")),
+])
+def test_bad_degrees_on_the_command_line_are_one_line(runner, options, fragments):
+    from fasop.cli import main
+
+    result = runner.invoke(main, ["estimate", "--model", "mixtral-8x7b", "--cluster", "h100x8-a10gx4", "--tp", "2",
+                                  "--dp", "4", "--pp", "1", "--mbs", "1", "--placement", "H100", "--layers", "32",
+                                  *options])
+    _one_line(result, *fragments)
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("cp", 0, "cp: expected an integer from 1"), ("ep", 2**60, "ep: expected an integer from 1"),
+    ("seq_length", 2**40, "seq_length: expected an integer from 1 to 16,777,216"),
+    ("ep", 3, "ep: expected a divisor of the 8 experts, got 3"),
+])
+def test_bad_degrees_in_a_plan_file_are_one_line(runner, tmp_path, field, value, fragment):
+    import json
+
+    from fasop.cli import main
+
+    plan = estimate(load_model("mixtral-8x7b"), load_cluster("h100x8-a10gx4"), tp=2, dp=4, pp=1, mbs=1, ep=8, etp=1,
+                    placement=["H100"], layers_per_stage=[32]).record()
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps([{**plan, "rank": 1, field: value}]))
+    _one_line(runner.invoke(main, ["estimate", "--plan", str(path)]), str(path), fragment)

@@ -123,10 +123,11 @@ def load_model_at(model_name: str, seq_length: int | None):
     model = load_model(model_name)
     if seq_length is None:
         return model
+    stretched = with_seq_length(model, seq_length)  # refused before anything is noted
     if seq_length > model.seq_length:
         click.echo(f"note: --seq-length {seq_length} is beyond the {model.seq_length} tokens {model.file} was set up "
                    f"for; its {model.position_embedding} positions must stretch to it", err=True)
-    return with_seq_length(model, seq_length)
+    return stretched
 
 
 force_option = click.option("--force", is_flag=True, help="Replace output files that exist (never an input of the run).")

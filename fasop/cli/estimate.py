@@ -87,7 +87,7 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
     from fasop.search import estimate as run_estimate
     from fasop.search.headroom import memory_load
     from fasop.search.precision import plan_model
-    from fasop.search.spec import spec_of
+    from fasop.search.spec import plan_spec, spec_of
     from fasop.search.stagegroups import estimate_stage_groups, spec_of_stage_groups
 
     ctx = click.get_current_context()
@@ -106,7 +106,7 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
         shape["placement"] = expand_placement(shape["placement"], "--placement")
         shape["layers_per_stage"] = common.int_list("--layers", shape["layers_per_stage"])
         shape["overlap_grad_reduce"] = shape.pop("overlap")
-        spec = None
+        spec, shape = plan_spec(model, cluster, **shape), {}  # checked before any profile is read or noted
     else:
         refused = [name for name in SHAPE_OPTIONS if name in given]
         if refused:
@@ -121,7 +121,7 @@ def estimate(plan_file, rank, model_name, cluster_name, profiles_dir, allow_prof
             groups = spec_of_stage_groups(plan, model, cluster, where)
         else:
             spec, shape = spec_of(plan, model, cluster, where), {}
-    placement = groups.placement if groups is not None else (spec.placement if spec is not None else shape["placement"])
+    placement = groups.placement if groups is not None else spec.placement
     # an fp8 model has profiles only on FP8 GPUs: those of the plan's node types
     used = cluster.with_counts(Counter(placement)) if model.fp8 else cluster
     profiles = common.run_profiles(model, used, profiles_dir, allow_profile_mismatch)
