@@ -116,6 +116,12 @@ BAD = [
     ({"name": "$(reboot)"}, "name", "letters, digits"),
     ({"memory_gib": None}, "memory_gib", "missing"),
     ({"tdp_w": 300}, "tdp_w", "unknown field"),
+    ({"attention_tflops": [[64, 1024, 300, 400, 300], [64, 512, 200, 300, 250]]}, "attention_tflops", "increasing"),
+    ({"attention_tflops": [[64, 1024, 300, 400, 300], [128, 1024, 400, 500, 400]]}, "attention_tflops",
+     "2 or more"),
+    ({"attention_tflops": [[64, 512, 3e14, 400, 300], [64, 1024, 300, 400, 300]]}, "attention_tflops",
+     "<= 100000"),  # FLOP/s, not TFLOP/s
+    ({"attention_tflops": [[64, 512, 300, 400], [64, 1024, 300, 400]]}, "attention_tflops", "head_dim"),
 ]
 
 

@@ -109,15 +109,18 @@ def test_every_published_run_on_80_gb_gpus_fits_fasops_memory(vp, runs):
 
 def test_the_modelling_steps_add_one_thing_each_and_end_at_todays_synth(vp, runs):
     steps = vp.model_steps(load_gpu_spec("A100-80GB"))
-    assert [(s.sm_count, bool(s.allreduce_busbw), shaped) for _, s, shaped in steps] == [
-        (None, False, False), (None, False, True), (None, True, True), (108, True, True)]
+    assert [(s.sm_count, bool(s.allreduce_busbw), bool(s.attention_tflops), shaped) for _, s, shaped in steps] == [
+        (None, False, False, False), (None, False, False, True), (None, True, False, True), (108, True, False, True),
+        (108, True, False, True)]  # the A100 has no attention table: the last step changes nothing there
     assert steps[-1][1] == load_gpu_spec("A100-80GB")
+    h100 = vp.model_steps(load_gpu_spec("H100"))
+    assert not h100[-2][1].attention_tflops and h100[-1][1] == load_gpu_spec("H100")
     # each step only slows the estimate of a selective run with tensor parallelism (the scores' softmax and
     # dropout rerun too, NCCL below nominal, waves part-empty)
     run = runs["175B, selective recomputation + sequence parallelism"]
     model, cluster = vp.load_model(str(vp.DATA / run.model_file)), vp.load_cluster(str(vp.CLUSTER))
     times = [vp.predict(run, model, cluster, spec, shaped).step_time_s for _, spec, shaped in steps]
-    assert times[0] < times[1] < times[2] < times[3]
+    assert times[0] < times[1] < times[2] < times[3] == times[4]
 
 
 def test_refused_inputs_leave_one_line_and_no_change(vp, runs, tmp_path, capsys):

@@ -18,15 +18,17 @@ the sequence-parallel shard of b s / tp tokens; matmul inputs gathered to all b 
   kernel). Backward: the input gradient (same FLOPs and bytes) and the weight gradient (same FLOPs; reads input
   and output gradient, adds into the fp32 main gradient: 8 bytes per weight), two kernels.
 - attention core: flash attention is one kernel reading Q, K, V and writing the output; its backward, two
-  kernels (a preprocessing pass and the main one) moving twice the forward's bytes. Unfused (Megatron's
+  kernels (a preprocessing pass and the main one) moving twice the forward's bytes and doing 2.5 times its
+  FLOPs (it recomputes the scores: five matmuls to the forward's two), at the GPU table's measured fused
+  attention speed for its head dim and key length where it has one (Rates.attention_flops_per_s). Unfused (Megatron's
   legacy path): Q.K^T, a fused scale-mask-softmax, dropout on the scores and scores x V, each writing or reading
   the b x heads x s x s scores; the two batched matmuls take two kernels each backward.
 - element-wise kernels (norms, rotary embedding, fused bias-dropout-add, bias-GeLU or SwiGLU, embedding
   gather, cross-entropy): no FLOPs counted, reads its inputs and writes its outputs, plus one byte per element
   of a dropout mask; backward reads the saved inputs and the output gradient and writes the input gradients.
   A norm's backward is two kernels (input gradient, weight-gradient reduction).
-- FLOPs of the attention scores count the full s x s matrix (no causal saving); backward does twice the
-  forward's FLOPs everywhere, also for flash attention (whose recomputation of the scores is left out).
+- FLOPs of the attention scores count the full s x s matrix, but a causal flash kernel's half; backward does
+  twice the forward's FLOPs, flash attention's 2.5 times.
 - waves: tile and wave quantization of a matmul's output (wave_efficiency); flash attention is not tiled here.
 - C: the payload of each tensor-parallel all-gather or reduce-scatter; busbw(C) the GPU table's measured
   all-reduce bus bandwidth at that payload (allreduce_busbw), or the nominal intra-node link without one. Each
@@ -39,6 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from functools import cache, lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -63,6 +66,10 @@ MATMUL_TILE = (256, 128)
 # top-k, the routing map's scatter, the probabilities' gather and the load-balancing loss's reductions
 # (megatron/core/transformer/moe/router.py and moe_utils.py, counted from their torch calls; fused variants fewer).
 ROUTING_KERNELS = (8, 6)
+# A flash attention backward's FLOPs over its forward's: it recomputes Q.K^T, then the gradients of V, of the
+# scores, of Q and of K, five matmuls to the forward's two (Dao 2023, "FlashAttention-2", Algorithm 2; the
+# FLOPs its benchmarks/benchmark_flash_attention.py counts).
+FLASH_BACKWARD_FLOPS = 2.5
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,16 @@ class Kernel:
     output: tuple[float, float, float] | None = None  # a matmul's (batch, rows, columns) of output tiles to fill
     attention_core: bool = False  # what Megatron-LM's selective recomputation reruns
     fp8: bool = False  # a GEMM on the FP8 tensor cores (fasop.cost.fp8)
+    attention: AttentionShape | None = None  # a fused attention kernel's shape, for its measured speed
+
+
+class AttentionShape(NamedTuple):
+    """What a fused attention kernel's speed depends on: head dim, keys per query, causal mask, direction."""
+
+    head_dim: float
+    key_length: float
+    causal: bool
+    backward: bool
 
 
 Work = tuple[Kernel, tuple[Kernel, ...]]  # a forward kernel and the backward kernels it causes
@@ -131,6 +148,7 @@ class Rates:
     sm_count: int | None = None
     allreduce_busbw: tuple[tuple[float, float], ...] = ()  # (payload bytes, GB/s), payloads increasing
     fp8_flops_per_s: float = 0.0  # FP8 GEMMs in full waves (FP8 peak x its efficiency); 0 for other models
+    attention_speeds: tuple[tuple[float, float, float, float, float], ...] = ()  # the table's, in FLOP/s
 
     @classmethod
     def of(cls, spec: GpuSpec, model: Model, efficiency: float | None = None,
@@ -148,8 +166,30 @@ class Rates:
                 raise InputError(f"model {model.name}", f"trains in fp8: {error}")
             assert spec.fp8_matmul_efficiency is not None  # the table gives it with dense_fp8_tflops
             fp8 = spec.dense_fp8_tflops * 1e12 * min(1.0, spec.fp8_matmul_efficiency * scale)
+        attention = tuple((d, n, *(1e12 * scale * tflops for tflops in speeds))
+                          for d, n, *speeds in spec.attention_tflops)
         return cls(spec.peak_flops(model.precision, model.name) * efficiency, spec.memory_bytes_per_s, link,
-                   spec.kernel_launch_s, spec.sm_count, curve, fp8)
+                   spec.kernel_launch_s, spec.sm_count, curve, fp8, attention)
+
+    def attention_flops_per_s(self, shape: AttentionShape) -> float:
+        """A fused attention kernel's FLOP/s: the measured speed at its key length (log-linear between the
+        table's lengths) and head dim (linear between its head dims), held at the table's ends; a causal
+        backward at the backward's speed times the forward's causal / non-causal ratio. Without a table, the
+        matmuls' rate."""
+        if not self.attention_speeds:
+            return self.flops_per_s
+        rows = np.array(self.attention_speeds)
+        head_dims = np.unique(rows[:, 0])
+        at_length = []
+        for d in head_dims:
+            own = rows[rows[:, 0] == d]
+            causal_fwd, fwd, bwd = (np.interp(math.log(shape.key_length), np.log(own[:, 1]), own[:, column])
+                                    for column in (2, 3, 4))
+            if shape.backward:
+                at_length.append(bwd * (causal_fwd / fwd if shape.causal else 1.0))
+            else:
+                at_length.append(causal_fwd if shape.causal else fwd)
+        return float(np.interp(shape.head_dim, head_dims, at_length))
 
     def collective_bytes_per_s(self, payload_bytes: float) -> float:
         """Bus bandwidth of a ring all-gather or reduce-scatter of `payload_bytes`: the measured all-reduce's at
@@ -317,8 +357,11 @@ def _attention(model: Model, b: int, s_q: float, s_k: int, tp: int, masked: bool
     scored = b * s_q * s_k * heads / (2 if masked else 1)  # query-key pairs computed
     if model.flash_attention:
         flops = 2.0 * scored * (qk + v)  # Q.K^T and scores x V
-        forward = Kernel("flash attention", flops, p * (q + k + kv + out), steps, attention_core=True)
-        return [(forward, (Kernel("flash attention grad", 2 * flops, 2 * forward.bytes, 2 * steps),))]
+        shape = AttentionShape((qk + v) / 2, s_k / steps, masked, False)
+        forward = Kernel("flash attention", flops, p * (q + k + kv + out), steps, attention_core=True,
+                         attention=shape)
+        return [(forward, (Kernel("flash attention grad", FLASH_BACKWARD_FLOPS * flops, 2 * forward.bytes,
+                                  2 * steps, attention=shape._replace(backward=True)),))]
     flops = 2.0 * scored * qk
     kv = k  # the unfused path: keys and values are kv_channels wide alike
     scores = b * heads * s_q * s_k
@@ -569,7 +612,11 @@ class PassQueue:
 
 def kernel_gpu_s(kernel: Kernel, rates: Rates) -> float:
     """GPU seconds of one kernel (all its launches): its roofline."""
-    rate = (rates.fp8_flops_per_s if kernel.fp8 else rates.flops_per_s) * wave_efficiency(kernel.output, rates.sm_count)
+    if kernel.attention is not None:
+        rate = rates.attention_flops_per_s(kernel.attention)
+    else:
+        rate = (rates.fp8_flops_per_s if kernel.fp8 else rates.flops_per_s) * wave_efficiency(kernel.output,
+                                                                                            rates.sm_count)
     return max(kernel.flops / rate, kernel.bytes / rates.memory_bytes_per_s)
 
 

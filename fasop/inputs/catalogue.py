@@ -48,6 +48,7 @@ class GpuSpec:
     fp8_matmul_efficiency: float | None = None  # achievable fraction of the FP8 peak (given with dense_fp8_tflops)
     compute_capability: str | None = None  # "9.0": which FP8 recipes Transformer Engine runs (fasop.cost.fp8)
     nvlink_domain_gpus: int | None = None  # GPUs sharing one NVLink domain across nodes (GB200 NVL72: 72)
+    attention_tflops: tuple[tuple[float, float, float, float, float], ...] = ()  # fused attention's measured speeds
     file: str = ""
 
     def peak_flops(self, precision: str, model_name: str = "") -> float:
@@ -99,6 +100,25 @@ BusbwCurve = Annotated[tuple[BusbwPoint, ...], Field(min_length=2, max_length=64
                                 "from 1 to 2^50 bytes, bandwidths > 0 and <= 100000")]
 
 
+def _attention_rows(rows: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+    for head_dim in {row[0] for row in rows}:
+        lengths = [row[1] for row in rows if row[0] == head_dim]
+        if len(lengths) < 2 or any(later <= earlier for earlier, later in zip(lengths, lengths[1:])):
+            raise ValueError(f"head dim {head_dim:g}: 2 or more sequence lengths, increasing from row to row")
+    return rows
+
+
+# [head_dim, seq_length, forward_causal_tflops, forward_tflops, backward_tflops] of a fused attention kernel
+_Speed = Annotated[float, Range(0.0, 1e5, low_allowed=False)]
+AttentionPoint = tuple[Annotated[float, Range(1.0, 4096.0)], Annotated[float, Range(1.0, 2.0**24)], _Speed, _Speed,
+                       _Speed]
+AttentionTable = Annotated[tuple[AttentionPoint, ...], Field(min_length=2, max_length=64), BeforeValidator(_pairs),
+                           AfterValidator(_attention_rows),
+                           expected("an array of 2 to 64 [head_dim, seq_length, forward_causal_tflops, "
+                                    "forward_tflops, backward_tflops] rows, each head dim at 2 or more lengths, "
+                                    "increasing, speeds > 0 and <= 100000")]
+
+
 class GpuTable(Table):
     """One [[gpu]] table."""
 
@@ -117,6 +137,7 @@ class GpuTable(Table):
     compute_capability: Annotated[str, Field(pattern=r"^[0-9]{1,2}\.[0-9]$"), expected("a compute capability such as "
                                                                                       "9.0")] | None = None
     nvlink_domain_gpus: Annotated[int, Range(1, 2**16)] | None = None
+    attention_tflops: AttentionTable = ()
     source: Text = ""
     date: Text = ""
 

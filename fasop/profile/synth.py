@@ -7,14 +7,15 @@ micro-batch of b samples of s tokens on one GPU of a tp-way tensor-parallel grou
     g_k    = max(FLOPs / (peak x efficiency x waves), bytes / memory_bandwidth), or (tp - 1) / tp x C / busbw(C)
     pass_s = max over k of (k x kernel_launch_s + g_k + ... + g_n)
 
-The matmuls (2 x weights x tokens, and the attention scores and context over the full s x s matrix) run at the
-achievable fraction of peak in full waves, times `waves`, the share of the SMs their 256 x 128 output tiles keep
-busy (tile and wave quantization, given the table's sm_count); the element-wise kernels (norms, softmax and
+The matmuls (2 x weights x tokens, and the attention scores and context over the s x s matrix, half of it in a
+causal flash kernel) run at the achievable fraction of peak in full waves, times `waves`, the share of the SMs
+their 256 x 128 output tiles keep busy (tile and wave quantization, given the table's sm_count); a flash
+attention kernel at the table's measured attention_tflops for its head dim and key length where it has them; the element-wise kernels (norms, softmax and
 dropout on the scores when attention is not flash, bias-dropout-add, bias-GeLU or SwiGLU, rotary embedding,
 embedding gather, cross-entropy) are memory-bound; the host launches one kernel every kernel_launch_us, and the GPU
 runs each once launched and the one before has finished (a pass of tiny kernels takes the host's launches, one of
 large kernels their GPU time). Backward
-does twice the forward's FLOPs and accumulates weight gradients into fp32 main gradients (8 bytes per weight).
+does twice the forward's FLOPs (flash attention 2.5 times) and accumulates weight gradients into fp32 main gradients (8 bytes per weight).
 C: the payload of each all-gather or reduce-scatter over the tensor-parallel group per pass, each moving
 (tp - 1) / tp of it over the GPU's intra-node link (ring) at busbw(C), the bus bandwidth a measured all-reduce of the
 same payload reached (the table's allreduce_busbw; nominal link without one), the same in forward and backward:
@@ -46,7 +47,8 @@ FORMULA = ("per kernel g = max(F / (peak x efficiency x waves), B / memory_bandw
            "per collective, in the launch queue: max over k of (k x kernel_launch_s + g_k + ... + g_n); waves: "
            "share of the SMs busy with 256 x 128 "
            "output tiles; F: matmul FLOPs per GPU (2 x weights x tokens + 4 b s^2 x heads x kv_channels, "
-           "no causal saving, / tp; backward 2F); B: each kernel's reads and writes (element-wise kernels: norms, "
+           "half of it in a causal flash kernel, / tp; backward 2F, flash attention 2.5F at the table's "
+           "attention_tflops where it has them); B: each kernel's reads and writes (element-wise kernels: norms, "
            "softmax, dropout, activations, bias-dropout-add; backward + 8 bytes per weight); C: b s h x bytes per "
            "all-gather or reduce-scatter (4 per layer); busbw: a measured all-reduce's bus bandwidth at C, else "
            "the link")
@@ -147,8 +149,10 @@ def header_lines(model: Model, spec: GpuSpec, tps, mbss, efficiency: float | Non
         "not measured.",
         f"GPU spec: {spec.file}, gpu {spec.name}: dense {precision} {_number(tflops)} TFLOP/s{fp8}, memory bandwidth "
         f"{_number(spec.memory_bandwidth_gb_per_s)} GB/s, intra-node link {link}, kernel launch "
-        f"{_number(spec.kernel_launch_us)} us, " + (f"{spec.sm_count} SMs." if spec.sm_count else "no SM count (no wave "
-                                                     "quantization)."),
+        f"{_number(spec.kernel_launch_us)} us, " + (f"{spec.sm_count} SMs" if spec.sm_count else "no SM count (no wave "
+                                                     "quantization)")
+        + (f", flash attention at its {len(spec.attention_tflops)}-point attention_tflops." if spec.attention_tflops
+           else "."),
         f"GPU spec source: {spec.source}" + (f" (table date {spec.date})" if spec.date else "") + ".",
         f"Efficiency: {_number(eff)} of peak ({eff_note}).",
         f"Formula: {FORMULA}.",
