@@ -304,6 +304,34 @@ def test_long_schedules_are_extrapolated_from_their_steady_state(monkeypatch):
         pytest.approx(interleaved, rel=1e-2)
 
 
+@settings(max_examples=60, deadline=None)
+@given(stage_sets(st.integers(1, 12)), st.integers(1, 160), st.floats(0.0, 1.0))
+def test_a_steady_state_that_repeats_gives_the_full_schedules_times(stages, extra, redo_share):
+    """A plain schedule longer than STEADY_PROBE_MICROBATCHES_PER_STAGE x p micro-batches, timed from the shorter
+    one wherever its steady state repeats there (and in full where not), ends where the full evaluation does."""
+    forward, backward, send = (np.array([x]) for x in stages)
+    redo = redo_share * forward
+    m = schedule.STEADY_PROBE_MICROBATCHES_PER_STAGE * forward.shape[1] + extra
+    shortcut = schedule.stage_times(forward, backward, send, m, recompute_s=redo)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(schedule, "STEADY_PROBE_MICROBATCHES_PER_STAGE", 10**6)
+        full = schedule.stage_times(forward, backward, send, m, recompute_s=redo)
+    assert np.array_equal(shortcut[0], full[0])
+    assert shortcut[1] == pytest.approx(full[1], rel=1e-12)
+
+
+def test_equal_stages_repeat_at_once_and_one_slow_stage_sets_the_period():
+    """p equal stages with free sends: every round takes f + b. One stage twice as slow: its f + b."""
+    for forward, backward, period in (([1.0] * 4, [2.0] * 4, 3.0), ([1.0, 2.0, 1.0, 1.0], [2.0, 4.0, 2.0, 2.0], 6.0)):
+        prog = schedule.program(4, 12)
+        _, f, b, redo, links = schedule._inputs([forward], [backward], [[0.0] * 3], 1, None, None)
+        end, _ = schedule._evaluate(prog, f, b, redo, links, keep=False)
+        period_s, repeats = schedule.steady_rounds(prog, end)
+        assert repeats[0] and period_s[0] == pytest.approx(period)
+        assert makespan_s([forward], [backward], [[0.0] * 3], 1000)[0] == pytest.approx(
+            makespan_s([forward], [backward], [[0.0] * 3], 12)[0] + 988 * period)
+
+
 @pytest.mark.parametrize("model, cluster", [("gpt2-xl", "fasop-1xA100-7xA10"), ("bert", "fasop-1xA100-3xA10")])
 def test_a_plan_files_times_rebuild_its_exact_schedule(model, cluster):
     """The schedule drawn from a plan file's stage (interleaved: chunk) times ends exactly when the search's

@@ -34,6 +34,9 @@ GATHER_AHEAD_PLANS = 256
 # Schedules of more micro-batches are timed at about this count and one group fewer, and extrapolated: past its
 # warm-up the schedule repeats, each micro-batch adding the same time (docs/cost-model.md section 4.1)
 MAX_EXACT_MICROBATCHES = 1024
+# A plain 1F1B schedule of more micro-batches than this many per stage is first timed with that many: where its
+# steady state already repeats there, the rest follows exactly (steady_rounds); other plans are timed in full.
+STEADY_PROBE_MICROBATCHES_PER_STAGE = 3
 
 
 def interleaving_error(stages: int, virtual_stages: int, num_microbatches: int, group_size: int | None = None,
@@ -294,7 +297,9 @@ def stage_times(forward_s, backward_s, send_s, num_microbatches, *, virtual_stag
     counts = np.broadcast_to(np.asarray(num_microbatches), (plans,))
     first, last = np.empty((plans, p)), np.empty((plans, p))
 
-    def run(m: int, rows: np.ndarray) -> None:
+    def blocks(m: int, rows: np.ndarray):
+        """(program, rows of a block, end times) of the schedule of m micro-batches, block by block; each
+        block's `first` and `last` written."""
         prog = program(p, m, virtual_stages, group_size)
         heads = np.r_[0, prog.last[:-1] + 1]
         block = max(1, BLOCK_ELEMENTS // (prog.ops + 1))
@@ -303,9 +308,29 @@ def stage_times(forward_s, backward_s, send_s, num_microbatches, *, virtual_stag
             end, _ = _evaluate(prog, forward[part], backward[part], recompute[part], links[part], keep=False)
             number = prog.sweep[0]
             first[part], last[part] = end[number[prog.waits_for[heads]]].T, end[number[prog.last]].T
+            yield prog, part, end
+
+    def run(m: int, rows: np.ndarray) -> None:
+        for _ in blocks(m, rows):
+            pass
+
+    def steady(m: int, rows: np.ndarray) -> np.ndarray:
+        """Time the rows' schedules of m micro-batches from a shorter one where its steady state repeats
+        (steady_rounds); the rows left to time in full."""
+        probe = STEADY_PROBE_MICROBATCHES_PER_STAGE * p
+        left = []
+        for prog, part, end in blocks(probe, rows):
+            period_s, repeats = steady_rounds(prog, end)
+            last[part[repeats]] += (m - probe) * period_s[repeats, None]
+            left.append(part[~repeats])
+        return np.concatenate(left)
 
     for m in np.unique(counts):
         rows = np.flatnonzero(counts == m)
+        if virtual_stages == 1 and m > STEADY_PROBE_MICROBATCHES_PER_STAGE * p:
+            rows = steady(int(m), rows)
+            if not len(rows):
+                continue
         if m <= MAX_EXACT_MICROBATCHES:
             run(int(m), rows)
             continue
@@ -318,6 +343,30 @@ def stage_times(forward_s, backward_s, send_s, num_microbatches, *, virtual_stag
         run(top, rows)
         last[rows] += (m - top) * (last[rows] - before) / step
     return first, last
+
+
+def steady_rounds(prog: Program, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Whether a plain 1F1B schedule (prog, end times of a block of plans as _evaluate gives them) has reached
+    its period, and that period, per plan. Round r of stage i is its forward of micro-batch (p - 1 - i) + r and
+    its backward of micro-batch r; from the first round to round m - p every stage runs one such pair a round,
+    and round r + 1 is a max-plus function of round r alone (its forwards wait for round r one stage up, its
+    backwards for round r + 1 one stage down, each after its own stage's previous operation), so shifting every
+    operation of round r by t shifts round r + 1, and every later one, by t (max and + commute with adding t).
+    Where the last such round, m - p, ends every operation the same `period_s` after round m - p - 1 (to 1e-12
+    of the times: the map is non-expansive, so that much can grow by no more than itself per round), every
+    later round, and the remaining backwards after them, whose pattern does not depend on m, shift by
+    `period_s` per micro-batch: a schedule of m' > m micro-batches ends (m' - m) period_s later at every
+    stage. The operations of a stage are numbered from i 2m in program order."""
+    p, m = prog.stages, prog.num_microbatches
+    stage = np.arange(p)
+    at = stage * 2 * m + (p - 1 - stage) + 2 * (m - p)  # the forward of round m - p on each stage
+    ops = np.concatenate([at, at + 1])
+    number = prog.sweep[0]
+    now, before = end[number[ops]], end[number[ops - 2]]
+    steps = now - before
+    period_s = steps[0]
+    repeats = np.all(np.abs(steps - period_s) <= 1e-12 * np.abs(now).max(axis=0), axis=0)
+    return period_s, repeats
 
 
 def op_times(forward_s, backward_s, send_s, num_microbatches: int, *, virtual_stages: int = 1, wrap_send_s=None,
