@@ -122,3 +122,23 @@ def test_headroom_option_is_in_the_help_and_refuses_bad_values(runner, command):
     assert result.exit_code == 0 and "--memory-headroom F" in result.output
     bad = runner.invoke(main, [command, "--model", "bert", "--cluster", "fasop-4xA10", "--memory-headroom", "1.5"])
     assert bad.exit_code == 2 and "--memory-headroom" in bad.output
+
+
+def test_the_two_searches_build_each_placements_geometry_once(monkeypatch):
+    """The search above the headroom reuses the geometries of the search below it (Inputs.geometries): each grid's
+    placements are built once, and the plans are those of two searches that build their own."""
+    from fasop import load_model
+    from fasop.search import headroom, space
+
+    model, cluster = load_model("llama2-7b"), load_cluster("fasop-8xA10")
+    built = []
+    build = space._dense_geometries
+    monkeypatch.setattr(space, "_dense_geometries", lambda inputs, *a: built.append(
+        (tuple(inputs.cluster.node_types), *a[1:4])) or build(inputs, *a))
+    shared = search_within_headroom(model, cluster, workers=1)
+    assert any(over_headroom(plan, cluster, 0.9) for plan in shared.plans)  # the second search ran
+    assert built and len(built) == len(set(built))
+    with monkeypatch.context() as patch:  # each search its own geometries
+        patch.setattr(headroom, "search_plans", lambda *a, geometries=None, **k: search_plans(*a, **k))
+        apart = search_within_headroom(model, cluster, workers=1)
+    assert [plan.record() for plan in shared.plans] == [plan.record() for plan in apart.plans]

@@ -209,7 +209,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES,
                  sequence_parallel: bool = True, tp_comm_overlap: bool = True, use_all: bool = False,
                  stage_groups: bool = False, bound_placements: int = 0,
-                 exclude: frozenset[tuple] = frozenset(), only_combos: frozenset[tuple] | None = None) -> SearchResult:
+                 exclude: frozenset[tuple] = frozenset(), only_combos: frozenset[tuple] | None = None,
+                 geometries: dict | None = None) -> SearchResult:
     """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
@@ -227,9 +228,10 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     integer program's optimality_gap (fasop.search.placementbound).
     exclude: plans (tp, dp, pp, placement, micro-batch size) to leave out, as if not in the space.
     only_combos: search only these (node types, degrees) (SearchResult.unfit_combos), on every node-type set.
+    geometries: the placements' geometries another search of the same question built (Inputs.geometries).
     """
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
-                     sequence_parallel, tp_comm_overlap)
+                     sequence_parallel, tp_comm_overlap, geometries)
     one_size = cluster.one_kind_per_node
     # plans of one tp and dp run on node types of one size and one GPU kind per node (Cluster.gpus_per_node)
     subsets = ([cluster] if one_size else []) if use_all else node_type_subsets(cluster)
@@ -306,7 +308,8 @@ def _subset_inputs(inputs: Inputs, clusters: list[Cluster]) -> list[Inputs]:
     """`inputs` on each cluster of `clusters` (the first is inputs.cluster), with the profiles read once."""
     return [inputs if sub is inputs.cluster else
             prepare(inputs.model, sub, inputs.gbs, None, inputs.distributed_optimizer, inputs.profiles, inputs.overlap,
-                    inputs.recompute, inputs.sequence_parallel, inputs.tp_comm_overlap) for sub in clusters]
+                    inputs.recompute, inputs.sequence_parallel, inputs.tp_comm_overlap, inputs.geometries)
+            for sub in clusters]
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = Non
     memory_headroom = check_headroom(memory_headroom)
     if memory_headroom == 1:
         return search_plans(model, cluster, gbs, profiles_dir, keep=keep, **options)
+    options["geometries"] = {}  # built once for both searches: geometry does not depend on memory
     tight = search_plans(model, replace(cluster, memory_margin=cluster.memory_margin / memory_headroom), gbs,
                          profiles_dir, keep=keep, **options)
     if not tight.out_of_memory:  # every plan fits below the headroom (with `keep`: of those it did not prune)

@@ -4,7 +4,7 @@ stage splits, and the groups of plans that share all but their placement and mic
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -82,6 +82,10 @@ class Inputs:
     recompute: tuple[str, ...] = RECOMPUTE_MODES  # the recompute modes to consider, lightest first
     sequence_parallel: bool = True  # on whenever tp > 1
     tp_comm_overlap: bool = True  # --tp-comm-overlap wherever Megatron runs it and it hides time
+    # The placements' links and geometries built so far, by the node types and counts they are on (groups): what
+    # several searches of one question share, as the memory headroom's two do (geometry ignores memory). Those
+    # searches' clusters differ only in memory and in the node types kept, which is all the key holds.
+    geometries: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 # The most GPUs one plan spans: every placement's rank geometry (fasop.cost.communication) holds a node per rank,
@@ -92,8 +96,9 @@ MAX_PLAN_GPUS = 2**18
 def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None,
             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None,
             overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES, sequence_parallel: bool = True,
-            tp_comm_overlap: bool = True) -> Inputs:
-    """Checked inputs of one search; `profiles` (already loaded, e.g. for many compositions) skips the files."""
+            tp_comm_overlap: bool = True, geometries: dict | None = None) -> Inputs:
+    """Checked inputs of one search; `profiles` (already loaded, e.g. for many compositions) skips the files;
+    `geometries`, another search's of the same question (Inputs.geometries)."""
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
     if cluster.num_gpus > MAX_PLAN_GPUS:
         raise InputError("cluster", f"{cluster.num_gpus:,} GPUs: a plan spans at most {MAX_PLAN_GPUS:,} "
@@ -108,7 +113,7 @@ def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir
         profiles = load_profiles(model, gpus, profiles_dir, specs=merged_specs(own=cluster.gpus))
     modes = tuple(mode for mode in RECOMPUTE_MODES if mode in recompute)  # lightest first, once each
     return Inputs(model, cluster, {g: profiles[g] for g in gpus}, gbs, distributed_optimizer, overlap, modes,
-                  sequence_parallel, tp_comm_overlap)
+                  sequence_parallel, tp_comm_overlap, {} if geometries is None else geometries)
 
 
 def tensor_degrees(inputs: Inputs) -> list[int]:
@@ -277,9 +282,10 @@ def micro_batch_sizes(inputs: Inputs, tp: int, dp: int, cp: int = 1) -> tuple[li
 def groups(inputs: Inputs, combos: list[Degrees], placement_limit: int = PLACEMENT_LIMIT) -> list[Group]:
     model, cluster = inputs.model, inputs.cluster
     result = []
-    links_of: dict[tuple[str, ...], Links] = {}  # each placement's links, built once for every plan on it
-    dense: tuple = ()  # (tp, dp, cp) and its placements' geometries: the expert degrees of a combo vary fastest
-    stage_experts: dict = {}  # the expert groups' figures of a stage (with_experts), by the links it spans
+    built = inputs.geometries.setdefault(tuple((name, t.count) for name, t in cluster.node_types.items()), {})
+    links_of: dict[tuple[str, ...], Links] = built.setdefault("links", {})  # each placement's, once for every plan
+    dense_of: dict[tuple, tuple] = built.setdefault("dense", {})  # _dense_geometries of each dense grid
+    stage_experts: dict = built.setdefault("experts", {})  # the expert groups' figures of a stage (with_experts)
     for tp, dp, cp, ep, etp in (Degrees(*combo) for combo in combos):  # (tp, dp) alone: a dense plan's
         pp = cluster.num_gpus // (tp * cp * dp)
         mbs_values, oversized = micro_batch_sizes(inputs, tp, dp, cp)
@@ -291,9 +297,10 @@ def groups(inputs: Inputs, combos: list[Degrees], placement_limit: int = PLACEME
                           tp_comm_overlap=tp_comm_overlap_on(inputs, tp, sequence_parallel, mbs_values, cp),
                           cp=cp, ep=ep, etp=etp)
                    for split in encoder_splits(model, pp)]
-        if not dense or dense[0] != (tp, dp, cp):
-            dense = ((tp, dp, cp), *_dense_geometries(inputs, links_of, tp, dp, cp, pp, configs, placement_limit))
-        _, geos, signatures, embedded, exhaustive = dense
+        grid = (tp, dp, cp, placement_limit)  # pp follows, and with it the encoder splits of the configs
+        if grid not in dense_of:
+            dense_of[grid] = _dense_geometries(inputs, links_of, tp, dp, cp, pp, configs, placement_limit)
+        geos, signatures, embedded, exhaustive = dense_of[grid]
         if model.is_moe:
             embedded = [[with_experts(geo, links_of[geo.placement], tp, ep, etp, stage_experts) for geo in per_split]
                         for per_split in embedded]
