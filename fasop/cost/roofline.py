@@ -166,8 +166,9 @@ class Rates:
                 raise InputError(f"model {model.name}", f"trains in fp8: {error}")
             assert spec.fp8_matmul_efficiency is not None  # the table gives it with dense_fp8_tflops
             fp8 = spec.dense_fp8_tflops * 1e12 * min(1.0, spec.fp8_matmul_efficiency * scale)
-        attention = tuple((d, n, *(1e12 * scale * tflops for tflops in speeds))
-                          for d, n, *speeds in spec.attention_tflops)
+        per_s = 1e12 * scale
+        attention = tuple((d, n, per_s * causal, per_s * forward, per_s * backward)
+                          for d, n, causal, forward, backward in spec.attention_tflops)
         return cls(spec.peak_flops(model.precision, model.name) * efficiency, spec.memory_bytes_per_s, link,
                    spec.kernel_launch_s, spec.sm_count, curve, fp8, attention)
 

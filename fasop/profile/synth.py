@@ -10,12 +10,12 @@ micro-batch of b samples of s tokens on one GPU of a tp-way tensor-parallel grou
 The matmuls (2 x weights x tokens, and the attention scores and context over the s x s matrix, half of it in a
 causal flash kernel) run at the achievable fraction of peak in full waves, times `waves`, the share of the SMs
 their 256 x 128 output tiles keep busy (tile and wave quantization, given the table's sm_count); a flash
-attention kernel at the table's measured attention_tflops for its head dim and key length where it has them; the element-wise kernels (norms, softmax and
-dropout on the scores when attention is not flash, bias-dropout-add, bias-GeLU or SwiGLU, rotary embedding,
-embedding gather, cross-entropy) are memory-bound; the host launches one kernel every kernel_launch_us, and the GPU
-runs each once launched and the one before has finished (a pass of tiny kernels takes the host's launches, one of
-large kernels their GPU time). Backward
-does twice the forward's FLOPs (flash attention 2.5 times) and accumulates weight gradients into fp32 main gradients (8 bytes per weight).
+attention kernel at the table's measured attention_tflops for its head dim and key length where it has them;
+the element-wise kernels (norms, softmax and dropout on the scores when attention is not flash, bias-dropout-add,
+bias-GeLU or SwiGLU, rotary embedding, embedding gather, cross-entropy) are memory-bound; the host launches one
+kernel every kernel_launch_us, and the GPU runs each once launched and the one before has finished (a pass of
+tiny kernels takes the host's launches, one of large kernels their GPU time). Backward does twice the forward's
+FLOPs (flash attention 2.5 times) and accumulates weight gradients into fp32 main gradients (8 bytes per weight).
 C: the payload of each all-gather or reduce-scatter over the tensor-parallel group per pass, each moving
 (tp - 1) / tp of it over the GPU's intra-node link (ring) at busbw(C), the bus bandwidth a measured all-reduce of the
 same payload reached (the table's allreduce_busbw; nominal link without one), the same in forward and backward:
