@@ -116,6 +116,18 @@ def llama_toml(**fields: Any) -> str:
     return toml_table("[model]", merged(LLAMA_STYLE, fields))
 
 
+def one_line_error(result, *fragments: str) -> str:
+    """A command refused as bad input must be: exit code 2, one `Error:` line on stderr naming each fragment, no
+    traceback. Returns that line."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
 def merged(base: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     """`base` with `overrides` applied; an override of None removes the key."""
     result = dict(base)

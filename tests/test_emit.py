@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from conftest import llama_toml
+from conftest import llama_toml, one_line_error
 
 from fasop.cli import main
 from fasop.cli.emit import emit
@@ -544,15 +544,6 @@ def write_plans(tmp_path: Path, plans) -> Path:
     path = tmp_path / "plans.json"
     path.write_text(json.dumps(plans))
     return path
-
-
-def one_line_error(result, *fragments):
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
-    assert "Traceback" not in result.stderr
 
 
 def test_cli_writes_the_files(tmp_path):

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from conftest import one_line_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -421,15 +422,6 @@ def test_memory_never_rises_as_ep_or_cp_doubles(tp, ep, recompute, mbs):
 
 
 # -- hostile input ---------------------------------------------------------------------------------------------
-def _one_line(result, *fragments: str) -> None:
-    """Exit code 2, one `Error:` line on stderr naming each fragment, no traceback."""
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in result.output, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
 @pytest.mark.parametrize("value, fragment", [("0", "0 is not in the range x>=1"), ("nan", "'nan' is not a valid integer"),
                                              ("99999999999", "expected an integer from 1 to 16,777,216")])
 def test_a_bad_sequence_length_is_one_line_and_writes_nothing(runner, tmp_path, value, fragment):
@@ -438,7 +430,7 @@ def test_a_bad_sequence_length_is_one_line_and_writes_nothing(runner, tmp_path, 
     out = tmp_path / "plans.json"
     result = runner.invoke(main, ["search", "--model", "llama3-8b", "--cluster", "h100x8-a10gx4", "--seq-length", value,
                                   "--output", str(out)])
-    _one_line(result, "--seq-length", fragment)
+    one_line_error(result, "--seq-length", fragment)
     assert not out.exists()
 
 
@@ -466,7 +458,7 @@ def test_bad_degrees_on_the_command_line_are_one_line(runner, options, fragments
     result = runner.invoke(main, ["estimate", "--model", "mixtral-8x7b", "--cluster", "h100x8-a10gx4", "--tp", "2",
                                   "--dp", "4", "--pp", "1", "--mbs", "1", "--placement", "H100", "--layers", "32",
                                   *options])
-    _one_line(result, *fragments)
+    one_line_error(result, *fragments)
 
 
 @pytest.mark.parametrize("field, value, fragment", [
@@ -483,4 +475,4 @@ def test_bad_degrees_in_a_plan_file_are_one_line(runner, tmp_path, field, value,
                     placement=["H100"], layers_per_stage=[32]).record()
     path = tmp_path / "plans.json"
     path.write_text(json.dumps([{**plan, "rank": 1, field: value}]))
-    _one_line(runner.invoke(main, ["estimate", "--plan", str(path)]), str(path), fragment)
+    one_line_error(runner.invoke(main, ["estimate", "--plan", str(path)]), str(path), fragment)

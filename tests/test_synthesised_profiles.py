@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from conftest import toml_table
+from conftest import one_line_error, toml_table
 
 from fasop.cli import main
 from fasop.inputs import bundled
@@ -34,15 +34,6 @@ def gpu_table(name: str, **changes) -> str:
               "memory_bandwidth_gb_per_s": 1000.0, "intra_node_link": "25 GB/s", "matmul_efficiency": 0.5,
               "source": "round numbers for tests", "date": "2026-01-01", **changes}
     return "\n" + toml_table("[[gpu]]", fields)
-
-
-def one_line_error(result, *fragments: str) -> str:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in result.output, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)

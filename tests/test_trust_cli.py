@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import one_line_error
 
 from fasop.cli import main
 from fasop.inputs.csvfile import CSV_CELL_LIMIT
@@ -19,16 +20,6 @@ LONG = 200 * 1024  # above Python's csv field limit of 128 KiB
 COLUMNS = "run,model_file,cluster_file,gbs,mbs,tp,dp,pp,placement,layers_per_stage,measured_step_s"
 ROWS = ["a,model.toml,cluster.toml,8,1,1,2,1,fast,4,0.061", "b,model.toml,cluster.toml,8,1,1,1,2,fast,2 2,0.052",
         "c,model.toml,cluster.toml,8,1,1,4,1,fast slow,4,0.09"]
-
-
-def one_line_error(result, *fragments: str) -> str:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 def ok(result) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import GPU_SPEED, profile_csv
+from conftest import GPU_SPEED, one_line_error, profile_csv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -82,15 +82,6 @@ def measured(tiny):
 def calibration_of(user, path) -> Calibration:
     runs = read_measured(path)
     return Calibration(runs, load_settings(runs, str(user.profiles))[0])
-
-
-def one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 # -- calibration on a known ground truth ---------------------------------------------------------------
