@@ -23,6 +23,9 @@ from fasop.inputs.tomlfile import Range, Table, expected, validated
 
 MAX_PLAN_INT = 2**53  # ranks, degrees, batch sizes and layer counts of a plan file: exact in any JSON reader
 DATA_PARALLEL_KINDS = ("ddp", "zero1", "zero2", "zero3")
+# the decimals the ranked table prints each ranking figure with: a search that keeps the table's first rows keeps
+# every plan whose figure prints as one of theirs (fasop.search.evaluation.Cut)
+PRINTED_DECIMALS = {"step_time_s": 4, "cost_per_step_usd": 5}
 CSV_LISTS = ("synthesised_profiles", "placement", "layers_per_stage", "layers_per_virtual_stage")
 # Joins the items of a list in one CSV cell: a space is outside the character set of names (fasop.inputs.names),
 # so every node-type name reads back whole ("-" is inside it).

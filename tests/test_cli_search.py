@@ -137,6 +137,23 @@ def test_bundled_search_top_limits_rows(runner):
     assert len(table_lines(result.stdout)[1]) == 10  # the default
 
 
+@pytest.mark.parametrize("options", [[], ["--sort", "cost"], ["--all-placements"], ["--top", "30"]])
+def test_the_pruned_table_is_the_full_searchs(runner, tmp_path, options):
+    """By default the search solves only what can reach the table's rows; the rows, and the plans each stands for
+    (six placements of one plan here), are those of the search of every plan; --output asks for every plan."""
+    args = ["search", "--model", "gpt2-xl", "--cluster", "fasop-1xA100-7xA10", "--top", "5", *options]
+    pruned, full = invoke(runner, args), invoke(runner, [*args, "--no-prune"])
+    ok(pruned)
+    ok(full)
+    assert table_lines(pruned.stdout) == table_lines(full.stdout)
+    assert "best kept" in pruned.stdout and "fit in memory" in full.stdout
+    if not options:
+        assert any(row.split()[-6] == "6" for row in table_lines(pruned.stdout)[1])
+    written = invoke(runner, [*args, "--output", tmp_path / "plans.json"])
+    ok(written)
+    assert "fit in memory" in written.stdout and table_lines(written.stdout) == table_lines(full.stdout)
+
+
 def test_bundled_search_json(bert_search):
     folder, _ = bert_search
     plans = json.loads((folder / "plans.json").read_text())

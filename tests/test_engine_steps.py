@@ -115,8 +115,8 @@ def test_the_partition_solves_what_it_keeps_and_prunes_only_what_cannot_be_among
     monkeypatch.setattr(steps, "PRUNE_CHUNK", 1)  # the threshold tightens after every problem
     for keep in (1, 3):  # with bounds and keep, the keep best plans all the same, for less work
         found = [np.full(int(plan.max()) + 1, np.inf)]
-        _, _, kept, _ = steps.partition(problems, schedule, steps.depth_bounds(batch, True), keep, plan, weight, found,
-                                        nothing)
+        _, _, kept, _ = steps.partition(problems, schedule, steps.depth_bounds(batch, True), steps.Cut(keep), plan,
+                                        weight, found, nothing)
         assert not kept.all()
         assert np.array_equal(np.sort(found[0])[:keep], np.sort(best_of_plan)[:keep])
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from test_search_trust import instances
 
 from fasop.cli import main
+from fasop.cli.tables import format_table
 from fasop.errors import InputError
 from fasop.inputs.cluster import load_cluster
 from fasop.plans import load_plans
@@ -48,6 +49,12 @@ def test_pruned_headroom_search_returns_the_unpruned_best(instance, sort, headro
             patch.setattr(evaluation, "PRUNE_CHUNK", 1)
             pruned = search_within_headroom(model, cluster, keep=keep, **options).plans
         assert pruned == ranked[:keep]
+        placed = search_within_headroom(model, cluster, places=keep, **options)
+        flagged = lambda plan: over_headroom(plan, cluster, headroom)  # noqa: E731
+        assert not ranked or format_table(placed.plans, keep, flagged=flagged) == format_table(ranked, keep,
+                                                                                               flagged=flagged)
+        if placed.headroom_only:  # the plans below the headroom filled the table: the counts are theirs
+            assert not any(map(flagged, placed.plans))
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -267,7 +267,7 @@ def test_command_line_search_writes_the_plans_of_the_api(max_examples, derandomi
                 options += ["--prune", "--top", str(prune_top)]
             result = CliRunner().invoke(main, ["search", *w.args(*options)])
             api = [p.record() for p in search_within_headroom(w.model, w.cluster, profiles_dir=str(w.profiles),
-                                                              sort=sort, keep=prune_top,
+                                                              sort=sort, places=prune_top,
                                                               bound_placements=prune_top or 10).plans]  # --top
             if not api:  # nothing fits: one line, exit code 2, no output file
                 assert result.exit_code == 2, result.output

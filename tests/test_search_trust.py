@@ -7,12 +7,15 @@ import pytest
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
+from fasop.cli.tables import format_table
 from fasop.errors import InputError
 from fasop.inputs.cluster import Cluster, Derating, NodeType
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import Curve, GpuProfile
 from fasop.market.pareto import MAX_COMPOSITIONS, compositions
+from fasop.plans import PRINTED_DECIMALS
 from fasop.search import evaluation, search_plans
+from fasop.search.engine import SORT_KEYS
 from fasop.search.placement import SUBSET_NODES, placements
 from fasop.search.space import MAX_GLOBAL_BATCH, divisors
 
@@ -79,6 +82,27 @@ def test_pruned_search_returns_the_full_searchs_best(instance, sort):
                 pruned = search_plans(model, cluster, profiles=profiles, sort=sort, keep=keep, workers=1,
                                       use_all=True).plans
             assert pruned == full[:keep]
+        # places: every plan of the first `keep` ranking values as printed, so the table is the full search's
+        placed = search_plans(model, cluster, profiles=profiles, sort=sort, places=keep, workers=1, use_all=True).plans
+        assert not full or format_table(placed, keep) == format_table(full, keep)
+        printed = sorted({round(getattr(plan, SORT_KEYS[sort]), PRINTED_DECIMALS[SORT_KEYS[sort]]) for plan in full})
+        assert placed == [plan for plan in full
+                          if round(getattr(plan, SORT_KEYS[sort]), PRINTED_DECIMALS[SORT_KEYS[sort]]) in printed[:keep]]
+
+
+def test_a_cut_of_places_keeps_every_plan_that_prints_as_one_of_its_values():
+    """Three values as printed, 1.0000, 1.0001 and 2.0000: the ties, the values that round to the same figure, are
+    kept together, and the threshold is the last value that prints as the last place."""
+    ranked = [1.0, 1.0, 1.00004, 1.00012, 1.00014, 2.0, 3.0]
+    cut = evaluation.Cut(2, 4)
+    assert cut.kept(ranked, lambda value: (value,)) == [1.0, 1.0, 1.00004, 1.00012, 1.00014]
+    assert cut.places(ranked, lambda value: (value,)) == 4
+    assert cut.threshold([np.array(ranked)]) == pytest.approx(1.00015)
+    assert evaluation.Cut(5, 4).threshold([np.array(ranked[:3])]) == np.inf  # fewer values than places
+    # the leading elements of a value rank first: a flagged plan is a place of its own
+    flagged = [(False, 1.0), (False, 1.00001), (True, 1.0), (True, 5.0)]
+    assert cut.kept(flagged, lambda value: value) == flagged[:3]
+    assert evaluation.Cut(2).kept(ranked, lambda value: (value,)) == [1.0, 1.0]  # without decimals: plans
 
 
 def test_divisors_of_large_numbers():

@@ -57,9 +57,11 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
               help="Steps of the whole run, for its time and price.")
 @click.option("--train-tokens", type=click.FloatRange(min=1), default=None,
               help="Tokens of the whole run (instead of --train-steps).")
-@click.option("--prune", is_flag=True,
-              help="Solve only plans that can reach the --top best (sound lower bounds skip the rest): faster on "
-                   "large clusters; --output then holds only those plans.")
+@click.option("--prune/--no-prune", default=None,
+              help="Solve only plans that can reach the --top rows of the table (sound lower bounds skip the rest; "
+                   "the table is the full search's, the counts above it those of the plans solved). Default: "
+                   "--prune, unless --output or --noise asks for every plan; with --prune, --output holds only those "
+                   "plans.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Processes to search with (default: one per core for clusters of 32 nodes or more, else one).")
 @click.option("--emit", "emit_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -113,6 +115,7 @@ def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort,
 
         check_out_dir(emit_dir, force, "emit_dir")
     common.check_outputs(outputs, inputs, force)
+    prune = output is None and noise is None if prune is None else prune  # every plan where one is written or perturbed
     spaces = precision_spaces(model, cluster, None if precision is None else parse_precisions(precision), fp8_recipe,
                               fp8_param_gather, use_all, distributed_optimizer)
     space_profiles = common.space_profiles(spaces, profiles_dir, allow_profile_mismatch)
@@ -121,7 +124,8 @@ def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort,
         result = search_precisions(spaces, space_profiles, gbs, profiles_dir, memory_headroom=memory_headroom,
                                    distributed_optimizer=distributed_optimizer, train_steps=train_steps,
                                    train_tokens=train_tokens, sort=sort, progress=progress,
-                                   keep=top if prune else None, workers=workers, overlap=overlap, recompute=recompute,
+                                   **_cut(prune, top, all_placements), workers=workers, overlap=overlap,
+                                   recompute=recompute,
                                    sequence_parallel=not no_sequence_parallel, tp_comm_overlap=not no_tp_comm_overlap,
                                    use_all=use_all, stage_groups=stage_groups, bound_placements=top)
     elapsed = time.perf_counter() - started
@@ -140,8 +144,8 @@ def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort,
     notes = _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs, run_settings(run))
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0].gbs}; "
                f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
-               f"solved), {len(plans)} {'best kept' if prune else 'fit in memory'}, {result.out_of_memory} removed "
-               f"as out of memory.")
+               f"solved), {len(plans)} {'best kept' if prune else 'fit in memory'}, {result.out_of_memory} "
+               f"{'found no room below the memory headroom' if result.headroom_only else 'removed as out of memory'}.")
     click.echo(TIMING_LEGEND)
     _echo_table(plans, top, all_placements, cluster, memory_headroom)
     _echo_notes(result, top, cluster)
@@ -154,6 +158,12 @@ def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort,
         click.echo(f"launch scripts of plan 1 written to {emit_dir}; submit with: cd {emit_dir} && sbatch sbatch.sh")
         for note in notes:
             click.echo(note, err=True)
+
+
+def _cut(prune: bool, top: int, all_placements: bool) -> dict[str, int]:
+    """The search's keep or places (fasop.search.evaluation.Cut) to print the table's first `top` rows: every
+    plan's row with --all-placements, else the distinct rows."""
+    return {} if not prune else {"keep": top} if all_placements else {"places": top}
 
 
 def _noise(spaces, space_profiles, plans, profiles_dir, settings, noise, trials, seed, sort, top) -> str:

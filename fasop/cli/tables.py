@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from fasop.inputs.errorband import ErrorBand
-from fasop.plans import Plan, compress_placement
+from fasop.plans import PRINTED_DECIMALS, Plan, compress_placement
 
 HEADROOM_MARK = "!"  # beside used/cap GiB: the plan is above the memory headroom
 
@@ -30,9 +30,10 @@ def format_table(plans: list[Plan], top: int, all_placements: bool = False,
         ("rank", "rank", "{}"), ("mbs", "mbs", "{}"), ("tp", "tp", "{}"), ("dp", "dp", "{}"), ("pp", "pp", "{}"),
         ("virtual_stages", "vp", "{}"), ("recompute", "recompute", ""), ("sequence_parallel", "sp", ""),
         ("placement", "placement", ""), ("layers_per_stage", "layers/stage", ""),
-        ("step_time_s", "step s", "{:.4f}"), ("throughput_samples_per_s", "samples/s", "{:.1f}"),
+        ("step_time_s", "step s", f"{{:.{PRINTED_DECIMALS['step_time_s']}f}}"),
+        ("throughput_samples_per_s", "samples/s", "{:.1f}"),
         ("tokens_per_s", "tokens/s", "{:,.0f}"), ("peak_memory_gib", "used/cap GiB", "{:.1f}"),
-        ("cost_per_step_usd", "$/step", "{:.5f}"),
+        ("cost_per_step_usd", "$/step", f"{{:.{PRINTED_DECIMALS['cost_per_step_usd']}f}}"),
     ]
     if plans[0].train_cost_usd is not None:
         columns += [("train_hours", "run h", "{:.1f}"), ("train_cost_usd", "run $", "{:,.0f}")]

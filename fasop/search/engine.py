@@ -19,9 +19,10 @@ from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile
-from fasop.plans import Plan
+from fasop.plans import PRINTED_DECIMALS, Plan
 from fasop.search.evaluation import (
     Candidate,
+    Cut,
     DepthBatch,
     best_of_plans,
     closest_fit,
@@ -85,6 +86,9 @@ class SearchResult:
     idle_bests: dict[tuple[str, ...], tuple[float, float]] = field(default_factory=dict)
     # (node types searched, tp, dp) of every plan found out of memory: where a search with more memory can find more
     unfit_combos: set[tuple[tuple[str, ...], Degrees]] = field(default_factory=set)
+    # the plans found, the counts and idle_bests are those of the search below the memory headroom alone: its plans
+    # filled every place kept (fasop.search.headroom)
+    headroom_only: bool = False
 
     @property
     def idle(self) -> list[IdleChoice]:
@@ -132,10 +136,10 @@ def _without(todo: list[Group], exclude: frozenset[tuple]) -> list[Group]:
 
 
 def evaluate(inputs: Inputs, combos: list[Degrees], placement_limit: int = PLACEMENT_LIMIT,
-             keep: int | None = None, progress: Callable[[int, int], None] | None = None,
+             keep: Cut | None = None, progress: Callable[[int, int], None] | None = None,
              sort: str = "time", exclude: frozenset[tuple] = frozenset()) -> SearchResult:
     """Plans of the given combinations of degrees, unranked. With `keep`, partition problems whose lower bound
-    cannot reach the keep-th best plan by `sort` found so far are skipped (they cannot be among the best).
+    cannot reach the plans it keeps by `sort` among those found so far are skipped (they cannot be among them).
     Plans whose key (plan_keys) is in `exclude` are neither solved nor counted, out of memory or otherwise."""
     with _without_cyclic_gc():
         return _evaluate(inputs, combos, placement_limit, keep, progress, sort, exclude)
@@ -154,7 +158,7 @@ class _Tally:
     dominated: int = 0
 
 
-def _evaluate_depth(tally: _Tally, inputs: Inputs, batch: DepthBatch, bound: np.ndarray, keep: int | None,
+def _evaluate_depth(tally: _Tally, inputs: Inputs, batch: DepthBatch, bound: np.ndarray, keep: Cut | None,
                     sort: str, exclude: frozenset[tuple]) -> None:
     """Partition, schedule and rank the problems of one pipeline depth, into `tally`."""
     keys, plan, weight = plan_keys(batch, inputs.cluster, sort)
@@ -170,7 +174,7 @@ def _evaluate_depth(tally: _Tally, inputs: Inputs, batch: DepthBatch, bound: np.
     tally.unfit.append((batch, np.flatnonzero(np.isinf(terms["step_time_s"]) & (solved | beaten) & ~excluded)))
 
 
-def _evaluate(inputs: Inputs, combos: list[Degrees], placement_limit: int, keep: int | None,
+def _evaluate(inputs: Inputs, combos: list[Degrees], placement_limit: int, keep: Cut | None,
               progress: Callable[[int, int], None] | None, sort: str, exclude: frozenset[tuple]) -> SearchResult:
     """The steps of fasop.search.evaluation in turn, pipeline depths most promising first."""
     todo = groups(inputs, combos, placement_limit)
@@ -204,7 +208,7 @@ def _evaluate(inputs: Inputs, combos: list[Degrees], placement_limit: int, keep:
 def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None, *,
                  distributed_optimizer: bool = True, train_steps: int | None = None, train_tokens: float | None = None,
                  sort: str = "time", progress: Callable[[int, int], None] | None = None,
-                 placement_limit: int = PLACEMENT_LIMIT, keep: int | None = None,
+                 placement_limit: int = PLACEMENT_LIMIT, keep: int | None = None, places: int | None = None,
                  workers: int | None = None, profiles: dict[str, GpuProfile] | None = None,
                  overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES,
                  sequence_parallel: bool = True, tp_comm_overlap: bool = True, use_all: bool = False,
@@ -214,6 +218,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
+    places: instead of keep, every plan among the best `places` ranking values as the ranked table prints them
+    (PRINTED_DECIMALS): the table of the first `places` distinct rows is that of the full search (cut_of).
     workers: processes to use; default: one per core for clusters of 32 nodes or more, else one (small
     searches finish before extra processes would have started).
     profiles: already loaded profiles (by GPU type) instead of reading profiles_dir.
@@ -232,6 +238,7 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     """
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
                      sequence_parallel, tp_comm_overlap, geometries)
+    cut = cut_of(keep, places, sort)
     one_size = cluster.one_kind_per_node
     # plans of one tp and dp run on node types of one size and one GPU kind per node (Cluster.gpus_per_node)
     subsets = ([cluster] if one_size else []) if use_all else node_type_subsets(cluster)
@@ -256,7 +263,7 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     for i, (sub, combos) in enumerate(spaces):  # the bar follows the first, the largest search by far
         combos = _only(sub, combos, only_combos)
         if combos:
-            result.merge(_search(sub, combos, placement_limit, keep, progress if i == 0 else None, sort, workers,
+            result.merge(_search(sub, combos, placement_limit, cut, progress if i == 0 else None, sort, workers,
                                  exclude))
     rows = result.rows
     if stage_groups:  # the programs need only find what beats the best plan by time
@@ -271,8 +278,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     rows.sort(key=lambda r: (r[SORT_KEYS[sort]], r["step_time_s"], r["tp"], r["dp"], r["pp"], r["mbs"],
                              r["encoder_stages"], r["placement"]))
     result.idle_bests = idle_bests(rows, cluster) if not use_all else {}
-    if keep:
-        rows = rows[:keep]
+    if cut:
+        rows = cut.kept(rows, lambda row: (row[SORT_KEYS[sort]],))
     result.rows = []
     with _without_cyclic_gc():
         result.plans = [Plan.trusted({"rank": rank, **row}) for rank, row in enumerate(rows, start=1)]
@@ -281,6 +288,13 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
 
         result.plans[:bound_placements] = placement_gaps(inputs, result.plans[:bound_placements])
     return result
+
+
+def cut_of(keep: int | None, places: int | None, sort: str) -> Cut | None:
+    """The Cut of search_plans' `keep` or `places` (at most one of them)."""
+    if keep and places:
+        raise ArgumentError("places", "keeps plans instead of keep: give one of them")
+    return Cut(keep) if keep else Cut(places, PRINTED_DECIMALS[SORT_KEYS[sort]]) if places else None
 
 
 def _only(inputs: Inputs, combos: list[Degrees], only_combos: frozenset[tuple] | None) -> list[Degrees]:
@@ -356,7 +370,7 @@ def idle_choices(bests: dict[tuple[str, ...], tuple[float, float]]) -> list[Idle
     return choices
 
 
-def _search(inputs: Inputs, combos: list[Degrees], placement_limit: int, keep: int | None,
+def _search(inputs: Inputs, combos: list[Degrees], placement_limit: int, keep: Cut | None,
             progress: Callable[[int, int], None] | None, sort: str, workers: int | None,
             exclude: frozenset[tuple]) -> SearchResult:
     """The plans of `combos` on inputs.cluster, unranked: in this process, or in one process per core for large

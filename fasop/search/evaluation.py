@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -204,15 +204,49 @@ def ranking_bound(bound: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return ranked
 
 
-def threshold(found: list[np.ndarray], keep: int | None) -> float:
-    """The keep-th best ranking value among the plans found so far; inf without `keep` or before that many are
-    found. The slack keeps plans whose bound ties it up to rounding (bound, step time and the ranking figures
-    are computed along different paths)."""
-    if keep:
+class Cut(NamedTuple):
+    """What a pruned search keeps: the best `size` plans, or, with `decimals`, every plan among the best `size`
+    distinct ranking values rounded to that many decimals, as the ranked table prints them (fasop.plans.PRINTED_DECIMALS): the
+    table of such a search is the table of the full search, each row with all the plans it stands for."""
+
+    size: int
+    decimals: int | None = None
+
+    def threshold(self, found: list[np.ndarray]) -> float:
+        """The highest ranking value a plan may have to be kept, among the plans found so far (the best value so
+        far of each plan, inf if none); inf before enough are found. The slack keeps plans whose bound ties it up
+        to rounding (bound, step time and the ranking figures are computed along different paths)."""
         values = np.concatenate(found)
-        if np.isfinite(values).sum() >= keep:
-            return np.partition(values, keep - 1)[keep - 1] * (1 + PRUNE_SLACK)
-    return np.inf
+        values = values[np.isfinite(values)]
+        if self.decimals is not None:  # the last value that prints as the size-th place
+            values = np.unique(np.round(values, self.decimals)) + 0.5 * 10.0 ** -self.decimals
+        if len(values) < self.size:
+            return np.inf
+        return np.partition(values, self.size - 1)[self.size - 1] * (1 + PRUNE_SLACK)
+
+    def kept(self, ranked: list, value: Callable[[Any], Any]) -> list:
+        """The items of `ranked` (best first) this cut keeps; value(item) is its ranking value (with decimals: a
+        tuple whose last element is it, the elements before it ranking first, such as the flag of a plan above
+        the memory headroom)."""
+        if self.decimals is None:
+            return ranked[:self.size]
+        kept: list = []
+        places: set = set()
+        for item in ranked:
+            *first, last = value(item)
+            place = (*first, round(last, self.decimals))
+            if place not in places:
+                if len(places) == self.size:
+                    break
+                places.add(place)
+            kept.append(item)
+        return kept
+
+    def places(self, ranked: list, value: Callable[[Any], Any]) -> int:
+        """How many of this cut's places the items of `ranked` fill."""
+        if self.decimals is None:
+            return len(ranked)
+        return len({(*first, round(last, self.decimals)) for *first, last in map(value, ranked)})
 
 
 def scheduled(schedule: ScheduleBatch, rows: np.ndarray, counts: np.ndarray, terms: dict[str, np.ndarray]) -> None:
@@ -224,15 +258,15 @@ def scheduled(schedule: ScheduleBatch, rows: np.ndarray, counts: np.ndarray, ter
         terms[name][rows] = column
 
 
-def partition(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, keep: int | None, plan: np.ndarray,
+def partition(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray, keep: Cut | None, plan: np.ndarray,
               weight: np.ndarray, found: list[np.ndarray], dominated: np.ndarray):
     """(counts, exact step terms, solved mask, outdone mask) of a batch, most promising problems first: each
     problem's layers are partitioned for the closed form, and the partition is timed with the exact schedule.
     `dominated` problems are not solved.
 
     With `keep`, a problem is skipped when its lower bound on the exact step time, times its ranking weight (1 to
-    rank by time, the price per second to rank by cost), exceeds the keep-th best ranking value among the plans
-    `found` (the best value so far of each plan, inf if none, one array per pipeline depth, this batch's last;
+    rank by time, the price per second to rank by cost), exceeds the last ranking value `keep` keeps among the plans
+    `found` (Cut.threshold; the best value so far of each plan, inf if none, one array per pipeline depth, this batch's last;
     several problems, the encoder splits of one encoder-decoder plan, share their `plan` and count once). The
     threshold tightens chunk by chunk as problems are solved. Whatever `keep`, a problem whose bound exceeds what
     another problem of its plan reached (a split, a recompute mode, a virtual size) is skipped: it cannot become
@@ -247,7 +281,7 @@ def partition(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray,
     step = PRUNE_CHUNK if keep or bound.any() else max(1, len(order))
     reached = found[-1]
     for start in range(0, len(order), step):
-        limit = threshold(found, keep)
+        limit = keep.threshold(found) if keep else np.inf
         chunk = order[start:start + step]
         beaten = ranked[chunk] > reached[plan[chunk]] * (1 + PRUNE_SLACK)  # by another split or mode
         outdone[chunk[beaten]] = True
@@ -261,7 +295,7 @@ def partition(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray,
     return counts, terms, solved, outdone
 
 
-def partition_modes(batch: DepthBatch, bound: np.ndarray, keep: int | None, plan: np.ndarray, weight: np.ndarray,
+def partition_modes(batch: DepthBatch, bound: np.ndarray, keep: Cut | None, plan: np.ndarray, weight: np.ndarray,
                     found: list[np.ndarray], excluded: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray],
                                                                           np.ndarray, np.ndarray]:
     """`partition` of a depth's batch, recompute mode by mode, lightest first: a heavier mode has to beat what the

@@ -9,7 +9,9 @@ are then searched on the whole memory, flagged: the plans below the headroom are
 whole work is one search and the few plans that fit only above the headroom. With `keep`, a flagged plan never
 sets the bound that prunes a plan below the headroom: the tight search prunes among plans below it alone, and when
 it finds fewer than `keep` it pruned nothing (its threshold needs `keep` plans), so the second search fills the
-places left with the best flagged plans."""
+places left with the best flagged plans. When the plans below the headroom fill every place, no flagged plan can
+enter: the second search is left out, but for the node-type sets with no plan below the headroom (whose best plan
+the notes on idle node types compare), and the counts are those below the headroom."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from fasop.errors import ArgumentError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.plans import Plan
-from fasop.search.engine import SearchResult, merge_idle_bests, search_plans
+from fasop.search.engine import SORT_KEYS, SearchResult, cut_of, merge_idle_bests, search_plans
 
 DEFAULT_MEMORY_HEADROOM = 0.90  # a policy, not a measured fact: the share of usable memory a plan may fill unflagged
 HEADROOM_TOLERANCE = 1e-9  # memory at the headroom up to rounding counts as below it
@@ -53,29 +55,46 @@ def _key(plan: Plan) -> tuple[tuple, tuple]:
             plan.etp or plan.tp), degrees
 
 
+def _idle(cluster: Cluster, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The node types of `cluster` a plan on the node types `names` leaves idle (SearchResult.idle_bests' key)."""
+    return tuple(name for name in cluster.node_types if name not in names)
+
+
 def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None, *,
                            memory_headroom: float = DEFAULT_MEMORY_HEADROOM, keep: int | None = None,
-                           **options: Any) -> SearchResult:
+                           places: int | None = None, **options: Any) -> SearchResult:
     """search_plans (its arguments in `options`) with the plans below `memory_headroom` of usable GPU memory ranked
     first, each at its best below it, then the others (flagged: over_headroom). The counts of plans evaluated and
     out of memory are those of a search on the whole memory, the partitions solved, pruned and skipped those of
     both searches."""
     memory_headroom = check_headroom(memory_headroom)
     if memory_headroom == 1:
-        return search_plans(model, cluster, gbs, profiles_dir, keep=keep, **options)
+        return search_plans(model, cluster, gbs, profiles_dir, keep=keep, places=places, **options)
     options["geometries"] = {}  # built once for both searches: geometry does not depend on memory
     tight = search_plans(model, replace(cluster, memory_margin=cluster.memory_margin / memory_headroom), gbs,
-                         profiles_dir, keep=keep, **options)
+                         profiles_dir, keep=keep, places=places, **options)
     if not tight.out_of_memory:  # every plan fits below the headroom (with `keep`: of those it did not prune)
         return tight
     options.pop("progress", None)  # the bar followed the longer search
     below = frozenset(key for key, stages in map(_key, tight.plans) if not stages)
-    # with `keep`: the flagged plans fill the places left, and the search counts the plans out of memory
-    rest = search_plans(model, cluster, gbs, profiles_dir, keep=keep and max(keep - len(tight.plans), 1),
-                        exclude=below, only_combos=frozenset(tight.unfit_combos), **options)
+    # with a cut: the flagged plans fill the places left, and the search counts the plans out of memory
+    sort = options.get("sort", "time")
+    cut = cut_of(keep, places, sort)
+
+    def value(plan: Plan) -> tuple[float]:
+        return (getattr(plan, SORT_KEYS[sort]),)
+
+    left = cut and cut._replace(size=cut.size - cut.places(tight.plans, value))
+    if left is not None and left.size == 0:  # the table is full below the headroom
+        return _idle_above(tight, model, cluster, gbs, profiles_dir, keep, places, below, options)
+    wanted = left and max(left.size, 1)
+    rest = search_plans(model, cluster, gbs, profiles_dir, keep=wanted if keep else None,
+                        places=wanted if places else None, exclude=below, only_combos=frozenset(tight.unfit_combos),
+                        **options)
     known = {_key(plan) for plan in tight.plans}
-    plans = tight.plans + [plan for plan in rest.plans if _key(plan) not in known]
-    rest.plans = [plan.model_copy(update={"rank": rank}) for rank, plan in enumerate(plans[:keep], start=1)]
+    flagged = [plan for plan in rest.plans if _key(plan) not in known]
+    plans = tight.plans + (left.kept(flagged, value) if left else flagged)
+    rest.plans = [plan.model_copy(update={"rank": rank}) for rank, plan in enumerate(plans, start=1)]
     rest.plans_evaluated = tight.plans_evaluated
     rest.partitions_solved += tight.partitions_solved
     rest.pruned += tight.pruned
@@ -84,3 +103,17 @@ def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = Non
     if tight.plans:
         rest.closest_memory_factor = rest.closest_plan = None
     return rest
+
+
+def _idle_above(tight: SearchResult, model: Model, cluster: Cluster, gbs: int | None, profiles_dir: str | None,
+                keep: int | None, places: int | None, below: frozenset, options: dict[str, Any]) -> SearchResult:
+    """The search below the headroom whose plans fill every place kept: no plan above it can enter the table, so
+    only the node-type sets with no plan below it are searched above it, for the best plan of each
+    (SearchResult.idle_bests); the counts stay those below the headroom (headroom_only)."""
+    unfit = frozenset(item for item in tight.unfit_combos if _idle(cluster, item[0]) not in tight.idle_bests)
+    if unfit:
+        rest = search_plans(model, cluster, gbs, profiles_dir, keep=keep and 1, places=places and 1, exclude=below,
+                            only_combos=unfit, **options)
+        tight.idle_bests = merge_idle_bests(tight.idle_bests, rest.idle_bests)
+    tight.headroom_only = True
+    return tight

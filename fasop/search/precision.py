@@ -20,7 +20,7 @@ from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import PRECISIONS, Model, with_precision, with_seq_length
 from fasop.inputs.profiles import GpuProfile
 from fasop.plans import Plan
-from fasop.search.engine import SORT_KEYS, SearchResult, idle_bests
+from fasop.search.engine import SORT_KEYS, SearchResult, cut_of, idle_bests
 from fasop.search.headroom import DEFAULT_MEMORY_HEADROOM, over_headroom, search_within_headroom
 
 
@@ -91,11 +91,13 @@ def precision_spaces(model: Model, cluster: Cluster, precisions: tuple[str, ...]
 
 def search_precisions(spaces: list[PrecisionSpace], profiles: list[dict[str, GpuProfile]], gbs: int | None = None,
                       profiles_dir: str | None = None, *, memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
-                      keep: int | None = None, sort: str = "time", **options: Any) -> SearchResult:
+                      keep: int | None = None, places: int | None = None, sort: str = "time",
+                      **options: Any) -> SearchResult:
     """search_within_headroom in each precision's space (with its profiles), the plans ranked together: below the
     headroom first, then by `sort`. One precision is that search itself."""
     results = [search_within_headroom(space.model, space.cluster, gbs, profiles_dir, profiles=profiles_of,
-                                      memory_headroom=memory_headroom, keep=keep, sort=sort, **options)
+                                      memory_headroom=memory_headroom, keep=keep, places=places, sort=sort,
+                                      **options)
                for space, profiles_of in zip(spaces, profiles)]
     if len(results) == 1:
         return results[0]
@@ -105,11 +107,15 @@ def search_precisions(spaces: list[PrecisionSpace], profiles: list[dict[str, Gpu
         return (over_headroom(plan, cluster, memory_headroom), getattr(plan, SORT_KEYS[sort]), plan.step_time_s,
                 plan.tp, plan.dp, plan.pp, plan.mbs, plan.encoder_stages, tuple(plan.placement), plan.precision or "")
 
-    plans = sorted((plan for result in results for plan in result.plans), key=rank_key)[:keep]
+    plans = sorted((plan for result in results for plan in result.plans), key=rank_key)
+    cut = cut_of(keep, places, sort)
+    if cut:
+        plans = cut.kept(plans, lambda plan: rank_key(plan)[:2])
     merged = SearchResult([], sum(r.plans_evaluated for r in results), sum(r.partitions_solved for r in results),
                           sum(r.out_of_memory for r in results), sum(r.pruned for r in results),
                           sum(r.dominated for r in results))
     merged.plans = [plan.model_copy(update={"rank": rank}) for rank, plan in enumerate(plans, start=1)]
+    merged.headroom_only = any(result.headroom_only for result in results)
     if not plans:
         closest = min((r for r in results if r.closest_memory_factor is not None),
                       key=lambda r: r.closest_memory_factor or math.inf, default=None)
