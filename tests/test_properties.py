@@ -188,8 +188,9 @@ def check_ranking(plans: list[dict], sort: str) -> None:
 
 
 def estimated_fields(plan: dict) -> dict:
-    """What `fasop estimate` must reproduce: everything but the rank and how the search found the placement."""
-    return {k: v for k, v in plan.items() if k not in ("rank", "placement_search")}
+    """What `fasop estimate` must reproduce: everything but the rank and how the search found the placement (and
+    the integer program's bound on how far a better one could be, which only a search computes)."""
+    return {k: v for k, v in plan.items() if k not in ("rank", "placement_search", "optimality_gap")}
 
 
 RECOMPUTE_FIELDS = ("recompute", "recompute_method", "recompute_num_layers", "sequence_parallel")
