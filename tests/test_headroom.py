@@ -149,3 +149,32 @@ def test_the_two_searches_build_each_placements_geometry_once(monkeypatch):
         patch.setattr(headroom, "search_plans", lambda *a, geometries=None, **k: search_plans(*a, **k))
         apart = search_within_headroom(model, cluster, workers=1)
     assert [plan.record() for plan in shared.plans] == [plan.record() for plan in apart.plans]
+
+
+def test_a_table_full_below_the_headroom_leaves_the_search_above_it_out(monkeypatch):
+    """Llama 2 7B on eight A10 nodes: 51 plans fit below the headroom, 4 only above it. Five rows are full below
+    it, so the search above it is left out (its node-type set has a plan below), and the five rows are the full
+    search's; sixty rows need the plans above it, and both searches run."""
+    from fasop import load_model
+    from fasop.search import headroom
+
+    model, cluster = load_model("llama2-7b"), load_cluster("fasop-8xA10")
+    searches = []
+
+    def counted(*args, **kwargs):
+        searches.append(kwargs.get("only_combos"))
+        return search_plans(*args, **kwargs)
+
+    monkeypatch.setattr(headroom, "search_plans", counted)
+    full = search_within_headroom(model, cluster, workers=1)
+    assert len(searches) == 2 and not full.headroom_only
+    flagged = lambda plan: over_headroom(plan, cluster, 0.9)  # noqa: E731
+    assert 0 < sum(map(flagged, full.plans)) < len(full.plans)
+    searches.clear()
+    five = search_within_headroom(model, cluster, workers=1, places=5)
+    assert len(searches) == 1 and five.headroom_only and not any(map(flagged, five.plans))
+    assert format_table(five.plans, 5, flagged=flagged) == format_table(full.plans, 5, flagged=flagged)
+    searches.clear()
+    sixty = search_within_headroom(model, cluster, workers=1, places=60)
+    assert len(searches) == 2 and not sixty.headroom_only
+    assert format_table(sixty.plans, 60, flagged=flagged) == format_table(full.plans, 60, flagged=flagged)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from fasop.cli.tables import format_table
-from fasop.errors import InputError
+from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import Cluster, Derating, NodeType
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import Curve, GpuProfile
@@ -103,6 +103,15 @@ def test_a_cut_of_places_keeps_every_plan_that_prints_as_one_of_its_values():
     flagged = [(False, 1.0), (False, 1.00001), (True, 1.0), (True, 5.0)]
     assert cut.kept(flagged, lambda value: value) == flagged[:3]
     assert evaluation.Cut(2).kept(ranked, lambda value: (value,)) == [1.0, 1.0]  # without decimals: plans
+
+
+@pytest.mark.parametrize("arguments, named", [({"keep": 0}, "keep=0"), ({"places": -1}, "places=-1"),
+                                               ({"keep": 2.5}, "keep=2.5"), ({"places": True}, "places=True"),
+                                               ({"keep": 2, "places": 2}, "places"), ({"sort": "speed"}, "sort=speed")])
+def test_bad_cuts_and_sorts_are_refused_before_any_search(arguments, named):
+    model, profiles = model_of("decoder", 4, 8), {"g0": profile_of("g0", 1.0)}
+    with pytest.raises(ArgumentError, match=named):
+        search_plans(model, cluster_of([("g0", 2, 16.0, 1.0)], 2), profiles=profiles, **arguments)
 
 
 def test_divisors_of_large_numbers():

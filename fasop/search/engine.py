@@ -7,7 +7,7 @@ import gc
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -236,9 +236,9 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     only_combos: search only these (node types, degrees) (SearchResult.unfit_combos), on every node-type set.
     geometries: the placements' geometries another search of the same question built (Inputs.geometries).
     """
+    cut = cut_of(keep, places, sort)
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
                      sequence_parallel, tp_comm_overlap, geometries)
-    cut = cut_of(keep, places, sort)
     one_size = cluster.one_kind_per_node
     # plans of one tp and dp run on node types of one size and one GPU kind per node (Cluster.gpus_per_node)
     subsets = ([cluster] if one_size else []) if use_all else node_type_subsets(cluster)
@@ -291,8 +291,13 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
 
 
 def cut_of(keep: int | None, places: int | None, sort: str) -> Cut | None:
-    """The Cut of search_plans' `keep` or `places` (at most one of them)."""
-    if keep and places:
+    """The Cut of search_plans' `keep` or `places` (at most one of them), ranked by `sort`: each checked."""
+    if sort not in SORT_KEYS:
+        raise ArgumentError("sort", f"expected one of {', '.join(SORT_KEYS)}", sort)
+    for name, count in (("keep", keep), ("places", places)):
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise ArgumentError(name, "expected a whole number of at least 1, or None for every plan", count)
+    if keep is not None and places is not None:
         raise ArgumentError("places", "keeps plans instead of keep: give one of them")
     return Cut(keep) if keep else Cut(places, PRINTED_DECIMALS[SORT_KEYS[sort]]) if places else None
 
@@ -336,11 +341,17 @@ class IdleChoice:
     every_node: float | None  # the metric of the best plan on every node (None: none fits)
 
 
+def idle_types(cluster: Cluster, used: Iterable[str]) -> tuple[str, ...]:
+    """The node types of `cluster` that a plan on the node types `used` leaves idle (idle_bests' keys)."""
+    used = set(used)
+    return tuple(name for name in cluster.node_types if name not in used)
+
+
 def idle_bests(rows: list[dict], cluster: Cluster) -> dict[tuple[str, ...], tuple[float, float]]:
     """The best step time and price per step of the rows leaving each set of node types idle."""
     best: dict[tuple[str, ...], tuple[float, float]] = {}
     for row in rows:
-        idle = tuple(name for name in cluster.node_types if name not in row["placement"])
+        idle = idle_types(cluster, row["placement"])
         time_s, cost = best.get(idle, (math.inf, math.inf))
         best[idle] = min(time_s, row["step_time_s"]), min(cost, row["cost_per_step_usd"])
     return best

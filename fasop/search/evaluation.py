@@ -206,8 +206,9 @@ def ranking_bound(bound: np.ndarray, weight: np.ndarray) -> np.ndarray:
 
 class Cut(NamedTuple):
     """What a pruned search keeps: the best `size` plans, or, with `decimals`, every plan among the best `size`
-    distinct ranking values rounded to that many decimals, as the ranked table prints them (fasop.plans.PRINTED_DECIMALS): the
-    table of such a search is the table of the full search, each row with all the plans it stands for."""
+    distinct ranking values rounded to that many decimals, as the ranked table prints them
+    (fasop.plans.PRINTED_DECIMALS): the table of such a search is the table of the full search, each row with all
+    the plans it stands for."""
 
     size: int
     decimals: int | None = None
@@ -224,17 +225,16 @@ class Cut(NamedTuple):
             return np.inf
         return np.partition(values, self.size - 1)[self.size - 1] * (1 + PRUNE_SLACK)
 
-    def kept(self, ranked: list, value: Callable[[Any], Any]) -> list:
-        """The items of `ranked` (best first) this cut keeps; value(item) is its ranking value (with decimals: a
-        tuple whose last element is it, the elements before it ranking first, such as the flag of a plan above
-        the memory headroom)."""
+    def kept(self, ranked: list, value: Callable[[Any], tuple]) -> list:
+        """The items of `ranked` (best first) this cut keeps; value(item) is a tuple whose last element is its
+        ranking value, the elements before it ranking first (such as the flag of a plan above the memory
+        headroom)."""
         if self.decimals is None:
             return ranked[:self.size]
         kept: list = []
         places: set = set()
         for item in ranked:
-            *first, last = value(item)
-            place = (*first, round(last, self.decimals))
+            place = self._place(value(item))
             if place not in places:
                 if len(places) == self.size:
                     break
@@ -242,11 +242,18 @@ class Cut(NamedTuple):
             kept.append(item)
         return kept
 
-    def places(self, ranked: list, value: Callable[[Any], Any]) -> int:
+    def places(self, ranked: list, value: Callable[[Any], tuple]) -> int:
         """How many of this cut's places the items of `ranked` fill."""
-        if self.decimals is None:
-            return len(ranked)
-        return len({(*first, round(last, self.decimals)) for *first, last in map(value, ranked)})
+        return len(ranked) if self.decimals is None else len({self._place(value(item)) for item in ranked})
+
+    def arguments(self) -> dict[str, Any]:
+        """The search_plans argument that makes this cut (keep or places)."""
+        return {"keep" if self.decimals is None else "places": self.size}
+
+    def _place(self, value: tuple) -> tuple:
+        """The place of a ranking value: as printed."""
+        *first, last = value
+        return (*first, round(last, self.decimals))
 
 
 def scheduled(schedule: ScheduleBatch, rows: np.ndarray, counts: np.ndarray, terms: dict[str, np.ndarray]) -> None:
@@ -265,9 +272,9 @@ def partition(batch: PartitionBatch, schedule: ScheduleBatch, bound: np.ndarray,
     `dominated` problems are not solved.
 
     With `keep`, a problem is skipped when its lower bound on the exact step time, times its ranking weight (1 to
-    rank by time, the price per second to rank by cost), exceeds the last ranking value `keep` keeps among the plans
-    `found` (Cut.threshold; the best value so far of each plan, inf if none, one array per pipeline depth, this batch's last;
-    several problems, the encoder splits of one encoder-decoder plan, share their `plan` and count once). The
+    rank by time, the price per second to rank by cost), exceeds the last ranking value `keep` keeps among the
+    plans `found` (Cut.threshold; the best value so far of each plan, inf if none, one array per pipeline depth,
+    this batch's last; several problems, the encoder splits of one encoder-decoder plan, share their `plan` and count once). The
     threshold tightens chunk by chunk as problems are solved. Whatever `keep`, a problem whose bound exceeds what
     another problem of its plan reached (a split, a recompute mode, a virtual size) is skipped: it cannot become
     the plan's (the outdone mask)."""

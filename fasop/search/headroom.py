@@ -23,7 +23,8 @@ from fasop.errors import ArgumentError
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.plans import Plan
-from fasop.search.engine import SORT_KEYS, SearchResult, cut_of, merge_idle_bests, search_plans
+from fasop.search.engine import SORT_KEYS, SearchResult, cut_of, idle_types, merge_idle_bests, search_plans
+from fasop.search.evaluation import Cut
 
 DEFAULT_MEMORY_HEADROOM = 0.90  # a policy, not a measured fact: the share of usable memory a plan may fill unflagged
 HEADROOM_TOLERANCE = 1e-9  # memory at the headroom up to rounding counts as below it
@@ -55,18 +56,13 @@ def _key(plan: Plan) -> tuple[tuple, tuple]:
             plan.etp or plan.tp), degrees
 
 
-def _idle(cluster: Cluster, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The node types of `cluster` a plan on the node types `names` leaves idle (SearchResult.idle_bests' key)."""
-    return tuple(name for name in cluster.node_types if name not in names)
-
-
 def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None, *,
                            memory_headroom: float = DEFAULT_MEMORY_HEADROOM, keep: int | None = None,
                            places: int | None = None, **options: Any) -> SearchResult:
     """search_plans (its arguments in `options`) with the plans below `memory_headroom` of usable GPU memory ranked
     first, each at its best below it, then the others (flagged: over_headroom). The counts of plans evaluated and
     out of memory are those of a search on the whole memory, the partitions solved, pruned and skipped those of
-    both searches."""
+    both searches; or, where the plans below the headroom fill every place kept, those below it (headroom_only)."""
     memory_headroom = check_headroom(memory_headroom)
     if memory_headroom == 1:
         return search_plans(model, cluster, gbs, profiles_dir, keep=keep, places=places, **options)
@@ -86,11 +82,10 @@ def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = Non
 
     left = cut and cut._replace(size=cut.size - cut.places(tight.plans, value))
     if left is not None and left.size == 0:  # the table is full below the headroom
-        return _idle_above(tight, model, cluster, gbs, profiles_dir, keep, places, below, options)
-    wanted = left and max(left.size, 1)
-    rest = search_plans(model, cluster, gbs, profiles_dir, keep=wanted if keep else None,
-                        places=wanted if places else None, exclude=below, only_combos=frozenset(tight.unfit_combos),
-                        **options)
+        return _idle_above(tight, model, cluster, gbs, profiles_dir, left, below, options)
+    cut_arguments = left._replace(size=max(left.size, 1)).arguments() if left else {}
+    rest = search_plans(model, cluster, gbs, profiles_dir, exclude=below, only_combos=frozenset(tight.unfit_combos),
+                        **cut_arguments, **options)
     known = {_key(plan) for plan in tight.plans}
     flagged = [plan for plan in rest.plans if _key(plan) not in known]
     plans = tight.plans + (left.kept(flagged, value) if left else flagged)
@@ -106,13 +101,13 @@ def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = Non
 
 
 def _idle_above(tight: SearchResult, model: Model, cluster: Cluster, gbs: int | None, profiles_dir: str | None,
-                keep: int | None, places: int | None, below: frozenset, options: dict[str, Any]) -> SearchResult:
-    """The search below the headroom whose plans fill every place kept: no plan above it can enter the table, so
-    only the node-type sets with no plan below it are searched above it, for the best plan of each
+                cut: Cut, below: frozenset, options: dict[str, Any]) -> SearchResult:
+    """The search below the headroom whose plans fill every place `cut` keeps: no plan above it can enter the
+    table, so only the node-type sets with no plan below it are searched above it, for the best plan of each
     (SearchResult.idle_bests); the counts stay those below the headroom (headroom_only)."""
-    unfit = frozenset(item for item in tight.unfit_combos if _idle(cluster, item[0]) not in tight.idle_bests)
+    unfit = frozenset(item for item in tight.unfit_combos if idle_types(cluster, item[0]) not in tight.idle_bests)
     if unfit:
-        rest = search_plans(model, cluster, gbs, profiles_dir, keep=keep and 1, places=places and 1, exclude=below,
+        rest = search_plans(model, cluster, gbs, profiles_dir, **cut._replace(size=1).arguments(), exclude=below,
                             only_combos=unfit, **options)
         tight.idle_bests = merge_idle_bests(tight.idle_bests, rest.idle_bests)
     tight.headroom_only = True
