@@ -105,6 +105,14 @@ def toml_table(header: str, fields: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def gpu_table(name: str, **changes) -> str:
+    """A [[gpu]] spec table for the tiny clusters' GPU types, which the catalogue lacks."""
+    fields = {"name": name, "dense_fp16_tflops": 100.0, "dense_bf16_tflops": 100.0, "memory_gib": 16.0,
+              "memory_bandwidth_gb_per_s": 1000.0, "intra_node_link": "25 GB/s", "matmul_efficiency": 0.5,
+              "source": "round numbers for tests", "date": "2026-01-01", **changes}
+    return "\n" + toml_table("[[gpu]]", fields)
+
+
 LLAMA_STYLE = {"architecture": "decoder", "seq_length": 2048, "vocab_size": 32000, "tie_embeddings": False,
                "position_embedding": "rope", "normalization": "rmsnorm", "ffn_activation": "swiglu",
                "linear_bias": False, "flash_attention": True, "dropout": False, "precision": "bf16"}

@@ -178,6 +178,27 @@ def test_a_larger_micro_batch_never_takes_less_time(gpu, kind, profiled, data):
     assert all(np.all(larger >= smaller * (1 - 1e-12)) for smaller, larger in zip(times, times[1:]))
 
 
+@settings(max_examples=40, deadline=None)
+@given(gpus, kinds, st.lists(st.integers(1, 48), min_size=1, max_size=3, unique=True).map(sorted), st.data())
+def test_a_slower_host_never_makes_a_measured_unit_faster_and_undoes_exactly(gpu, kind, profiled, data):
+    """Curve.host_scaled (fasop calibrate's host_time_scale) on measured times: a host f > 1 times as slow per
+    kernel never takes less time at any size, its launch queue's split is kept, and 1 / f after it gives the
+    measured times back."""
+    steps = data.draw(st.lists(st.floats(1.0, 3.0), min_size=2 * len(profiled), max_size=2 * len(profiled)))
+    factor = data.draw(st.floats(1.0, 50.0))
+    forward = 1e-4 * np.cumprod(steps[:len(profiled)])
+    backward = 2e-4 * np.cumprod(steps[len(profiled):])
+    curve = Curve(np.array(profiled, dtype=float), forward, backward, roofline_shape(BERT, GPU_SPECS[gpu], 1, kind))
+    slower = curve.host_scaled(factor)
+    for b in range(1, 65):
+        assert np.all(np.array(slower.at(b)) >= np.array(curve.at(b)) * (1 - 1e-12)), b
+    (host, gpu_factor), _ = curve._fits[0]
+    assert slower._fits[0][0] == (pytest.approx(host * factor), pytest.approx(gpu_factor))
+    back = slower.host_scaled(1 / factor)
+    np.testing.assert_allclose(back.forward_s, forward, rtol=1e-12)
+    np.testing.assert_allclose(back.backward_s, backward, rtol=1e-12)
+
+
 @pytest.mark.parametrize("model_name, kind", [("t5", "encoder"), ("t5", "decoder"), ("t5", "head"), ("bert", "layer"),
                                              ("bert", "embedding")])
 def test_a_fit_to_several_sizes_is_no_worse_than_any_pair_on_a_grid(model_name, kind):

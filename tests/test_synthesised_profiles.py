@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from conftest import one_line_error, toml_table
+from conftest import gpu_table, one_line_error
 
 from fasop.cli import main
 from fasop.inputs import bundled
@@ -26,14 +26,6 @@ NOTE = "note: no profile of "
 
 def bundled_profile_gpus(model: str) -> set[str]:
     return {path.stem for path in (bundled.data_dir("profiles") / model).glob("*.csv")}
-
-
-def gpu_table(name: str, **changes) -> str:
-    """A [[gpu]] spec table for the tiny clusters' GPU types, which the catalogue lacks."""
-    fields = {"name": name, "dense_fp16_tflops": 100.0, "dense_bf16_tflops": 100.0, "memory_gib": 16.0,
-              "memory_bandwidth_gb_per_s": 1000.0, "intra_node_link": "25 GB/s", "matmul_efficiency": 0.5,
-              "source": "round numbers for tests", "date": "2026-01-01", **changes}
-    return "\n" + toml_table("[[gpu]]", fields)
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
@@ -191,5 +183,7 @@ def test_calibrate_writes_synthesised_profiles_scaled(runner, tmp_path):
     synthesised = load_profiles(model, ["H100"])["H100"]
     ratios = [c / s for tp, kind in synthesised.curves
               for c, s in zip(calibrated.time(tp, kind, 2), synthesised.time(tp, kind, 2))]
-    assert ratios == pytest.approx([ratios[0]] * len(ratios), rel=1e-9)  # one factor, on every row
+    # one factor, on every row: the host is as the spec says (host_time_scale fitted to 1, to the solver's tolerance)
+    assert re.search(r"host_time_scale\.H100\s+1\.0000\s", result.stdout)
+    assert ratios == pytest.approx([ratios[0]] * len(ratios), rel=1e-6)
     assert ratios[0] == pytest.approx(factor, rel=1e-3)  # the one printed (to 4 digits)

@@ -10,14 +10,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import GPU_SPEED, one_line_error, profile_csv
+from conftest import GPU_SPEED, gpu_table, one_line_error, profile_csv
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fasop.calibration.calibrate import Calibration, Factor, calibrate, calibrated_cluster_text
+from fasop.calibration.calibrate import (
+    Calibration,
+    Factor,
+    Outcome,
+    calibrate,
+    calibrated_cluster_text,
+    calibrated_gpu_tables,
+)
 from fasop.calibration.measured import median_iteration_s, read_measured
 from fasop.calibration.validate import load_settings, predict_step_s
 from fasop.cli import main
+from fasop.inputs.catalogue import gpu_tables, merged_specs
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
 from fasop.inputs.profiles import load_profiles
@@ -521,3 +529,151 @@ def test_one_run_leaves_no_band_and_a_bad_band_is_one_line(measured, runner, tin
     refused = runner.invoke(main, ["search", "--model", str(bad.model), "--cluster", str(bad.cluster),
                                    "--profiles", str(bad.profiles)])
     one_line_error(refused, "cluster.error_band.low", "expected at most high (1.1)")
+
+
+# -- the host's time per kernel -------------------------------------------------------------------------
+
+# A layer large enough that the GPU's work outlasts the host's launches at larger micro-batches and not at the
+# smallest: the runs then tell the host's time from the GPU's.
+HOST_MODEL = {"hidden_size": 1024, "num_attention_heads": 8, "seq_length": 512, "vocab_size": 4096,
+              "global_batch_size": 32}
+# The user's spec launches a kernel in 5 us; the truth's "fast" host takes 40 (eight times as long), its GPU as
+# specified; the "slow" GPU is as specified.
+HOST_TRUTH = {"fast": 8.0, "slow": 1.0}
+HOST_PLANS = [(tp, 2 // tp, 1, mbs, [gpu], [4]) for gpu in ("fast", "slow") for tp in (1, 2) for mbs in (1, 2, 4, 16)]
+
+
+def host_gpu_tables(launch_us: dict[str, float]) -> str:
+    return "".join(gpu_table(gpu, dense_bf16_tflops=50.0, kernel_launch_us=launch_us[gpu]) for gpu in GPU_SPEED)
+
+
+@pytest.fixture
+def host_measured(tiny):
+    """(the user's inputs, runs measured where the fast GPUs' host takes HOST_TRUTH times as long per kernel):
+    profiles synthesised from each cluster's own spec, through the plain estimate."""
+    truth = tiny("host-truth", model=HOST_MODEL, cluster_extra=host_gpu_tables({g: 5.0 * f for g, f in HOST_TRUTH.items()}))
+    user = tiny("host-user", model=HOST_MODEL, cluster_extra=host_gpu_tables(dict.fromkeys(GPU_SPEED, 5.0)))
+    model, cluster = load_model(str(truth.model)), load_cluster(str(truth.cluster))
+    rows = [COLUMNS]
+    for i, (tp, dp, pp, mbs, placement, layers) in enumerate(HOST_PLANS):
+        step_s = estimate(model, cluster, tp=tp, dp=dp, pp=pp, mbs=mbs, placement=placement, layers_per_stage=layers,
+                          gbs=32).step_time_s
+        rows.append(f"r{i},model.toml,cluster.toml,32,{mbs},{tp},{dp},{pp},{placement[0]},{layers[0]},{step_s!r}")
+    path = user.root / "runs.csv"
+    path.write_text("\n".join(rows) + "\n")
+    return user, path
+
+
+def host_calibration(user, path) -> Calibration:
+    runs = read_measured(path)
+    return Calibration(runs, load_settings(runs, None)[0])
+
+
+def test_calibrate_recovers_the_hosts_time_per_kernel(host_measured):
+    calibration = host_calibration(*host_measured)
+    assert all(p.synthesised for p in calibration.setting.profiles.values())
+    outcome = calibrate(calibration)
+    assert Factor("host", "fast") in outcome.free
+    assert outcome.values[Factor("host", "fast")] == pytest.approx(HOST_TRUTH["fast"], rel=0.02)
+    for gpu in GPU_SPEED:
+        assert outcome.values[Factor("compute", gpu)] == pytest.approx(1.0, rel=0.02)
+    if Factor("host", "slow") in outcome.free:
+        assert outcome.values[Factor("host", "slow")] == pytest.approx(1.0, rel=0.05)
+    assert outcome.mape_before_pct > 5
+    assert outcome.mape_after_pct < 0.5 and outcome.mape_loo_pct < 1.0
+    # a compute factor alone cannot say it: the host's share differs between micro-batch sizes
+    compute_only = calibration.fit([Factor("compute", "fast"), Factor("compute", "slow")],
+                                   list(range(len(calibration.runs))))
+    fast = [i for i, plan in enumerate(HOST_PLANS) if plan[4] == ["fast"]]
+    errors = np.abs(calibration.predict(compute_only, fast) / calibration.measured_s[fast] - 1)
+    assert errors.max() > 0.05
+
+
+def test_host_time_scale_is_the_launch_queue_of_a_slower_host(host_measured):
+    """A host factor on a synthesised profile gives the times of a spec launching kernels that many times as
+    slowly, at the profiled micro-batch sizes and between and beyond them; with a compute factor, times x it."""
+    user, path = host_measured
+    calibration = host_calibration(user, path)
+    slower = tiny_profiles(user, {"fast": 5.0 * 3.0, "slow": 5.0})["fast"]
+    values = {**calibration.unit(), Factor("host", "fast"): 3.0, Factor("compute", "fast"): 1.5}
+    _, profiles = calibration.inputs(values)
+    for tp, kind in slower.curves:
+        for mbs in (1, 3, 8, 100):
+            expected = np.array(slower.time(tp, kind, mbs)) * 1.5
+            assert np.array(profiles["fast"].time(tp, kind, mbs)) == pytest.approx(expected, rel=1e-9), (tp, kind, mbs)
+
+
+def tiny_profiles(user, launch_us: dict[str, float]):
+    """Profiles synthesised for the user's model from specs launching kernels in `launch_us`."""
+    text = user.cluster.read_text().split("\n[[gpu]]")[0] + "\n" + host_gpu_tables(launch_us)
+    other = user.root / "other-cluster.toml"
+    other.write_text(text)
+    cluster = load_cluster(str(other))
+    return load_profiles(load_model(str(user.model)), sorted(GPU_SPEED), specs=merged_specs(own=cluster.gpus))
+
+
+def test_calibrated_files_carry_the_host_factor(host_measured, runner):
+    """The calibrated cluster's [[gpu]] table launches kernels host_time_scale times as slowly, every other figure
+    kept; the calibrated profiles give each run the estimate the fit predicts."""
+    user, path = host_measured
+    out, profiles_out = user.root / "calibrated.toml", user.root / "calibrated-profiles"
+    result = runner.invoke(main, ["calibrate", "--measured", str(path), "--out", str(out),
+                                  "--profiles-out", str(profiles_out)])
+    assert result.exit_code == 0, result.output
+    host = float(re.search(r"host_time_scale\.fast\s+([\d.]+)", result.stdout).group(1))
+    assert host == pytest.approx(HOST_TRUTH["fast"], rel=0.02)
+    written = load_cluster(str(out)).gpus["fast"]
+    original = load_cluster(str(user.cluster)).gpus["fast"]
+    assert written.kernel_launch_us == pytest.approx(5.0 * host, rel=1e-4)
+    compute = float(re.search(r"compute_time_scale\.fast\s+([\d.]+)", result.stdout).group(1))
+    assert written.matmul_efficiency == pytest.approx(original.matmul_efficiency / compute, rel=1e-4)
+    assert written.dense_bf16_tflops == original.dense_bf16_tflops and written.memory_gib == original.memory_gib
+    assert "host_time_scale.fast" in written.source
+    calibration = host_calibration(user, path)
+    values = calibrate(calibration).values
+    model = calibration.setting.model
+    profiles = load_profiles(model, sorted(GPU_SPEED), str(profiles_out), specs=merged_specs(own=load_cluster(str(out)).gpus))
+    assert "host_time_scale.fast" in (profiles_out / "fast.csv").read_text()
+    np.testing.assert_allclose([predict_step_s(run, model, load_cluster(str(out)), profiles) for run in calibration.runs],
+                               calibration.predict(values), rtol=1e-6)
+    after = runner.invoke(main, ["validate", "--measured", str(path), "--cluster", str(out)])
+    assert after.exit_code == 0, after.output
+    assert float(re.search(r"MAPE ([\d.]+)%", after.stdout).group(1)) < 0.5
+
+
+def test_a_host_that_never_sets_the_pace_is_not_fitted(measured, runner):
+    """Profiles without a spec have no host part to scale, and a spec whose launches are hidden behind the GPU's
+    work at ten times their time leaves the host factor unfitted."""
+    user, path = measured
+    calibration = calibration_of(user, path)
+    assert all(f.kind != "host" for f in calibration.factors)
+    user.cluster.write_text(user.cluster.read_text() + FAST_GPU)
+    with_spec = calibration_of(user, path)
+    assert Factor("host", "fast") in with_spec.factors and Factor("host", "fast") not in with_spec.exercised()
+    result = runner.invoke(main, ["calibrate", "--measured", str(path), "--profiles", str(user.profiles),
+                                  "--out", str(user.root / "calibrated.toml")])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"host_time_scale\.fast\s+1\.0000\s+not fitted", result.stdout)
+
+
+def test_a_calibrated_gpu_table_keeps_every_figure_it_does_not_calibrate():
+    """A catalogue GPU's calibrated [[gpu]] table: its SM count, NCCL curve, FP8 and NVLink figures as the
+    catalogue's; its efficiencies and attention speeds over the compute scale, its launches times the host scale;
+    and it reads back through the catalogue's own checks."""
+    cluster = load_cluster("h100-a100-a10g")
+    values = {Factor("compute", "H100"): 1.25, Factor("host", "H100"): 2.0, Factor("compute", "A100-80GB"): 1.0}
+    outcome = Outcome(values, list(values), 10.0, 1.0, None)
+    tables, notes = calibrated_gpu_tables(cluster, outcome, "runs.csv", "2026-02-03")
+    assert notes == [] and [t["name"] for t in tables] == ["H100"]  # the A100's factors are 1: no table
+    written = gpu_tables(tables, "calibrated.toml")["H100"]
+    spec = merged_specs()["H100"]
+    assert written.matmul_efficiency == pytest.approx(spec.matmul_efficiency / 1.25, rel=1e-12)
+    assert written.fp8_matmul_efficiency == pytest.approx(spec.fp8_matmul_efficiency / 1.25, rel=1e-12)
+    assert written.memory_bandwidth_gb_per_s == pytest.approx(spec.memory_bandwidth_gb_per_s / 1.25, rel=1e-12)
+    assert written.kernel_launch_us == pytest.approx(spec.kernel_launch_us * 2.0, rel=1e-12)
+    np.testing.assert_allclose(np.array(written.attention_tflops)[:, 2:], np.array(spec.attention_tflops)[:, 2:] / 1.25)
+    np.testing.assert_array_equal(np.array(written.attention_tflops)[:, :2], np.array(spec.attention_tflops)[:, :2])
+    changed = {"matmul_efficiency", "fp8_matmul_efficiency", "memory_bandwidth_gb_per_s", "kernel_launch_us",
+               "attention_tflops", "source", "date", "file"}
+    assert replace(written, **{f: getattr(spec, f) for f in changed}) == spec
+    assert spec.sm_count and spec.allreduce_busbw and spec.dense_fp8_tflops  # figures a table without them would lose

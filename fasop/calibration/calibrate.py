@@ -5,6 +5,12 @@ The factors, each with bounds:
 - `compute_time_scale.<gpu>`: a multiplier on every time of that GPU type's profile (1.3: the GPU takes 30%
   longer than profiled, e.g. a profile measured on a faster part, or a synthetic one), and on its optimizer step
   (its node types' memory bandwidth is divided by it). Bounds 0.25 to 4.
+- `host_time_scale.<gpu>`: a multiplier on the host's time per kernel (the launch queue of docs/cost-model.md
+  section 2.1) in that GPU type's profile: each pass's host and GPU parts are split on its roofline, and the
+  host's launches take this many times as long (10: a host ten times slower per kernel than the spec or the
+  profile's measured floor). Only for a GPU type whose profile has a roofline (a spec), and fitted only where the
+  host matters to some run: where a host HOST_PROBE times as slow would move its estimate by more than the
+  fit's scale of noise; elsewhere the runs cannot tell the host's time from the GPU's. Bounds 0.1 to 100.
 - `bandwidth_scale.intra_node` / `bandwidth_scale.inter_node`: the fraction of the cluster file's (already
   derated) bandwidth that transfers inside a node / between nodes achieve; pipeline sends and all-reduces
   alike. Bounds 0.1 to 10. Written as derating: each `[cluster.derating]` field of that link kind is divided
@@ -34,42 +40,58 @@ from fasop.calibration.measured import MeasuredRun
 from fasop.calibration.validate import Setting, mape_pct, predict_step_s
 from fasop.errors import ArgumentError
 from fasop.inputs.bandwidth import MAX_BANDWIDTH_BYTES_PER_S, MIN_BANDWIDTH_BYTES_PER_S, bandwidth_bytes_per_s
-from fasop.inputs.catalogue import merged_specs
+from fasop.inputs.catalogue import GpuTable, merged_specs
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.csvfile import csv_rows
-from fasop.inputs.profiles import DEFAULT_DEGREES, GpuProfile
+from fasop.inputs.profiles import DEFAULT_DEGREES, IDENTITY_PREFIX, GpuProfile
 from fasop.inputs.tomlfile import read_toml
 from fasop.profile import synth
 
 COMPUTE_BOUNDS = (0.25, 4.0)
+HOST_BOUNDS = (0.1, 100.0)
 BANDWIDTH_BOUNDS = (0.1, 10.0)
 LINK_KINDS = ("intra_node", "inter_node")
 LOSS_SCALE = 0.05  # residuals (log ratios) beyond about 5% count linearly, not quadratically
 UNUSED_SENSITIVITY = 1e-9  # doubling a factor moves no estimate by more than this (log ratio): not fitted
+# The host factor is fitted only where a host HOST_PROBE times as slow per kernel moves some run's estimate by more
+# than the fit's own scale of noise (LOSS_SCALE, log ratio): eager PyTorch units measured on one H100 host took 61
+# to 64 us per kernel against the catalogue's 5 (validation/profiles/README.md), about 12 times. Where it moves no
+# run by more, the runs' times are the GPU's, and their scatter would be fitted as a host.
+HOST_PROBE = 10.0
+
+
+FACTOR_KINDS = {"compute": ("compute_time_scale", COMPUTE_BOUNDS), "host": ("host_time_scale", HOST_BOUNDS),
+                "bandwidth": ("bandwidth_scale", BANDWIDTH_BOUNDS)}
 
 
 @dataclass(frozen=True)
 class Factor:
-    kind: str  # "compute" or "bandwidth"
+    kind: str  # "compute", "host" or "bandwidth"
     key: str  # a GPU type or a link kind
 
     @property
     def name(self) -> str:
-        return f"compute_time_scale.{self.key}" if self.kind == "compute" else f"bandwidth_scale.{self.key}"
+        return f"{FACTOR_KINDS[self.kind][0]}.{self.key}"
 
     @property
     def bounds(self) -> tuple[float, float]:
-        return COMPUTE_BOUNDS if self.kind == "compute" else BANDWIDTH_BOUNDS
+        return FACTOR_KINDS[self.kind][1]
 
 
 def factors_of(settings: list[Setting]) -> list[Factor]:
+    """A compute factor per GPU type, a host factor per GPU type whose profile has a roofline to split the host's
+    part from (a spec), a bandwidth factor per link kind."""
     gpus = sorted({g for s in settings for g in s.profiles})
-    return [Factor("compute", g) for g in gpus] + [Factor("bandwidth", k) for k in LINK_KINDS]
+    split = [g for g in gpus if any(c.shape is not None for s in settings if g in s.profiles
+                                    for c in s.profiles[g].curves.values())]
+    return ([Factor("compute", g) for g in gpus] + [Factor("host", g) for g in split]
+            + [Factor("bandwidth", k) for k in LINK_KINDS])
 
 
-def scaled_profile(profile: GpuProfile, scale: float) -> GpuProfile:
-    curves = {key: c.scaled(scale) for key, c in profile.curves.items()}
-    return GpuProfile(profile.gpu, profile.file, curves)
+def adjusted_profile(profile: GpuProfile, compute: float, host: float = 1.0) -> GpuProfile:
+    """`profile` with its host `host` times as slow per kernel (Curve.host_scaled), then every time x `compute`."""
+    curves = {key: c.host_scaled(host).scaled(compute) for key, c in profile.curves.items()}
+    return replace(profile, curves=curves, _memo={})
 
 
 def derated(cluster: Cluster, intra_scale: float, inter_scale: float) -> Cluster:
@@ -103,7 +125,8 @@ class Calibration:
         s = setting or self.setting
         scales = {g: values[Factor("compute", g)] for g in s.profiles}
         cluster = derated(s.cluster, values[Factor("bandwidth", "intra_node")], values[Factor("bandwidth", "inter_node")])
-        return cluster.with_memory_time_scales(scales), {g: scaled_profile(p, scales[g]) for g, p in s.profiles.items()}
+        return cluster.with_memory_time_scales(scales), {
+            g: adjusted_profile(p, scales[g], values.get(Factor("host", g), 1.0)) for g, p in s.profiles.items()}
 
     def predict(self, values: dict[Factor, float], runs: list[int] | None = None) -> np.ndarray:
         made: dict[int, tuple[Cluster, dict[str, GpuProfile]]] = {}  # each setting's scaled inputs, made once
@@ -120,11 +143,15 @@ class Calibration:
         return dict.fromkeys(self.factors, 1.0)
 
     def exercised(self, runs: list[int] | None = None) -> list[Factor]:
-        """The factors the estimate of some run (of `runs`, by default every run) depends on (doubling the factor
-        moves it)."""
+        """The factors the estimate of some run (of `runs`, by default every run) depends on: doubling the factor
+        moves it; a host factor, HOST_PROBE times it moves it by more than LOSS_SCALE."""
         base = np.log(self.predict(self.unit(), runs))
-        return [f for f in self.factors
-                if np.max(np.abs(np.log(self.predict({**self.unit(), f: 2.0}, runs)) - base)) > UNUSED_SENSITIVITY]
+
+        def moves(f: Factor) -> bool:
+            probe, threshold = (HOST_PROBE, LOSS_SCALE) if f.kind == "host" else (2.0, UNUSED_SENSITIVITY)
+            return bool(np.max(np.abs(np.log(self.predict({**self.unit(), f: probe}, runs)) - base)) > threshold)
+
+        return [f for f in self.factors if moves(f)]
 
     def fit(self, free: list[Factor], runs: list[int], start: dict[Factor, float] | None = None) -> dict[Factor, float]:
         """Values of the `free` factors (the others 1) that best explain the measured `runs`."""
@@ -268,34 +295,43 @@ def _toml_tables(path: str, table: dict, lines: list[str]) -> None:
 
 
 def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, date: str) -> tuple[list[dict], list[str]]:
-    """A [[gpu]] table for each GPU type with a fitted compute_time_scale and a spec in the catalogue (bundled,
-    then the cluster file's own), its matmul_efficiency and memory_bandwidth_gb_per_s divided by the scale so that
-    `fasop profile synth` reads the calibrated figures; and a comment line for each GPU whose efficiency would
-    leave (0, 1]."""
+    """A [[gpu]] table for each GPU type with a fitted compute_time_scale or host_time_scale and a spec in the
+    catalogue (bundled, then the cluster file's own): its matmul_efficiency and memory_bandwidth_gb_per_s divided by
+    the compute scale and its kernel_launch_us times the host scale, so that `fasop profile synth` reads the
+    calibrated figures; and a comment line for each GPU whose efficiency would leave (0, 1]."""
     specs = merged_specs(own=cluster.gpus)
     tables, notes = [], []
-    for factor in outcome.free:
-        scale = outcome.values[factor]
-        if factor.kind != "compute" or factor.key not in specs or scale == 1.0:
+    for gpu in sorted({f.key for f in outcome.free if f.kind in ("compute", "host")}):
+        compute, host = (outcome.values.get(Factor(kind, gpu), 1.0) for kind in ("compute", "host"))
+        if gpu not in specs or compute == host == 1.0:
             continue
-        spec = specs[factor.key]
-        efficiency = spec.matmul_efficiency / scale
-        if efficiency > 1.0:
-            notes.append(f"No [[gpu]] table for {spec.name}: matmul_efficiency {spec.matmul_efficiency:g} "
-                         f"({spec.file}) / {factor.name} {scale:.4f} = {efficiency:.4f} is above 1, so the runs are "
-                         "faster than its other figures (peak, memory bandwidth, link) allow; check them.")
+        spec = specs[gpu]
+        efficiency = spec.matmul_efficiency / compute
+        fp8 = None if spec.fp8_matmul_efficiency is None else spec.fp8_matmul_efficiency / compute
+        above = [(name, given) for name, given in (("matmul_efficiency", spec.matmul_efficiency),
+                                                    ("fp8_matmul_efficiency", spec.fp8_matmul_efficiency))
+                 if given is not None and given / compute > 1.0]
+        if above:
+            name, given = above[0]
+            notes.append(f"No [[gpu]] table for {spec.name}: {name} {given:g} ({spec.file}) / compute_time_scale.{gpu} "
+                         f"{compute:.4f} = {given / compute:.4f} is above 1, so the runs are faster than its other "
+                         "figures (peak, memory bandwidth, link) allow; check them.")
             continue
         origin = spec.file + (f" ({spec.source})" if spec.source else "")
-        tables.append({
-            "name": spec.name, "dense_fp16_tflops": spec.dense_fp16_tflops, "dense_bf16_tflops": spec.dense_bf16_tflops,
-            "memory_gib": spec.memory_gib, "memory_bandwidth_gb_per_s": spec.memory_bandwidth_gb_per_s / scale,
-            "intra_node_link": spec.intra_node_link, "matmul_efficiency": efficiency,
-            "kernel_launch_us": spec.kernel_launch_us,
-            "source": f"fasop calibrate on {measured}: matmul_efficiency {spec.matmul_efficiency:g} and "
-                      f"memory_bandwidth_gb_per_s {spec.memory_bandwidth_gb_per_s:g} / {factor.name} {scale:.6g}; "
-                      f"the other figures from {origin}",
-            "date": date,
-        })
+        table = {name: getattr(spec, name) for name in GpuTable.model_fields}
+        table.update(
+            memory_bandwidth_gb_per_s=spec.memory_bandwidth_gb_per_s / compute, matmul_efficiency=efficiency,
+            kernel_launch_us=spec.kernel_launch_us * host,
+            fp8_matmul_efficiency=fp8,
+            attention_tflops=[[d, n, *(speed / compute for speed in speeds)] for d, n, *speeds in spec.attention_tflops],
+            source=f"fasop calibrate on {measured}: matmul_efficiency {spec.matmul_efficiency:g} (its FP8 one and "
+                   f"its attention speeds alike) and memory_bandwidth_gb_per_s {spec.memory_bandwidth_gb_per_s:g} / "
+                   f"compute_time_scale.{gpu} {compute:.6g}, kernel_launch_us {spec.kernel_launch_us:g} x "
+                   f"host_time_scale.{gpu} {host:.6g}; the other figures from {origin}",
+            date=date)
+        # TOML has no null: a figure the spec leaves out stays out
+        tables.append({key: [list(row) for row in value] if isinstance(value, tuple) else value
+                       for key, value in table.items() if value is not None and value != () and value != []})
     return tables, notes
 
 
@@ -349,10 +385,13 @@ def calibrated_cluster_text(cluster_path: Path, cluster: Cluster, outcome: Outco
     return "\n".join(lines) + "\n"
 
 
-def scaled_profile_text(setting: Setting, gpu: str, scale: float, comments: list[str]) -> str:
-    """The profile file of `gpu` with every time multiplied by `scale`; its own comments kept under `comments`
-    (a synthesised profile: the file `fasop profile synth` writes of it)."""
+def calibrated_profile_text(setting: Setting, gpu: str, values: dict[Factor, float], comments: list[str]) -> str:
+    """The profile file of `gpu` with the fitted compute and host factors applied to every row (adjusted_profile;
+    the host factor to its measured floor too, where the identity line carries one), its own comments kept under
+    `comments` (a synthesised profile: the file `fasop profile synth` writes of it)."""
     profile = setting.profiles[gpu]
+    compute, host = values[Factor("compute", gpu)], values.get(Factor("host", gpu), 1.0)
+    adjusted = adjusted_profile(profile, compute, host)
     if profile.synthesised:
         spec = merged_specs(own=setting.cluster.gpus)[gpu]
         tps = profile.tensor_degrees
@@ -360,16 +399,30 @@ def scaled_profile_text(setting: Setting, gpu: str, scale: float, comments: list
                                     synth.header_lines(setting.model, spec, tps, DEFAULT_DEGREES))
     else:
         text = files.read_text(profile.file, files.CSV_LIMIT_BYTES)
-    kept = [line for line in text.splitlines() if line.lstrip().startswith("#")]
+    kept = [_host_scaled_identity(line, host) for line in text.splitlines() if line.lstrip().startswith("#")]
     rows = [cells for _, cells in csv_rows(((n, line) for n, line in enumerate(text.splitlines(), start=1)
                                             if line.strip() and not line.lstrip().startswith("#")), profile.file)]
     header = rows[0]
     timed = [header.index("forward_s"), header.index("backward_s")]
+    applied = f"profile times x {compute:.6g} (compute_time_scale.{profile.gpu})"
+    if host != 1.0:
+        applied += f", the host's part of each pass x {host:.6g} (host_time_scale.{profile.gpu}) first"
     out = [files.comment_line(line) for line in comments] + [
-        files.comment_line(f"profile times x {scale:.6g} (compute_time_scale.{profile.gpu}); scaled from {profile.file}, "
-                           "whose comments follow:")] + kept
+        files.comment_line(f"{applied}; scaled from {profile.file}, whose comments follow:")] + kept
     out.append(",".join(header))
     for row in rows[1:]:
-        out.append(",".join(format(float(v) * scale, ".10g") if i in timed else v for i, v in enumerate(row)))
+        unit = (int(row[header.index("tp")]), row[header.index("kind")], int(row[header.index("mbs")]))
+        ratios = np.divide(adjusted.time(*unit), profile.time(*unit))
+        out.append(",".join(format(float(row[i]) * ratios[timed.index(i)], ".10g") if i in timed else v
+                            for i, v in enumerate(row)))
     return "\n".join(out) + "\n"
 
+
+_LAUNCH_FIELD = re.compile(r"(?<=\skernel_launch_us=)\S+")
+
+
+def _host_scaled_identity(line: str, host: float) -> str:
+    """A comment line of a profile; its identity line's measured host floor times `host`."""
+    if host == 1.0 or not line.lstrip().startswith(IDENTITY_PREFIX):
+        return line
+    return _LAUNCH_FIELD.sub(lambda found: format(float(found.group()) * host, ".4g"), line)

@@ -104,14 +104,15 @@ def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, cha
 @click.option("--out", type=click.Path(path_type=Path), required=True, metavar="FILE",
               help="Calibrated cluster file to write (.toml): the input cluster with fitted derating.")
 @click.option("--profiles-out", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
-              help="Also write each GPU type's profile with its fitted compute_time_scale applied, as "
-                   "DIR/<gpu>.csv (use with --profiles DIR).")
+              help="Also write each GPU type's profile with its fitted compute_time_scale and host_time_scale "
+                   "applied, as DIR/<gpu>.csv (use with --profiles DIR).")
 @force_option
 @reports_input_errors
 def calibrate(measured, warmup_iters, model_name, cluster_name, profiles_dir, out, profiles_out, force):
-    """Fit compute_time_scale per GPU type and bandwidth_scale per link kind (inside a node, between nodes)
-    to measured step times by robust least squares; print the error before and after, and with
-    leave-one-out cross-validation; write the calibrated cluster file (and profiles)."""
+    """Fit compute_time_scale per GPU type, host_time_scale per GPU type with a spec (where the host's kernel
+    launches matter to some run) and bandwidth_scale per link kind (inside a node, between nodes) to measured step
+    times by robust least squares; print the error before and after, and with leave-one-out cross-validation;
+    write the calibrated cluster file (and profiles)."""
     from fasop.calibration import calibrate as cal
 
     if out.suffix != ".toml":
@@ -149,7 +150,7 @@ def calibrate(measured, warmup_iters, model_name, cluster_name, profiles_dir, ou
                                                 today), "--out")]
     if profiles_out is not None:
         texts += [(profiles_out / f"{gpu}.csv",
-                   cal.scaled_profile_text(setting, gpu, outcome.values[cal.Factor("compute", gpu)], comments),
+                   cal.calibrated_profile_text(setting, gpu, outcome.values, comments),
                    "--profiles-out") for gpu in sorted(setting.profiles)]
     # every file is written beside its place first and moved in only once all of them are written
     with ExitStack() as stack:
@@ -158,7 +159,7 @@ def calibrate(measured, warmup_iters, model_name, cluster_name, profiles_dir, ou
     click.echo(f"calibrated cluster written to {out}")
     if profiles_out is not None:
         click.echo(f"calibrated profiles written to {profiles_out}")
-    elif any(outcome.values[f] != 1.0 for f in outcome.free if f.kind == "compute"):
-        click.echo("note: the compute factors are not applied to any profile (the cluster file has them in its "
-                   "comments, and as matmul_efficiency of [[gpu]] tables for profile synth); pass "
-                   "--profiles-out DIR to write profiles with them applied")
+    elif any(outcome.values[f] != 1.0 for f in outcome.free if f.kind in ("compute", "host")):
+        click.echo("note: the compute and host factors are not applied to any profile (the cluster file has them "
+                   "in its comments, and as matmul_efficiency and kernel_launch_us of [[gpu]] tables for profile "
+                   "synth); pass --profiles-out DIR to write profiles with them applied")

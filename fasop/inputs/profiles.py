@@ -73,6 +73,9 @@ class Curve:
     forward_s: np.ndarray
     backward_s: np.ndarray
     shape: RooflineShape | None = field(default=None, compare=False, repr=False)
+    # per pass, the (host, GPU) factors and the fitted times at the profiled sizes, where they were set rather than
+    # fitted (host_scaled: a calibrated host, whose split a refit of one size would not keep)
+    fitted: tuple[tuple[tuple[float, float], np.ndarray], ...] | None = field(default=None, compare=False, repr=False)
 
     def at(self, mbs: int) -> tuple[float, float]:
         """(forward_s, backward_s) of one micro-batch of size `mbs`."""
@@ -89,8 +92,25 @@ class Curve:
         return (float(np.interp(mbs, self.mbs, self.forward_s)), float(np.interp(mbs, self.mbs, self.backward_s)))
 
     def scaled(self, factor: float) -> Curve:
-        """Every time multiplied by `factor`, the shape kept."""
-        return replace(self, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor)
+        """Every time multiplied by `factor`, the shape kept (a set split too: the queue is homogeneous)."""
+        fitted = None if self.fitted is None else tuple(((host * factor, gpu * factor), times * factor)
+                                                        for (host, gpu), times in self.fitted)
+        return replace(self, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor, fitted=fitted)
+
+    def host_scaled(self, factor: float) -> Curve:
+        """The times of a host `factor` times as slow per kernel: each pass at the profiled sizes times its launch
+        queue's Q(factor a, c) / Q(a, c) at its fitted host and GPU factors (a, c), and that split kept for the
+        other sizes. Unchanged without a roofline shape: no host part to scale."""
+        if self.shape is None or factor == 1.0:
+            return self
+        queues = [self.shape.queues(int(b)) for b in self.mbs]
+        times, fitted = [], []
+        for column, measured in enumerate((self.forward_s, self.backward_s)):
+            (host, gpu), before = self._fits[column]
+            after = np.array([q[column].seconds(host * factor, gpu) for q in queues])
+            times.append(measured * after / before)
+            fitted.append(((host * factor, gpu), after))
+        return replace(self, forward_s=times[0], backward_s=times[1], fitted=tuple(fitted))
 
     def _roofline_scaled(self, mbs: int, index: int) -> tuple[float, float]:
         """Each pass at `mbs`: its launch queue at the profile's fitted host and GPU factors (fit_scales), f(b).
@@ -123,9 +143,11 @@ class Curve:
 
     @cached_property
     def _fits(self) -> tuple[tuple[tuple[float, float], np.ndarray], ...]:
-        """Per pass: the (host, GPU) factors fitted to the measured times and the fitted times at the profiled
-        sizes."""
+        """Per pass: the (host, GPU) factors fitted to the measured times (or set: `fitted`) and the fitted times
+        at the profiled sizes."""
         assert self.shape is not None
+        if self.fitted is not None:
+            return self.fitted
         queues = [self.shape.queues(int(b)) for b in self.mbs]
         fits = []
         for column, measured in enumerate((self.forward_s, self.backward_s)):
