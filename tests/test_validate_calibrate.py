@@ -677,3 +677,31 @@ def test_a_calibrated_gpu_table_keeps_every_figure_it_does_not_calibrate():
                "attention_tflops", "source", "date", "file"}
     assert replace(written, **{f: getattr(spec, f) for f in changed}) == spec
     assert spec.sm_count and spec.allreduce_busbw and spec.dense_fp8_tflops  # figures a table without them would lose
+
+
+def test_calibrated_figures_out_of_a_gpu_tables_range_are_a_comment(measured):
+    """A calibrated memory bandwidth above the 100,000 GB/s a [[gpu]] table takes: a comment says so, no table."""
+    user, path = measured
+    user.cluster.write_text(user.cluster.read_text() + FAST_GPU.replace("matmul_efficiency = 0.9",
+                                                                        "matmul_efficiency = 0.5"))
+    calibration = calibration_of(user, path)
+    fitted = calibrate(calibration)
+    outcome = replace(fitted, values={**fitted.values, Factor("compute", "fast"): 0.8})
+    tables, notes = calibrated_gpu_tables(calibration.setting.cluster, outcome, "runs.csv", "2026-02-03")
+    assert tables == [] and len(notes) == 1
+    assert notes[0].startswith("No [[gpu]] table for fast: its calibrated figures are out of a GPU table's range")
+    assert "memory_bandwidth_gb_per_s" in notes[0]
+
+
+def test_the_host_factor_keeps_the_host_below_a_millisecond_per_kernel(host_measured):
+    """Its upper bound is the smaller of 100 and the 1,000 us per kernel a GPU table or a profile takes, over the
+    GPU type's time per kernel, so that the calibrated files read back."""
+    user, path = host_measured
+    assert host_calibration(user, path).bounds[Factor("host", "fast")] == (0.1, 100.0)  # 5 us: 200 would do
+    user.cluster.write_text(user.cluster.read_text().replace("kernel_launch_us = 5.0", "kernel_launch_us = 40.0"))
+    calibration = host_calibration(user, path)
+    assert calibration.bounds[Factor("host", "fast")] == (0.1, 25.0)
+    assert calibration.bounds[Factor("compute", "fast")] == Factor("compute", "fast").bounds
+    outcome = calibrate(calibration)
+    assert outcome.values[Factor("host", "fast")] == pytest.approx(1.0, rel=0.02)  # the truth's 40 us
+    assert outcome.bounds == calibration.bounds

@@ -10,7 +10,8 @@ The factors, each with bounds:
   host's launches take this many times as long (10: a host ten times slower per kernel than the spec or the
   profile's measured floor). Only for a GPU type whose profile has a roofline (a spec), and fitted only where the
   host matters to some run: where a host HOST_PROBE times as slow would move its estimate by more than the
-  fit's scale of noise; elsewhere the runs cannot tell the host's time from the GPU's. Bounds 0.1 to 100.
+  fit's scale of noise; elsewhere the runs cannot tell the host's time from the GPU's. Bounds 0.1 to 100, and at
+  most MAX_KERNEL_LAUNCH_US per kernel (what a GPU table and a profile take).
 - `bandwidth_scale.intra_node` / `bandwidth_scale.inter_node`: the fraction of the cluster file's (already
   derated) bandwidth that transfers inside a node / between nodes achieve; pipeline sends and all-reduces
   alike. Bounds 0.1 to 10. Written as derating: each `[cluster.derating]` field of that link kind is divided
@@ -29,7 +30,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +39,12 @@ import numpy as np
 from fasop import files
 from fasop.calibration.measured import MeasuredRun
 from fasop.calibration.validate import Setting, mape_pct, predict_step_s
-from fasop.errors import ArgumentError
+from fasop.errors import ArgumentError, InputError
 from fasop.inputs.bandwidth import MAX_BANDWIDTH_BYTES_PER_S, MIN_BANDWIDTH_BYTES_PER_S, bandwidth_bytes_per_s
-from fasop.inputs.catalogue import GpuTable, merged_specs
+from fasop.inputs.catalogue import GpuTable, gpu_tables, merged_specs
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.csvfile import csv_rows
-from fasop.inputs.profiles import DEFAULT_DEGREES, IDENTITY_PREFIX, GpuProfile
+from fasop.inputs.profiles import DEFAULT_DEGREES, IDENTITY_PREFIX, MAX_KERNEL_LAUNCH_US, GpuProfile
 from fasop.inputs.tomlfile import read_toml
 from fasop.profile import synth
 
@@ -116,7 +117,18 @@ class Calibration:
                                            "are the cluster's")
         self.runs, self.setting = runs, self.settings[0]  # `setting`: the first run's (every run's for one model)
         self.factors = factors_of(self.settings)
+        self.bounds = {f: self._bounds(f) for f in self.factors}
         self.measured_s = np.array([r.measured_step_s for r in runs])
+
+    def _bounds(self, factor: Factor) -> tuple[float, float]:
+        """A factor's bounds; a host factor's kept below the longest time per kernel a GPU table or profile takes
+        (MAX_KERNEL_LAUNCH_US) for the GPU type's longest host time per kernel, so that the calibrated files read."""
+        low, high = factor.bounds
+        if factor.kind != "host":
+            return low, high
+        launch_us = max(c.shape.rates.kernel_launch_s * 1e6 for s in self.settings if factor.key in s.profiles
+                        for c in s.profiles[factor.key].curves.values() if c.shape is not None)
+        return low, high if launch_us <= 0 else max(low, min(high, MAX_KERNEL_LAUNCH_US / launch_us))
 
     def inputs(self, values: dict[Factor, float], setting: Setting | None = None) -> tuple[Cluster, dict[str, GpuProfile]]:
         """The cluster and profiles of `setting` (the first run's by default) that `values` make: each GPU type's
@@ -166,7 +178,7 @@ class Calibration:
             return np.log(self.predict(values(x), runs)) - measured
 
         x0 = np.log([(start or {}).get(f, 1.0) for f in free])
-        low, high = np.log([f.bounds[0] for f in free]), np.log([f.bounds[1] for f in free])
+        low, high = np.log([self.bounds[f][0] for f in free]), np.log([self.bounds[f][1] for f in free])
         result = least_squares(residuals, np.clip(x0, low, high), bounds=(low, high), loss="soft_l1",
                                f_scale=LOSS_SCALE)
         return values(result.x)
@@ -180,6 +192,7 @@ class Outcome:
     mape_after_pct: float  # fitted on every run, scored on the same runs
     mape_loo_pct: float | None  # each run estimated by a fit on the others; None for a single run
     held_out_ratios: tuple[float, ...] = ()  # measured / that estimate, per run; empty for a single run
+    bounds: dict[Factor, tuple[float, float]] = field(default_factory=dict)  # where not Factor.bounds
 
     def error_band(self, measured: str, date: str) -> dict | None:
         """The `[cluster.error_band]` table of the calibrated file: the band of the runs estimated by fits on the
@@ -216,7 +229,8 @@ def calibrate(calibration: Calibration, progress: Callable[[int, int], None] | N
                 progress(2 + i, fits)
         loo = mape_pct(np.array(held_out), measured)
         ratios = tuple(float(r) for r in measured / np.array(held_out))
-    return Outcome(values, free, mape_pct(before, measured), mape_pct(after, measured), loo, ratios)
+    return Outcome(values, free, mape_pct(before, measured), mape_pct(after, measured), loo, ratios,
+                   calibration.bounds)
 
 
 def factor_lines(outcome: Outcome) -> list[str]:
@@ -224,7 +238,7 @@ def factor_lines(outcome: Outcome) -> list[str]:
     width = max(len(f.name) for f in outcome.values)
     lines = []
     for f, value in outcome.values.items():
-        low, high = f.bounds
+        low, high = outcome.bounds.get(f, f.bounds)
         if f not in outcome.free:
             note = "not fitted: no run depends on it"
         elif min(abs(math.log(value / low)), abs(math.log(value / high))) < 1e-6:
@@ -330,8 +344,14 @@ def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, dat
                    f"host_time_scale.{gpu} {host:.6g}; the other figures from {origin}",
             date=date)
         # TOML has no null: a figure the spec leaves out stays out
-        tables.append({key: [list(row) for row in value] if isinstance(value, tuple) else value
-                       for key, value in table.items() if value is not None and value != () and value != []})
+        table = {key: [list(row) for row in value] if isinstance(value, tuple) else value
+                 for key, value in table.items() if value is not None and value != () and value != []}
+        try:
+            gpu_tables([table], "the calibrated cluster file")
+        except InputError as err:
+            notes.append(f"No [[gpu]] table for {spec.name}: its calibrated figures are out of a GPU table's range ({err}).")
+            continue
+        tables.append(table)
     return tables, notes
 
 
