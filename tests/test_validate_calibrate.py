@@ -705,3 +705,36 @@ def test_the_host_factor_keeps_the_host_below_a_millisecond_per_kernel(host_meas
     outcome = calibrate(calibration)
     assert outcome.values[Factor("host", "fast")] == pytest.approx(1.0, rel=0.02)  # the truth's 40 us
     assert outcome.bounds == calibration.bounds
+
+
+def test_a_measured_profiles_floor_is_calibrated_with_its_times(host_measured, runner):
+    """A profile carrying its measured host floor (`kernel_launch_us=` on its identity line): --profiles-out writes
+    the floor times host_time_scale beside the times, and the written profiles with the calibrated cluster give
+    every run the estimate the fit predicts."""
+    user, path = host_measured
+    measured_dir = user.root / "measured"
+    measured_dir.mkdir()
+    for gpu in GPU_SPEED:
+        target = measured_dir / f"{gpu}.csv"
+        made = runner.invoke(main, ["profile", "synth", "--model", str(user.model), "--gpu", gpu, "--tp", "1,2",
+                                    "--mbs", "1,2,4,16", "--cluster", str(user.cluster), "--out", str(target)])
+        assert made.exit_code == 0, made.output
+        text = re.sub(r"^(# fasop-profile: .*)$", r"\1 kernel_launch_us=5", target.read_text(), count=1, flags=re.M)
+        target.write_text(text)
+    out, profiles_out = user.root / "calibrated.toml", user.root / "calibrated-profiles"
+    result = runner.invoke(main, ["calibrate", "--measured", str(path), "--profiles", str(measured_dir),
+                                  "--out", str(out), "--profiles-out", str(profiles_out)])
+    assert result.exit_code == 0, result.output
+    host = float(re.search(r"host_time_scale\.fast\s+([\d.]+)", result.stdout).group(1))
+    assert host == pytest.approx(HOST_TRUTH["fast"], rel=0.02)
+    identity = next(line for line in (profiles_out / "fast.csv").read_text().splitlines()
+                    if line.startswith("# fasop-profile:"))
+    assert float(re.search(r"kernel_launch_us=(\S+)", identity).group(1)) == pytest.approx(5 * host, rel=1e-3)
+    runs = read_measured(path)
+    calibration = Calibration(runs, load_settings(runs, str(measured_dir))[0])
+    assert not any(p.synthesised for p in calibration.setting.profiles.values())
+    model, cluster = calibration.setting.model, load_cluster(str(out))
+    profiles = load_profiles(model, sorted(GPU_SPEED), str(profiles_out), specs=merged_specs(own=cluster.gpus))
+    assert profiles["fast"].kernel_launch_us == pytest.approx(5 * host, rel=1e-3)
+    np.testing.assert_allclose([predict_step_s(run, model, cluster, profiles) for run in runs],
+                               calibration.predict(calibrate(calibration).values), rtol=1e-6)
