@@ -653,7 +653,7 @@ def test_a_host_that_never_sets_the_pace_is_not_fitted(measured, runner):
     result = runner.invoke(main, ["calibrate", "--measured", str(path), "--profiles", str(user.profiles),
                                   "--out", str(user.root / "calibrated.toml")])
     assert result.exit_code == 0, result.output
-    assert re.search(r"host_time_scale\.fast\s+1\.0000\s+not fitted", result.stdout)
+    assert re.search(r"host_time_scale\.fast\s+1\.0000\s+not fitted: the GPU's work, not the host's launches", result.stdout)
 
 
 def test_a_calibrated_gpu_table_keeps_every_figure_it_does_not_calibrate():

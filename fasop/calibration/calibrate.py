@@ -240,7 +240,8 @@ def factor_lines(outcome: Outcome) -> list[str]:
     for f, value in outcome.values.items():
         low, high = outcome.bounds.get(f, f.bounds)
         if f not in outcome.free:
-            note = "not fitted: no run depends on it"
+            note = "not fitted: " + ("the GPU's work, not the host's launches, sets every run's time" if f.kind == "host"
+                                     else "no run depends on it")
         elif min(abs(math.log(value / low)), abs(math.log(value / high))) < 1e-6:
             note = f"at its bound ({low:g} to {high:g}): the runs would take it further"
         else:
@@ -310,9 +311,10 @@ def _toml_tables(path: str, table: dict, lines: list[str]) -> None:
 
 def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, date: str) -> tuple[list[dict], list[str]]:
     """A [[gpu]] table for each GPU type with a fitted compute_time_scale or host_time_scale and a spec in the
-    catalogue (bundled, then the cluster file's own): its matmul_efficiency and memory_bandwidth_gb_per_s divided by
-    the compute scale and its kernel_launch_us times the host scale, so that `fasop profile synth` reads the
-    calibrated figures; and a comment line for each GPU whose efficiency would leave (0, 1]."""
+    catalogue (bundled, then the cluster file's own): every figure of its spec, with its efficiencies, attention
+    speeds and memory_bandwidth_gb_per_s divided by the compute scale and its kernel_launch_us times the host scale,
+    so that `fasop profile synth` reads the calibrated figures; and a comment line instead for each GPU whose
+    efficiency would leave (0, 1] or whose calibrated figures leave a GPU table's range."""
     specs = merged_specs(own=cluster.gpus)
     tables, notes = [], []
     for gpu in sorted({f.key for f in outcome.free if f.kind in ("compute", "host")}):
