@@ -1,7 +1,7 @@
 """The host floor: measured times split into the host's part (fixed) and the GPU's (growing with the micro-batch),
 checked against a synthetic GPU whose true overhead is known, simulated kernel by kernel; the fit worked by hand;
-the floor a measured profile carries; and the properties: a host floor never makes a unit faster, a larger
-micro-batch never takes less time."""
+the floor a measured profile carries; and the properties: a host floor never makes a unit or a step faster, a
+larger micro-batch never takes less time."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from strategies import GPU_SPECS
 from fasop import load_model
 from fasop.cost.roofline import PassQueue, Rates, kernel_gpu_s, unit_times, unit_work
 from fasop.errors import InputError
+from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import with_precision
 from fasop.inputs.profiles import Curve, fit_scales, load_profiles, roofline_shape
 from fasop.profile.hostfloor import host_floor_us, tiny_model
+from fasop.search import estimate
 
 BERT = with_precision(load_model("bert"), "fp16")
 # a small BERT (hidden 512, 8 heads, 24 layers, 512 tokens): its layers at micro-batch 1 wait on the host
@@ -160,6 +162,24 @@ def test_a_host_floor_never_makes_a_unit_faster(gpu, kind, tp, mbs, floor_us):
     bare = unit_times(work, tp, Rates.of(without, BERT))
     floored = unit_times(work, tp, Rates.of(with_floor, BERT))
     assert all(f > b for f, b in zip(floored, bare))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(0.5, 200.0), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]))
+def test_a_host_floor_never_makes_a_step_faster(floor_us, tp, pp, mbs):
+    """Whole training steps of plans on four A10 nodes, every unit synthesised on the A10's spec with no launch
+    time and with `floor_us` per kernel: the exact schedule, the gradient reduction and the optimizer step on top
+    never turn the slower units into a faster step."""
+    cluster = load_cluster("fasop-4xA10")
+    model = load_model("llama3-8b")
+    steps = []
+    for launch_us in (0.0, floor_us):
+        spec = dataclasses.replace(GPU_SPECS["A10"], kernel_launch_us=launch_us)
+        profiles = load_profiles(model, ["A10"], specs={"A10": spec})
+        layers = [model.num_layers // pp] * pp
+        steps.append(estimate(model, cluster, tp=tp, dp=16 // (tp * pp), pp=pp, mbs=mbs, placement=["A10"] * 4,
+                              layers_per_stage=layers, gbs=64, profiles=profiles).step_time_s)
+    assert steps[1] > steps[0]
 
 
 @settings(max_examples=40, deadline=None)
