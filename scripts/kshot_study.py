@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import validate_published as vp
 
-from fasop.calibration.calibrate import Calibration
+from fasop.calibration.calibrate import HOST_PROBE, LOSS_SCALE, Calibration
 from fasop.calibration.measured import MeasuredRun
 from fasop.calibration.validate import Setting, mape_pct
 from fasop.errors import InputError
@@ -73,6 +73,14 @@ def pool() -> Pool:
                                                                                           vp.CLUSTER)))
     calibration = Calibration(measured, settings)
     return Pool(calibration, [run.table_name for run in runs], calibration.predict(calibration.unit()))
+
+
+def host_move_pct(p: Pool) -> float:
+    """The largest change of a run's estimate with its GPUs' host HOST_PROBE times as slow per kernel, in percent
+    (of log ratio, as fasop calibrate measures it: it fits host_time_scale only above its noise scale, LOSS_SCALE)."""
+    cal = p.calibration
+    hosts = {f: HOST_PROBE for f in cal.factors if f.kind == "host"}
+    return float(np.max(np.abs(np.log(cal.predict({**cal.unit(), **hosts}) / p.uncalibrated_s))) * 100)
 
 
 # -- the draws ------------------------------------------------------------------------------------------------
@@ -140,10 +148,10 @@ def read_draws(text: str) -> list[Draw]:
 
 
 # -- the table --------------------------------------------------------------------------------------------
-def table(draws: list[Draw], runs: int) -> str:
+def table(draws: list[Draw], runs: int, host_move: float | None = None) -> str:
     """One row per study: held-out error uncalibrated and calibrated (mean, median, worst draw), the draws it
     made worse, and the fitted compute_time_scale; then whether calibration helped on average at every k, and
-    whether its error fell with k."""
+    whether its error fell with k; with `host_move` (host_move_pct), whether the host factor could be fitted."""
     head = ["calibrated on", "draws", "held-out runs", "uncalibrated MAPE, mean", "calibrated MAPE: mean",
             "median", "worst draw", "draws made worse", "compute_time_scale (median, range)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -164,6 +172,10 @@ def table(draws: list[Draw], runs: int) -> str:
     lines += ["", f"Calibration lowers the mean held-out error at every k: {'yes' if never_worse else 'no'}. "
                   f"Mean held-out error falls with k ({', '.join(f'{m:.2f}%' for m in shots)} for k = "
                   f"{', '.join(map(str, SHOTS))}): {'yes' if falling else 'no'}."]
+    if host_move is not None:
+        fitted = "it is fitted" if host_move > LOSS_SCALE * 100 else "it is never fitted"
+        lines[-1] += (f" A host {HOST_PROBE:g} times as slow per kernel moves no run by more than {host_move:.1f}% "
+                      f"(host_time_scale is fitted above {LOSS_SCALE:.0%}): {fitted}.")
     return "\n".join(lines) + "\n"
 
 
@@ -185,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             section(read_text(args.write, CSV_LIMIT_BYTES), str(args.write))
         p = pool()
         text = draws_text([score(p, study, runs) for study, runs in studies(p)], factor_names(p))
-        generated = table(read_draws(text), len(p.sources))
+        generated = table(read_draws(text), len(p.sources), host_move_pct(p))
         if args.write:  # read again: the page may have changed while the study ran
             doc = read_text(args.write, CSV_LIMIT_BYTES)
             start, end = section(doc, str(args.write))

@@ -78,7 +78,7 @@ def test_recomputed_draws_are_the_files(ks, pool, draws):
 def test_the_docs_table_is_made_from_the_draws_file(ks, pool, draws):
     text = DOC.read_text()
     start, end = ks.section(text, str(DOC))
-    assert text[start:end] == "\n\n" + ks.table(draws, len(pool.sources)) + "\n", \
+    assert text[start:end] == "\n\n" + ks.table(draws, len(pool.sources), ks.host_move_pct(pool)) + "\n", \
         "docs/validation.md is stale: python scripts/kshot_study.py --write docs/validation.md"
 
 
@@ -112,6 +112,11 @@ def test_table_by_hand(ks):
                                                            "k: no.")
     flat = [replace(d, calibrated_pct=4.0) if d.study == "k=5" else d for d in draws]
     assert ks.table(flat, 10).splitlines()[-1].endswith("(9.00%, 4.00%, 4.00% for k = 1, 3, 5): no.")
+    assert ks.table(flat, 10, 1.34).splitlines()[-1].endswith(
+        "no. A host 10 times as slow per kernel moves no run by more than 1.3% (host_time_scale is fitted above 5%): "
+        "it is never fitted.")
+    assert ks.table(flat, 10, 7.0).splitlines()[-1].endswith("more than 7.0% (host_time_scale is fitted above 5%): "
+                                                             "it is fitted.")
 
 
 def test_refused_doc_leaves_one_line_and_no_change(ks, tmp_path, capsys):
