@@ -322,23 +322,19 @@ def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, dat
         if gpu not in specs or compute == host == 1.0:
             continue
         spec = specs[gpu]
-        efficiency = spec.matmul_efficiency / compute
-        fp8 = None if spec.fp8_matmul_efficiency is None else spec.fp8_matmul_efficiency / compute
-        above = [(name, given) for name, given in (("matmul_efficiency", spec.matmul_efficiency),
-                                                    ("fp8_matmul_efficiency", spec.fp8_matmul_efficiency))
-                 if given is not None and given / compute > 1.0]
+        efficiencies = {name: getattr(spec, name) / compute for name in ("matmul_efficiency", "fp8_matmul_efficiency")
+                        if getattr(spec, name) is not None}
+        above = [name for name, efficiency in efficiencies.items() if efficiency > 1.0]
         if above:
-            name, given = above[0]
-            notes.append(f"No [[gpu]] table for {spec.name}: {name} {given:g} ({spec.file}) / compute_time_scale.{gpu} "
-                         f"{compute:.4f} = {given / compute:.4f} is above 1, so the runs are faster than its other "
-                         "figures (peak, memory bandwidth, link) allow; check them.")
+            notes.append(f"No [[gpu]] table for {spec.name}: {above[0]} {getattr(spec, above[0]):g} ({spec.file}) / "
+                         f"compute_time_scale.{gpu} {compute:.4f} = {efficiencies[above[0]]:.4f} is above 1, so the runs "
+                         "are faster than its other figures (peak, memory bandwidth, link) allow; check them.")
             continue
         origin = spec.file + (f" ({spec.source})" if spec.source else "")
         table = {name: getattr(spec, name) for name in GpuTable.model_fields}
         table.update(
-            memory_bandwidth_gb_per_s=spec.memory_bandwidth_gb_per_s / compute, matmul_efficiency=efficiency,
+            **efficiencies, memory_bandwidth_gb_per_s=spec.memory_bandwidth_gb_per_s / compute,
             kernel_launch_us=spec.kernel_launch_us * host,
-            fp8_matmul_efficiency=fp8,
             attention_tflops=[[d, n, *(speed / compute for speed in speeds)] for d, n, *speeds in spec.attention_tflops],
             source=f"fasop calibrate on {measured}: matmul_efficiency {spec.matmul_efficiency:g} (its FP8 one and "
                    f"its attention speeds alike) and memory_bandwidth_gb_per_s {spec.memory_bandwidth_gb_per_s:g} / "
@@ -347,7 +343,7 @@ def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, dat
             date=date)
         # TOML has no null: a figure the spec leaves out stays out
         table = {key: [list(row) for row in value] if isinstance(value, tuple) else value
-                 for key, value in table.items() if value is not None and value != () and value != []}
+                 for key, value in table.items() if value not in (None, (), [])}
         try:
             gpu_tables([table], "the calibrated cluster file")
         except InputError as err:

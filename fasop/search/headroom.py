@@ -83,9 +83,8 @@ def search_within_headroom(model: Model, cluster: Cluster, gbs: int | None = Non
     left = cut and cut._replace(size=cut.size - cut.places(tight.plans, value))
     if left is not None and left.size == 0:  # the table is full below the headroom
         return _idle_above(tight, model, cluster, gbs, profiles_dir, left, below, options)
-    cut_arguments = left._replace(size=max(left.size, 1)).arguments() if left else {}
     rest = search_plans(model, cluster, gbs, profiles_dir, exclude=below, only_combos=frozenset(tight.unfit_combos),
-                        **cut_arguments, **options)
+                        **(left.arguments() if left else {}), **options)
     known = {_key(plan) for plan in tight.plans}
     flagged = [plan for plan in rest.plans if _key(plan) not in known]
     plans = tight.plans + (left.kept(flagged, value) if left else flagged)
