@@ -192,6 +192,23 @@ def test_cpu_profile_at_tp_1_and_2_loads_into_search(runner, tiny):
     assert "fast" in searched.stdout and "step s" in searched.stdout
 
 
+@needs_torch
+def test_a_busy_hosts_floor_is_written_as_the_most_a_profile_reads(runner, tiny, monkeypatch):
+    """A host too busy to launch a kernel in a millisecond still leaves a profile that reads back, and says so."""
+    from fasop.inputs.profiles import MAX_KERNEL_LAUNCH_US
+    from fasop.profile import measure
+
+    monkeypatch.setattr(measure, "measure_host_floor", lambda model, settings: 13780.0)
+    t = tiny(model=GPT, profiles={"fast": None})
+    out = t.profiles / "fast.csv"
+    result = runner.invoke(main, ["profile", "layers", "--model", str(t.model), "--gpu", "fast", "--tp", "1",
+                                  "--mbs", "1", "--device", "cpu", "--repeat", "1", "--warmup", "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "13,780 us per kernel" in result.stderr and f"written as {MAX_KERNEL_LAUNCH_US:g}" in result.stderr
+    assert f"kernel_launch_us={MAX_KERNEL_LAUNCH_US:g}" in out.read_text()
+    assert read_profile(out, load_model(str(t.model)), "fast").tensor_degrees == (1,)
+
+
 def whole_model_s(model, passes):
     """Median seconds of `passes` forward + backward passes of the whole model (micro-batch of 2)."""
     import torch

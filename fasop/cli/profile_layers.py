@@ -13,6 +13,7 @@ from fasop.cli.common import check_outputs, model_option, note_model_defaults, p
 from fasop.errors import InputError
 from fasop.inputs import bundled
 from fasop.inputs.model import load_model
+from fasop.inputs.profiles import MAX_KERNEL_LAUNCH_US
 from fasop.profile.synth import check_degrees, parse_sizes
 
 
@@ -90,6 +91,11 @@ def layers(model_name, gpu, tps, mbss, device, repeat, warmup, out, force):
         except measure.MeasureError as err:
             raise click.ClickException(f"measuring {model.name} failed: {err}") from None
         floor_us = measure.measure_host_floor(model, settings)
+    if floor_us > MAX_KERNEL_LAUNCH_US:  # a host this slow was busy: the profile records the most it reads back
+        click.echo(f"note: the host took {floor_us:,.0f} us per kernel of the tiny units, more than the "
+                   f"{MAX_KERNEL_LAUNCH_US:g} a profile records; written as {MAX_KERNEL_LAUNCH_US:g} (measure again on "
+                   "an idle machine for a truer floor)", err=True)
+        floor_us = MAX_KERNEL_LAUNCH_US
     lines = measure.header_lines(model, gpu, tps, mbss, settings, out_of_memory, command, floor_us)
     measure.write_measured(out, rows, lines)
     layer = next(r for r in rows if r.kind in model.layer_kinds)
