@@ -38,6 +38,8 @@ MAX_PLACEMENT_NODES = 2**18
 Count = Annotated[int, Range(1, MAX_PLAN_INT)]
 Index = Annotated[int, Range(0, MAX_PLAN_INT)]
 NodeType = Annotated[str, Field(min_length=1), expected("a node-type name")]
+# Megatron-LM's --recompute-modules that fasop models (fasop.cost.roofline.RECOMPUTE_MODULES)
+RecomputeModule = Literal["core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "shared_experts"]
 
 
 class Chunk(Table):
@@ -126,6 +128,8 @@ class Plan(Table):
     recompute: Literal["none", "selective", "full"] | None = None  # --recompute-granularity (none: left out)
     recompute_method: Literal["uniform", "block"] | None = None  # full only
     recompute_num_layers: Count | None = None  # full only
+    # selective only: --recompute-modules (absent: Megatron-LM's default, the attention core)
+    recompute_modules: Annotated[list[RecomputeModule], Field(min_length=1)] | None = None
     sequence_parallel: bool | None = None
     tp_comm_overlap: bool | None = None  # Megatron's --tp-comm-overlap (Transformer Engine's userbuffers)
     # an fp8 plan's precision, scaling recipe and --fp8-param-gather (absent: the model file's precision, not fp8)

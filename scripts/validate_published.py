@@ -401,6 +401,7 @@ class ParallelRun:
     seq_length: int
     layers_per_stage: tuple[int, ...]  # () for Megatron-LM's even split
     recompute: str
+    recompute_modules: tuple[str, ...] | None  # selective only (None: Megatron-LM's default, the attention core)
     sequence_parallel: bool
     overlap_grad_reduce: bool
     distributed_optimizer: bool
@@ -454,7 +455,8 @@ def read_parallel_runs(path: Path = MOE_CP_MEASUREMENTS) -> list[ParallelRun]:
             **{key: _positive(cells, key, where) for key in ("gpus", "tp", "pp", "cp", "ep", "virtual_stages", "mbs",
                                                              "gbs", "seq_length")},
             etp=_positive(cells, "etp", where) if cells["etp"] else None, layers_per_stage=layers,
-            recompute=cells["recompute"], sequence_parallel=cells["sequence_parallel"] == "true",
+            recompute=cells["recompute"], recompute_modules=tuple(cells["recompute_modules"].split()) or None,
+            sequence_parallel=cells["sequence_parallel"] == "true",
             overlap_grad_reduce=cells["overlap_grad_reduce"] == "true",
             distributed_optimizer=cells["distributed_optimizer"] == "true",
             precision=cells["precision"], fp8_recipe=cells["fp8_recipe"],
@@ -499,7 +501,8 @@ def parallel_plan(run: ParallelRun, model: Model, cluster: Cluster) -> tuple[Clu
     fields = dict(tp=run.tp, dp=run.dp, pp=run.pp, mbs=run.mbs, gbs=run.gbs, placement=[node_type] * nodes,
                   layers_per_stage=layers, virtual_stages=run.virtual_stages, recompute=run.recompute,
                   sequence_parallel=run.sequence_parallel, distributed_optimizer=run.distributed_optimizer,
-                  overlap_grad_reduce=run.overlap_grad_reduce, cp=run.cp, ep=run.ep, etp=run.etp)
+                  overlap_grad_reduce=run.overlap_grad_reduce, cp=run.cp, ep=run.ep, etp=run.etp,
+                  recompute_modules=run.recompute_modules)
     return cluster.with_counts({node_type: nodes}), fields
 
 

@@ -217,6 +217,19 @@ def test_a_slower_host_never_makes_a_measured_unit_faster_and_undoes_exactly(gpu
     back = slower.host_scaled(1 / factor)
     np.testing.assert_allclose(back.forward_s, forward, rtol=1e-12)
     np.testing.assert_allclose(back.backward_s, backward, rtol=1e-12)
+    for b in range(1, 65):
+        np.testing.assert_allclose(back.at(b), curve.at(b), rtol=1e-9)
+
+
+def test_a_slower_host_is_slower_between_uneven_measurements():
+    """The case hypothesis found: a backward flat from micro-batch 1 to 2, then tripled at 6. Mapped along the
+    slower host's flatter queue, micro-batch 4 came out faster than before; it is the measured curve's time at 4
+    times the slower queue's ratio there."""
+    curve = Curve(np.array([1.0, 2.0, 6.0]), np.full(3, 1e-4), np.array([2e-4, 2e-4, 6e-4]),
+                  roofline_shape(BERT, GPU_SPECS["A100"], 1, "layer"))
+    slower = curve.host_scaled(2.0)
+    for b in range(1, 65):
+        assert np.all(np.array(slower.at(b)) >= np.array(curve.at(b))), b
 
 
 @pytest.mark.parametrize("model_name, kind", [("t5", "encoder"), ("t5", "decoder"), ("t5", "head"), ("bert", "layer"),

@@ -15,7 +15,7 @@ import fasop
 from fasop.cost.config import Config, recomputed_affine, recomputed_layers
 from fasop.cost.memory import GIB, layer_activation_bytes, stage_memory_gib, stage_params
 from fasop.cost.pipeline import in_flight
-from fasop.cost.roofline import Rates, attention_core_share, attention_core_time_share, unit_work
+from fasop.cost.roofline import Rates, attention_core_share, module_time_share, unit_work
 from fasop.errors import InputError
 from fasop.inputs.catalogue import load_gpu_spec
 from fasop.inputs.cluster import Cluster, Derating, NodeType, load_cluster
@@ -262,7 +262,7 @@ def test_selective_recomputation_on_a_catalogue_gpu_reruns_the_cores_share_of_th
     cluster = replace(cluster, node_types={"A100": node})
     row = fasop.estimate(model, cluster, tp=1, dp=1, pp=2, mbs=1, placement=["A100", "A100"], layers_per_stage=[3, 1],
                          profiles_dir=profiles, recompute="selective")
-    share = attention_core_time_share(unit_work(model, 1, 1)["layer"], 1, Rates.of(load_gpu_spec("A100"), model))
+    share = module_time_share(unit_work(model, 1, 1)["layer"], 1, Rates.of(load_gpu_spec("A100"), model))
     assert share > 1.5 * attention_core_share(model, "layer")
     assert [s.recompute_s for s in row.stages] == pytest.approx([3 * 0.010 * share, 0.010 * share], rel=1e-12)
 

@@ -183,7 +183,7 @@ def test_every_kernel_of_a_tiny_layer_by_hand():
     # the attention core: scores, softmax, dropout, context: 4 kernels
     core = sum(forward_bytes[k] for k in ("scores Q.K^T", "scale-mask-softmax", "attention dropout",
                                           "context scores.V"))
-    assert core > 0 and roofline.attention_core_time_share(work, 1, roofline.Rates.of(untiled, model)) == \
+    assert core > 0 and roofline.module_time_share(work, 1, roofline.Rates.of(untiled, model)) == \
         pytest.approx((4 * launch + forward_bytes["context scores.V"] / bandwidth) / (13 * launch + last / bandwidth),
                       rel=1e-12)
     # backward: each matmul twice (the weight gradient adds 8 bytes per weight of fp32 main gradient); each

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fasop.cost.roofline import Rates, attention_core_share, attention_core_time_share, unit_work
+from fasop.cost.roofline import Rates, attention_core_share, module_time_share, unit_work
 from fasop.errors import InputError
 from fasop.inputs.catalogue import load_gpu_spec
 from fasop.profile.synth import synthesize
@@ -53,7 +53,7 @@ def test_one_run_against_a_hand_sum(vp, runs, row):
     model = vp.load_model(str(vp.DATA / run.model_file))
     spec = load_gpu_spec("A100-80GB")
     units = {r.kind: r for r in synthesize(model, spec, tps=[8], mbss=[4])}
-    core = attention_core_time_share(unit_work(model, 8, 4)["layer"], 8, Rates.of(spec, model))
+    core = module_time_share(unit_work(model, 8, 4)["layer"], 8, Rates.of(spec, model))
     assert 2.5 * attention_core_share(model, "layer") < core < 0.2  # the s x s softmax and dropout traffic
     share = 1.0 if run.recompute == "full" else core
     layer = units["layer"].forward_s * (1 + share) + units["layer"].backward_s

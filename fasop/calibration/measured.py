@@ -36,8 +36,8 @@ REQUIRED_COLUMNS = ("tp", "dp", "pp", "mbs", "gbs", "placement", "layers_per_sta
 # Range of a measured step time: a normal float far from both ends, so that errors relative to it stay finite.
 MIN_STEP_S, MAX_STEP_S = 1e-6, 1e6
 SPEC_FIELDS = ("tp", "dp", "pp", "mbs", "gbs", "placement", "layers_per_stage", "distributed_optimizer", "virtual_stages",
-               "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel", "overlap_grad_reduce",
-               "overlap_param_gather")
+               "recompute", "recompute_method", "recompute_num_layers", "recompute_modules", "sequence_parallel",
+               "overlap_grad_reduce", "overlap_param_gather")
 
 # Megatron-LM's training_log prints, on the last rank, every --log-interval iterations:
 #  [2024-05-01 12:00:03] iteration       10/      50 | consumed samples:          640 | elapsed time per
@@ -70,6 +70,7 @@ class MeasuredRun:
     recompute: str = "none"
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] | None = None
     sequence_parallel: bool | None = None
     overlap_grad_reduce: bool | None = None
     overlap_param_gather: bool | None = None
@@ -120,6 +121,15 @@ def _placement(value: Any, where: str) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
         raise InputError(f"{where}: placement", f"expected node-type names, got {value!r}")
     return tuple(value)
+
+
+def _names(value: Any, where: str, key: str) -> tuple[str, ...]:
+    """A list of names: a plan.json's list, or a CSV cell of names separated by spaces (as plan CSVs write
+    lists) or commas; what the names may be is the plan's check (fasop.search.spec.plan_spec)."""
+    items = re.split(r"[\s,]+", value.strip()) if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or not all(isinstance(v, str) and v for v in items):
+        raise InputError(f"{where}: {key}", f"expected a list of names, got {value!r}")
+    return tuple(items)
 
 
 def _flag(value: Any, where: str, key: str) -> bool:
@@ -182,6 +192,7 @@ def run_from_plan(plan: dict, measured_step_s: float, label: str, where: str, ba
         dataparallel = {"batch_split": split.batch_split, "gpus_per_node": split.gpus_per_node,
                         "samples_per_gpu": tuple((t.node_type, t.samples_per_gpu) for t in split.per_type or [])}
     method, layers = _optional(plan, "recompute_method"), _optional(plan, "recompute_num_layers")
+    modules = _optional(plan, "recompute_modules")
     def flag(key: str) -> bool | None:
         return None if (value := _optional(plan, key)) is None else _flag(value, where, key)
 
@@ -198,6 +209,7 @@ def run_from_plan(plan: dict, measured_step_s: float, label: str, where: str, ba
         recompute=_choice(_optional(plan, "recompute") or "none", where, "recompute", RECOMPUTE_MODES),
         recompute_method=None if method is None else _choice(method, where, "recompute_method", RECOMPUTE_METHODS),
         recompute_num_layers=None if layers is None else _positive_int(layers, where, "recompute_num_layers"),
+        recompute_modules=None if modules is None else _names(modules, where, "recompute_modules"),
         sequence_parallel=flag("sequence_parallel"), overlap_grad_reduce=flag("overlap_grad_reduce"),
         overlap_param_gather=flag("overlap_param_gather"), kind=kind, **dataparallel,
     )

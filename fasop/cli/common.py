@@ -110,6 +110,19 @@ overlap_option = click.option("--overlap/--no-overlap", default=True, show_defau
                                    "all-gather with the next forward (--overlap-param-gather).")
 
 
+def _names(ctx, param, value: str | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(name.strip() for name in value.split(","))
+
+
+def recompute_modules_option(default: str | None):
+    """--recompute-modules, a comma-separated list (a tuple; None where it has no default and is not given)."""
+    return click.option(
+        "--recompute-modules", "recompute_modules", default=default, show_default=default is not None,
+        metavar="MODULE,...", callback=_names,
+        help="What selective recomputation reruns (Megatron's --recompute-modules): core_attn, layernorm (the norms "
+             "that are modules of their own), moe_act, mla_up_proj, mlp (a dense layer's FFN), shared_experts.")
+
+
 seq_length_option = click.option(
     "--seq-length", "seq_length", type=click.IntRange(min=1), default=None, metavar="N",
     help="Tokens per sample, in place of the model file's (long-context plans; context parallelism splits them).")

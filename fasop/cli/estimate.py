@@ -22,7 +22,8 @@ from fasop.plans import Plan, expand_placement, read_plan_file
 
 # The options that give a plan's shape: required without --plan, refused with it (the plan file gives them).
 SHAPE_OPTIONS = ("tp", "dp", "pp", "mbs", "placement", "layers_per_stage", "gbs", "distributed_optimizer", "overlap",
-                 "virtual_stages", "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel",
+                 "virtual_stages", "recompute", "recompute_method", "recompute_num_layers", "recompute_modules",
+                 "sequence_parallel",
                  "tp_comm_overlap", "precision", "fp8_recipe", "fp8_param_gather", "seq_length", "cp", "ep", "etp")
 REQUIRED_WITHOUT_PLAN = ("model_name", "cluster_name", "tp", "dp", "pp", "mbs", "placement", "layers_per_stage")
 DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and it does not fit GPU memory
@@ -66,6 +67,7 @@ DOES_NOT_FIT_STATUS = 3  # apart from bad input (2): the plan was estimated, and
               help="With --recompute full: uniform (every layer) or block (the first N layers of each stage).")
 @click.option("--recompute-num-layers", type=click.IntRange(min=1), default=None,
               help="With --recompute full: 1 for uniform, N for block.")
+@common.recompute_modules_option(default=None)
 @click.option("--sequence-parallel/--no-sequence-parallel", default=None,
               help="Megatron's --sequence-parallel [default: on when tp > 1].")
 @click.option("--tp-comm-overlap/--no-tp-comm-overlap", default=False, show_default=True,

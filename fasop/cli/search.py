@@ -11,7 +11,7 @@ import click
 from fasop.cli import common
 from fasop.cli.run_options import run_options, run_settings
 from fasop.cli.tables import band_line, format_table, headroom_line, noise_report
-from fasop.cost.config import RECOMPUTE_MODES
+from fasop.cost.config import RECOMPUTE_MODES, check_recompute_modules
 from fasop.errors import InputError
 from fasop.files import check_finite, pending_write
 from fasop.inputs.cluster import load_cluster
@@ -75,6 +75,7 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
               metavar="MODE,MODE,...",
               help="Activation recomputation modes to consider (Megatron's --recompute-granularity; full as "
                    "--recompute-method uniform --recompute-num-layers 1); each plan takes its best.")
+@common.recompute_modules_option(default="core_attn")
 @click.option("--no-sequence-parallel", "no_sequence_parallel", is_flag=True,
               help="Leave Megatron's --sequence-parallel off (by default on whenever tp > 1: the same traffic, "
                    "less activation memory).")
@@ -94,8 +95,8 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
 @common.reports_input_errors
 def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort, output, force, train_steps, train_tokens, prune,
            workers, emit_dir, profiles_dir, allow_profile_mismatch, distributed_optimizer, overlap, recompute_modes,
-           no_sequence_parallel, no_tp_comm_overlap, use_all, stage_groups, memory_headroom, precision, fp8_recipe,
-           fp8_param_gather, noise, trials, seed, **run):
+           recompute_modules, no_sequence_parallel, no_tp_comm_overlap, use_all, stage_groups, memory_headroom,
+           precision, fp8_recipe, fp8_param_gather, noise, trials, seed, **run):
     """Rank every parallel plan of MODEL on CLUSTER by estimated step time, plans above the memory headroom
     after those below it."""
     from fasop.search.precision import parse_precisions, precision_spaces, search_precisions
@@ -108,6 +109,7 @@ def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort,
     if output is not None and output.suffix not in (".json", ".csv"):
         raise InputError(f"--output {output}", "expected a file name ending in .json or .csv")
     model, cluster = common.load_model_at(model_name, seq_length), load_cluster(cluster_name)
+    check_recompute_modules(model, recompute_modules)  # before any profile is read or noted
     inputs = common.input_paths(model_name, cluster_name, model, cluster, profiles_dir)
     outputs = [(output, "--output")] if output is not None else []
     if emit_dir is not None:
@@ -125,7 +127,7 @@ def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort,
                                    distributed_optimizer=distributed_optimizer, train_steps=train_steps,
                                    train_tokens=train_tokens, sort=sort, progress=progress,
                                    **_cut(prune, top, all_placements), workers=workers, overlap=overlap,
-                                   recompute=recompute,
+                                   recompute=recompute, recompute_modules=recompute_modules,
                                    sequence_parallel=not no_sequence_parallel, tp_comm_overlap=not no_tp_comm_overlap,
                                    use_all=use_all, stage_groups=stage_groups, bound_placements=top)
     elapsed = time.perf_counter() - started
@@ -139,7 +141,8 @@ def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort,
         raise InputError(f"--cluster {cluster_name}", f"no plan fits in memory ({result.out_of_memory} plans tried){hint}")
     report = None
     if noise is not None:  # before anything is written: nothing is left behind when it fails
-        settings = (distributed_optimizer, overlap, recompute, not no_sequence_parallel, not no_tp_comm_overlap)
+        settings = (distributed_optimizer, overlap, recompute, not no_sequence_parallel, not no_tp_comm_overlap, None,
+                    recompute_modules)
         report = _noise(spaces, space_profiles, plans, profiles_dir, settings, noise, trials, seed, sort, top)
     notes = _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs, run_settings(run))
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0].gbs}; "

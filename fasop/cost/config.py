@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
 
-from fasop.cost.roofline import Layout
+from fasop.cost.roofline import RECOMPUTE_MODULES, Layout
 from fasop.cost.schedule import interleaving_error
+from fasop.errors import ArgumentError
 from fasop.inputs.model import Model
 
 T = TypeVar("T")
@@ -18,6 +19,7 @@ T = TypeVar("T")
 # Megatron-LM's --recompute-granularity, lightest first (none: the flag left out)
 RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)  # Megatron-LM's --recompute-modules default
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class Config:
     overlap_param_gather: bool = False
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B)
     recompute: str = "none"  # --recompute-granularity: none, selective or full
+    # selective only: --recompute-modules (fasop.cost.roofline.RECOMPUTE_MODULES), Megatron-LM's default the core
+    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES
     recompute_method: str | None = None  # full only: --recompute-method uniform or block
     recompute_num_layers: int | None = None  # full only: --recompute-num-layers
     sequence_parallel: bool = False  # --sequence-parallel; only meaningful when tp > 1
@@ -117,6 +121,62 @@ def recompute_error(recompute: str, method: str | None, num_layers: int | None) 
     if method == "uniform" and num_layers != 1:
         return "fasop models the uniform method with one layer per checkpoint (--recompute-num-layers 1)"
     return None
+
+
+def checked_recompute(model: Model, recompute: str, method: str | None, num_layers: int | None,
+                      modules: Sequence[str] | None,
+                      refuse: Callable[[str, str], Exception]) -> tuple[str | None, int | None, tuple[str, ...]]:
+    """(method, layer count, modules) of a plan's recomputation, checked (recompute_error,
+    recompute_modules_error; `refuse(field, problem)` makes the error): full without a method is uniform over
+    every layer, as the search takes it, selective without modules reruns the attention core."""
+    if recompute == "full" and method is None and num_layers is None:
+        method, num_layers = "uniform", 1
+    problem = recompute_error(recompute, method, num_layers)
+    if problem:
+        raise refuse("recompute", problem)
+    chosen = DEFAULT_RECOMPUTE_MODULES if modules is None else tuple(modules)
+    problem = recompute_modules_error(model, recompute, chosen)
+    if problem:
+        raise refuse("recompute_modules", problem)
+    return method, num_layers, canonical_modules(chosen)
+
+
+def recompute_modules_error(model: Model, recompute: str, modules: tuple[str, ...]) -> str | None:
+    """Why `modules` (--recompute-modules) are not a setting Megatron-LM runs and fasop models, or None: some of
+    RECOMPUTE_MODULES, once each, with selective recomputation (Megatron-LM reads them with no other); moe_act
+    and mla_up_proj only where the model has experts and multi-latent attention (TransformerConfig's checks)."""
+    if recompute != "selective" and modules != DEFAULT_RECOMPUTE_MODULES:
+        return f"--recompute-modules go with selective recomputation, not {recompute}"
+    if "moe" in modules:
+        return ("fasop does not model recomputing a whole MoE layer (moe), which reruns its expert all-to-alls; "
+                f"its parts are {', '.join(m for m in RECOMPUTE_MODULES if m != 'core_attn')}")
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown or not modules or len(set(modules)) != len(modules):
+        return f"expected some of {', '.join(RECOMPUTE_MODULES)}, each once, got {','.join(modules)!r}"
+    if "moe_act" in modules and not model.is_moe:
+        return f"moe_act recomputes an MoE layer's expert activation; {model.name} has no experts"
+    if "mla_up_proj" in modules and not model.multi_latent_attention:
+        return f"mla_up_proj recomputes multi-latent attention's up-projections; {model.name} has no such attention"
+    return None
+
+
+def check_recompute_modules(model: Model, modules: tuple[str, ...]) -> tuple[str, ...]:
+    """A search's --recompute-modules, checked for its selective plans and in canonical order (ArgumentError)."""
+    problem = recompute_modules_error(model, "selective", modules)
+    if problem:
+        raise ArgumentError("recompute_modules", problem)
+    return canonical_modules(modules)
+
+
+def recompute_modules_field(config: Config) -> list[str] | None:
+    """A plan record's recompute_modules: a selective plan's, unless Megatron-LM's default (left out)."""
+    modules = config.recompute_modules
+    return list(modules) if config.recompute == "selective" and modules != DEFAULT_RECOMPUTE_MODULES else None
+
+
+def canonical_modules(modules: tuple[str, ...]) -> tuple[str, ...]:
+    """Recompute modules in RECOMPUTE_MODULES' order (the same set, the same plan and flags)."""
+    return tuple(sorted(modules, key=RECOMPUTE_MODULES.index))
 
 
 def virtual_stages_error(model: Model, pp: int, virtual_stages: int, num_microbatches: int) -> str | None:

@@ -124,30 +124,41 @@ def growth_to_fit(cluster: Cluster, capacity_gib: np.ndarray, fixed_gib: np.ndar
             cluster.memory_margin * layer_gib / capacity_gib)
 
 
-def _attention_activation_bytes(model: Model, q_seq: int, kv_seq: int, mbs: int, cross: bool) -> np.ndarray:
+def _attention_activation_bytes(model: Model, q_seq: int, kv_seq: int, mbs: int, cross: bool,
+                                dropped: tuple[str, ...] = ()) -> np.ndarray:
     """(replicated, split, scores) bytes: what stays whole on every rank of a tensor-parallel group without
     sequence parallelism (norm and projection inputs, dropout mask), what tensor parallelism splits, and the
-    attention-score terms (a s^2 b) that selective recomputation drops."""
+    attention-score terms (a s^2 b); without what selective recomputation of the `dropped` modules
+    (RECOMPUTE_MODULES) frees: the attention core's scores; multi-latent attention's input-norm output (the
+    down-projections' input) and its up-projected Q, K and V (Megatron-core's CheckpointWithoutOutput frees
+    them and rebuilds them for the backward)."""
     h, qa, kv, a = model.hidden_size, model.attention_width, model.kv_width, model.num_attention_heads
     p, mask, g = model.precision_bytes, DROPOUT_MASK_BYTES if model.dropout else 0, gemm_input_bytes(model)
     b = mbs
     # input of the norm and of the Q(KV) projection (FP8 in an fp8 model: fasop.cost.fp8), dropout mask; Q, K, V
     # and input of the output projection: flash attention keeps its output for its backward in bf16, and an fp8
     # model's projection its own FP8 copy of it beside
-    kv_input = 0 if cross else g * q_seq * b * h  # cross-attention K/V read the shared encoder output
-    replicated = p * q_seq * b * h + kv_input + mask * q_seq * b * h
+    mla = model.multi_latent_attention
+    kv_input = 0 if cross or (mla and "layernorm" in dropped) else g * q_seq * b * h  # cross-attention K/V read
+    replicated = p * q_seq * b * h + kv_input + mask * q_seq * b * h  # the shared encoder output
     projection_input = (p if model.flash_attention else 0) + g if model.fp8 else p
-    split = p * q_seq * b * qa + 2 * p * kv_seq * b * kv + projection_input * q_seq * b * qa
-    if model.flash_attention:
+    qkv = 0 if mla and "mla_up_proj" in dropped else p * q_seq * b * qa + 2 * p * kv_seq * b * kv
+    split = qkv + projection_input * q_seq * b * qa
+    if model.flash_attention or "core_attn" in dropped:
         scores = 0.0
     else:  # softmax output, and with dropout its mask and output
         scores = a * q_seq * kv_seq * b * (p + (mask + p if model.dropout else 0))
     return np.array([replicated, split, scores], dtype=float)
 
 
-def _mlp_activation_bytes(model: Model, seq: int, mbs: int) -> np.ndarray:
+def _mlp_activation_bytes(model: Model, seq: int, mbs: int, dropped: tuple[str, ...] = ()) -> np.ndarray:
+    """(replicated, split, 0) bytes of a dense FFN: its norm's input, fc1's input (the norm's output), the
+    residual's dropout mask, fc1's output and fc2's input; recomputing the "mlp" module (`dropped`) keeps its
+    input (the norm's) alone."""
     h, f, p, g = model.hidden_size, model.ffn_hidden_size, model.precision_bytes, gemm_input_bytes(model)
     mask = DROPOUT_MASK_BYTES if model.dropout else 0
+    if "mlp" in dropped:
+        return np.array([(mask + p) * seq * mbs * h, 0.0, 0.0])
     # fc1's output and fc2's input (FP8 in an fp8 model): SwiGLU's fc1 output is 2f wide; squared ReLU keeps
     # relu's output (pow saves it too) and its square, as GeLU its input and output
     hidden = ((2 if model.ffn_activation == "swiglu" else 1) * p + g) * seq * mbs * f
@@ -155,74 +166,80 @@ def _mlp_activation_bytes(model: Model, seq: int, mbs: int) -> np.ndarray:
 
 
 @cache
-def _layer_parts(model: Model, kind: str, moe: bool = False) -> tuple[np.ndarray, float]:
-    """(replicated, split, scores) bytes of one layer for one sample at tp = 1, and the bytes of its input; an
-    MoE layer's without its FFN (moe_ffn_bytes)."""
+def _layer_parts(model: Model, kind: str, moe: bool = False, dropped: tuple[str, ...] = ()) -> tuple[np.ndarray, float]:
+    """(replicated, split, scores) bytes of one layer for one sample at tp = 1 without what recomputing the
+    `dropped` modules frees, and the bytes of its input; an MoE layer's without its FFN (moe_ffn_bytes)."""
     p, h = model.precision_bytes, model.hidden_size
     if kind == "decoder" and model.is_encoder_decoder:
         s, s_enc = model.decoder_seq_length, model.encoder_seq_length
-        parts = _attention_activation_bytes(model, s, s, 1, cross=False)
-        parts = parts + _attention_activation_bytes(model, s, s_enc, 1, cross=True)
+        parts = _attention_activation_bytes(model, s, s, 1, cross=False, dropped=dropped)
+        parts = parts + _attention_activation_bytes(model, s, s_enc, 1, cross=True, dropped=dropped)
         parts[0] += p * s * h  # the cross-attention norm's input
     else:
         s = model.layer_seq_length(kind)
-        parts = _attention_activation_bytes(model, s, s, 1, cross=False)
+        parts = _attention_activation_bytes(model, s, s, 1, cross=False, dropped=dropped)
     if moe:
         parts = parts + np.array([p * s * h, 0.0, 0.0])  # the FFN norm's input
     else:
-        parts = parts + _mlp_activation_bytes(model, s, 1)
+        parts = parts + _mlp_activation_bytes(model, s, 1, dropped)
     return parts, float(p * s * h)
 
 
-def moe_ffn_bytes(model: Model, kind: str, tp: int, etp: int) -> float:
+def moe_ffn_bytes(model: Model, kind: str, tp: int, etp: int, dropped: tuple[str, ...] = ()) -> float:
     """Activation bytes an MoE layer's FFN keeps for one sample on one rank without context parallelism (which
     divides them, as every activation, by cp), as Megatron-core's alltoall dispatcher keeps them (read from its
     code: no published formula; the busiest rank's, moe_load_imbalance times the mean routed tokens): on its
     T = s / tp sequence-parallel tokens, the router's input and fp32 scores (T E), the permuted tokens the experts
     take (T k etp, each expert's gathered over etp), their fc1 output (2 F_e / etp wide for SwiGLU) and fc2 input
     (F_e / etp), the experts' outputs the weighted sum reads (T k), and the shared experts' FFN as a dense one's,
-    split over tp."""
+    split over tp. Recomputing a module (`dropped`) frees its output: "layernorm" the router's input (the
+    pre-FFN norm's output), "moe_act" the experts' fc2 input, "shared_experts" the shared experts' activations."""
     p, h, k = model.precision_bytes, model.hidden_size, model.moe_router_topk
     s = model.layer_seq_length(kind)
     shard = s / tp
     routed, ffn = shard * k * etp * model.moe_load_imbalance, model.expert_ffn_hidden_size / etp
     ffn_in = 2 * ffn if model.ffn_activation == "swiglu" else ffn
-    kept = p * shard * h + FP32_BYTES * shard * model.num_experts + p * routed * (h + ffn_in + ffn) + p * shard * k * h
+    norm_out = 0 if "layernorm" in dropped else p * shard * h
+    fc2_in = 0 if "moe_act" in dropped else ffn
+    kept = norm_out + FP32_BYTES * shard * model.num_experts + p * routed * (h + ffn_in + fc2_in) + p * shard * k * h
     shared = model.moe_shared_expert_intermediate_size
-    if shared:
+    if shared and "shared_experts" not in dropped:
         glu = 2 if model.ffn_activation == "swiglu" else 1
         kept += p * s * h + (glu + 1) * p * s * shared / tp  # its gathered input, fc1 out, fc2 in
     return kept
 
 
 def layer_activation_bytes(model: Model, kind: str, mbs: int, tp: int, sequence_parallel: bool = True,
-                           recompute: str = "none", layout: Layout = DENSE) -> float:
+                           recompute: str = "none", layout: Layout = DENSE,
+                           modules: tuple[str, ...] = ("core_attn",)) -> float:
     """Activation bytes one layer keeps for one micro-batch until its backward pass, per GPU (Korthikanti et
     al. 2022, Table 2, generalised): everything / t with sequence parallelism, else the replicated part whole;
-    selective recomputation drops the attention scores; a fully recomputed layer keeps only its input. The mean
-    layer of an MoE model's segment, and on a rank of `layout`: everything / cp (context parallelism splits every
-    sequence)."""
+    selective recomputation frees what its `modules` keep (the attention scores by default); a fully recomputed
+    layer keeps only its input. The mean layer of an MoE model's segment, and on a rank of `layout`: everything
+    / cp (context parallelism splits every sequence)."""
     whole = 1 if sequence_parallel else tp  # the replicated part is divided by tp only with sequence parallelism
     share = model.moe_share(kind)
+    dropped = modules if recompute == "selective" else ()
 
     def kept(moe: bool) -> float:
-        (replicated, split, scores), layer_input = _layer_parts(model, kind, moe)
+        (replicated, split, scores), layer_input = _layer_parts(model, kind, moe, dropped)
         if recompute == "full":
             return layer_input * whole / tp
-        return replicated * whole / tp + split / tp + (scores / tp if recompute == "none" else 0.0)
+        return replicated * whole / tp + split / tp + scores / tp
 
     per_sample = kept(False) if share < 1 else 0.0
     if share:
-        moe = kept(True) + (0.0 if recompute == "full" else moe_ffn_bytes(model, kind, tp, layout.expert_tp(tp)))
+        moe = kept(True) + (0.0 if recompute == "full" else moe_ffn_bytes(model, kind, tp, layout.expert_tp(tp),
+                                                                          dropped))
         per_sample = (1 - share) * per_sample + share * moe
     return mbs * per_sample / layout.cp
 
 
 @cache
 def _kind_activation_bytes(model: Model, tp: int, sequence_parallel: bool, recompute: str,
-                           layout: Layout = DENSE) -> np.ndarray:
+                           layout: Layout = DENSE, modules: tuple[str, ...] = ("core_attn",)) -> np.ndarray:
     """layer_activation_bytes of one sample for each layer kind (memoised: searches ask often)."""
-    return np.array([layer_activation_bytes(model, kind, 1, tp, sequence_parallel, recompute, layout)
+    return np.array([layer_activation_bytes(model, kind, 1, tp, sequence_parallel, recompute, layout, modules)
                      for kind in model.layer_kinds])
 
 
@@ -332,8 +349,8 @@ def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: 
     held for the micro-batches in flight under 1F1B.
 
     Full recomputation keeps a recomputed layer's input alone for each micro-batch in flight, selective
-    recomputation all but its attention scores; in the backward one recomputed layer at a time is rebuilt
-    whole, for one micro-batch."""
+    recomputation all but what its modules free (the attention scores by default); in the backward one
+    recomputed layer at a time is rebuilt whole, for one micro-batch."""
     fixed_params, layer_params = params
     tp, pp, sp, cp = config.tp, config.pp, config.sequence_parallel, config.cp
     fixed_experts, layer_experts = stage_expert_params(model, config, segment)
@@ -350,7 +367,8 @@ def stage_memory_gib(model: Model, config: Config, segment: np.ndarray, params: 
     fixed_fp8 = np.zeros(pp)
     if pp == 1:
         fixed_fp8[0] = fp8_weights * all_layer_params(model, tp, config.expert_split)
-    whole_act, selective_act, input_act = (_kind_activation_bytes(model, tp, sp, mode, config.layout)
+    whole_act, selective_act, input_act = (_kind_activation_bytes(model, tp, sp, mode, config.layout,
+                                                                  config.recompute_modules)
                                            for mode in RECOMPUTE_MODES)
     full = config.recompute == "full"
     kept_act = selective_act if config.recompute == "selective" else whole_act

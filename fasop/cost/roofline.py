@@ -70,6 +70,13 @@ ROUTING_KERNELS = (8, 6)
 # scores, of Q and of K, five matmuls to the forward's two (Dao 2023, "FlashAttention-2", Algorithm 2; the
 # FLOPs its benchmarks/benchmark_flash_attention.py counts).
 FLASH_BACKWARD_FLOPS = 2.5
+# Megatron-LM's --recompute-modules that fasop prices (TransformerConfig.recompute_modules, with Transformer
+# Engine's layer specs, megatron/core/models/gpt/gpt_layer_specs.py): the attention core; the norms that are
+# modules of their own (an MoE layer's pre-FFN norm, multi-latent attention's input norm; the others are fused
+# into the next linear layer and have none); an MoE layer's expert activation; multi-latent attention's
+# up-projections, their norms and the rotary embedding; a dense layer's FFN with its fused norm; the shared
+# experts. Not "moe", which reruns the expert all-to-alls too.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "shared_experts")
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ class Kernel:
     bytes: float
     launches: int = 1
     output: tuple[float, float, float] | None = None  # a matmul's (batch, rows, columns) of output tiles to fill
-    attention_core: bool = False  # what Megatron-LM's selective recomputation reruns
+    module: str = ""  # the --recompute-modules entry (RECOMPUTE_MODULES) whose rerun repeats it, if any
     fp8: bool = False  # a GEMM on the FP8 tensor cores (fasop.cost.fp8)
     attention: AttentionShape | None = None  # a fused attention kernel's shape, for its measured speed
 
@@ -359,7 +366,7 @@ def _attention(model: Model, b: int, s_q: float, s_k: int, tp: int, masked: bool
     if model.flash_attention:
         flops = 2.0 * scored * (qk + v)  # Q.K^T and scores x V
         shape = AttentionShape((qk + v) / 2, s_k / steps, masked, False)
-        forward = Kernel("flash attention", flops, p * (q + k + kv + out), steps, attention_core=True,
+        forward = Kernel("flash attention", flops, p * (q + k + kv + out), steps, module="core_attn",
                          attention=shape)
         return [(forward, (Kernel("flash attention grad", FLASH_BACKWARD_FLOPS * flops, 2 * forward.bytes,
                                   2 * steps, attention=shape._replace(backward=True)),))]
@@ -370,21 +377,21 @@ def _attention(model: Model, b: int, s_q: float, s_k: int, tp: int, masked: bool
     batch, d = b * heads, qk
     # backward: Q.K^T gives the gradients of Q (s_q x d) and K (s_k x d), scores x V those of the scores
     # (s_q x s_k) and of V (s_k x d)
-    qk_kernel = Kernel("scores Q.K^T", flops, p * (q + kv + scores), output=(batch, s_q, s_k), attention_core=True)
+    qk_kernel = Kernel("scores Q.K^T", flops, p * (q + kv + scores), output=(batch, s_q, s_k))
     qk_grads = (Kernel("scores grad Q", flops, qk_kernel.bytes, output=(batch, s_q, d)),
                 Kernel("scores grad K", flops, qk_kernel.bytes, output=(batch, s_k, d)))
-    context = Kernel("context scores.V", flops, p * (scores + kv + q), output=(batch, s_q, d), attention_core=True)
+    context = Kernel("context scores.V", flops, p * (scores + kv + q), output=(batch, s_q, d))
     context_grads = (Kernel("context grad scores", flops, context.bytes, output=(batch, s_q, s_k)),
                      Kernel("context grad V", flops, context.bytes, output=(batch, s_k, d)))
-    work = [(qk_kernel, qk_grads), _core(_elementwise("scale-mask-softmax", scores, scores, p))]
+    work = [(qk_kernel, qk_grads), _elementwise("scale-mask-softmax", scores, scores, p)]
     if model.dropout:
-        work.append(_core(_elementwise("attention dropout", scores, scores, p, mask)))
-    return [*work, (context, context_grads)]
+        work.append(_elementwise("attention dropout", scores, scores, p, mask))
+    return _in_module("core_attn", [*work, (context, context_grads)])
 
 
-def _core(work: Work) -> Work:
-    forward, backward = work
-    return replace(forward, attention_core=True), backward
+def _in_module(module: str, work: list[Work]) -> list[Work]:
+    """`work` with its forward kernels tagged as part of `module` (RECOMPUTE_MODULES)."""
+    return [(replace(forward, module=module), backward) for forward, backward in work]
 
 
 def _self_attention(model: Model, kind: str, b: int, s: int, tp: int, cp: int) -> list[Work]:
@@ -394,25 +401,27 @@ def _self_attention(model: Model, kind: str, b: int, s: int, tp: int, cp: int) -
     p, h = model.precision_bytes, model.hidden_size
     tokens = b * s / cp
     shard = tokens * h / tp  # sequence-parallel shard of the hidden states
-    work = [_elementwise("norm", shard, shard, p, 0.0, (1, 2))]
+    norm = [_elementwise("norm", shard, shard, p, 0.0, (1, 2))]
     qk, v = _head_dims(model)
     heads = model.num_attention_heads / tp
-    if model.multi_latent_attention:
+    if model.multi_latent_attention:  # its input norm is a module of its own
         rope, q_rank, kv_rank = model.qk_pos_emb_head_dim, model.q_lora_rank, model.kv_lora_rank
+        work = _in_module("layernorm", norm)
         if q_rank:
             work += [*_linear(model, "Q down", tokens, h, q_rank, after_norm=True),
-                     _elementwise("Q norm", tokens * q_rank, tokens * q_rank, p, 0.0, (1, 2)),
-                     *_linear(model, "Q up", tokens, q_rank, heads * qk)]
+                     *_in_module("mla_up_proj", [_elementwise("Q norm", tokens * q_rank, tokens * q_rank, p, 0.0, (1, 2)),
+                                                 *_linear(model, "Q up", tokens, q_rank, heads * qk)])]
         else:
-            work += _linear(model, "Q", tokens, h, heads * qk, after_norm=True)
+            work += _in_module("mla_up_proj", _linear(model, "Q", tokens, h, heads * qk, after_norm=True))
         work += [*_linear(model, "KV down", tokens, h, kv_rank + rope),
-                 _elementwise("KV norm", tokens * kv_rank, tokens * kv_rank, p, 0.0, (1, 2)),
-                 *_linear(model, "KV up", tokens, kv_rank, heads * (model.qk_head_dim + v)),
-                 _elementwise("rotary", tokens * (heads + 1) * rope, tokens * (heads + 1) * rope, p, launches=(2, 2))]
+                 *_in_module("mla_up_proj", [
+                     _elementwise("KV norm", tokens * kv_rank, tokens * kv_rank, p, 0.0, (1, 2)),
+                     *_linear(model, "KV up", tokens, kv_rank, heads * (model.qk_head_dim + v)),
+                     _elementwise("rotary", tokens * (heads + 1) * rope, tokens * (heads + 1) * rope, p, launches=(2, 2))])]
         width = heads * v
-    else:
+    else:  # its norm fused into the QKV projection (TELayerNormColumnParallelLinear)
         qa, kv = model.attention_width / tp, model.kv_width / tp
-        work += _linear(model, "QKV", tokens, h, qa + 2 * kv, after_norm=True)
+        work = [*norm, *_linear(model, "QKV", tokens, h, qa + 2 * kv, after_norm=True)]
         if model.position_embedding == "rope":  # applied to Q and to K
             work.append(_elementwise("rotary", tokens * (qa + kv), tokens * (qa + kv), p, launches=(2, 2)))
         width = qa
@@ -467,17 +476,18 @@ def _moe(model: Model, b: int, s: int, tp: int, layout: Layout) -> tuple[list[Wo
     local = experts / layout.ep
     ffn = model.expert_ffn_hidden_size / etp
     ffn_in = 2 * ffn if model.ffn_activation == "swiglu" else ffn
-    work: list[Work] = [_elementwise("norm", shard * h, shard * h, p, 0.0, (1, 2)),
+    work: list[Work] = [*_in_module("layernorm", [_elementwise("norm", shard * h, shard * h, p, 0.0, (1, 2))]),
                         _matmul("router", shard, h, experts, p),
                         _elementwise("routing", shard * experts, shard * experts, FP32_BYTES, launches=ROUTING_KERNELS),
                         _elementwise("permute", shard * h, shard * k * h, p),
                         *_grouped(model, "experts in", local, routed / local, h, ffn_in),
-                        _elementwise(model.ffn_activation, routed * ffn_in, routed * ffn, p),
+                        *_in_module("moe_act", [_elementwise(model.ffn_activation, routed * ffn_in, routed * ffn, p)]),
                         *_grouped(model, "experts out", local, routed / local, ffn, h),
                         _elementwise("unpermute", shard * k * h, shard * h, p)]
     collectives: list[float] = []
     if model.moe_shared_expert_intermediate_size:
-        work += _mlp(model, "shared experts", tokens, model.moe_shared_expert_intermediate_size, tp)
+        work += _in_module("shared_experts",
+                           _mlp(model, "shared experts", tokens, model.moe_shared_expert_intermediate_size, tp))
         collectives = [float(p * tokens * h)] * 2  # their all-gather and reduce-scatter
     expert_collectives = [float(p * routed * h)] * 2 if etp > 1 else []
     return [*work, _residual(model, shard * h)], collectives, expert_collectives
@@ -509,8 +519,9 @@ def _layer(model: Model, kind: str, b: int, tp: int, layout: Layout = DENSE,
         ffn_work, ffn_collectives, expert_collectives = _moe(model, b, s, tp, layout)
         return (work + ffn_work, (gathered * tokens * h, p * tokens * h, *cross, *ffn_collectives),
                 tuple(expert_collectives))
-    work += [_elementwise("norm", shard, shard, p, 0.0, (1, 2)),
-             *_mlp(model, "FFN", tokens, model.ffn_hidden_size, tp), _residual(model, shard)]
+    # the FFN with its norm (fused into its first linear layer): the "mlp" module
+    work += [*_in_module("mlp", [_elementwise("norm", shard, shard, p, 0.0, (1, 2)),
+                                 *_mlp(model, "FFN", tokens, model.ffn_hidden_size, tp)]), _residual(model, shard)]
     return work, (*[float(gathered * tokens * h)] * 2, *[float(p * tokens * h)] * 2, *cross), ()
 
 
@@ -633,12 +644,13 @@ def pass_s(kernels: tuple[Kernel, ...], rates: Rates) -> float:
     return pass_queue(kernels, rates).seconds()
 
 
-def attention_core_time_share(work: UnitWork, tp: int, rates: Rates) -> float:
-    """The attention core's share of a layer's forward time (its matmuls, softmax and dropout on the scores, or
-    the flash kernel): what selective recomputation adds to the backward, per second of forward. More than its
-    share of the FLOPs (attention_core_share) wherever the s x s scores make the core memory-bound."""
-    core = tuple(k for k in work.forward if k.attention_core)
-    return pass_s(core, rates) / unit_times(work, tp, rates)[0] if core else 0.0
+def module_time_share(work: UnitWork, tp: int, rates: Rates, modules: tuple[str, ...] = ("core_attn",)) -> float:
+    """The share of a layer's forward time taken by the kernels of `modules` (RECOMPUTE_MODULES; the attention
+    core: its matmuls, softmax and dropout on the scores, or the flash kernel): what selective recomputation of
+    them adds to the backward, per second of forward. The attention core's is more than its share of the FLOPs
+    (attention_core_share) wherever the s x s scores make it memory-bound."""
+    rerun = tuple(k for k in work.forward if k.module in modules)
+    return pass_s(rerun, rates) / unit_times(work, tp, rates)[0] if rerun else 0.0
 
 
 @lru_cache(maxsize=2**16)
@@ -650,10 +662,10 @@ def unit_seconds(model: Model, tp: int, mbs: int, kind: str, rates: Rates,
 
 
 @lru_cache(maxsize=2**16)
-def unit_attention_core_share(model: Model, tp: int, mbs: int, kind: str, rates: Rates,
-                              layout: Layout = DENSE) -> float:
-    """attention_core_time_share of one unit of `model` (memoised)."""
-    return attention_core_time_share(unit_work(model, tp, mbs, layout)[kind], tp, rates)
+def unit_module_share(model: Model, tp: int, mbs: int, kind: str, rates: Rates, layout: Layout = DENSE,
+                      modules: tuple[str, ...] = ("core_attn",)) -> float:
+    """module_time_share of one unit of `model` (memoised)."""
+    return module_time_share(unit_work(model, tp, mbs, layout)[kind], tp, rates, modules)
 
 
 def unit_queues(work: UnitWork, tp: int, rates: Rates) -> tuple[PassQueue, PassQueue]:

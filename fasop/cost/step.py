@@ -117,8 +117,9 @@ def recompute_variants(model: Model, cluster: Cluster, profiles: dict[str, GpuPr
     placements = [geo.stage_node_types for geo in geos]
     compute = stage_compute(model, cluster, profiles, placements, config, tuple(int(b) for b in mbs_values), segment,
                             np.array([configs[0].encoder_stages for _, configs in splits])[split_of_geo],
-                            selective=config.cp > 1 or any(c.recompute == "selective" for _, configs in splits
-                                                           for c in configs))
+                            core=config.cp > 1,
+                            rerun=config.recompute_modules if any(c.recompute == "selective" for _, configs in splits
+                                                                  for c in configs) else ())
     segment_rows = np.repeat(segment, k, axis=0)
     if config.cp > 1 or config.ep > 1:  # the context ring and the expert all-to-alls, in each layer's passes
         core = np.choose(segment_rows, compute.kind_core_forward_s) if config.cp > 1 else np.zeros(segment_rows.shape)

@@ -34,7 +34,7 @@ from fasop.cost.roofline import (
     Rates,
     attention_core_share,
     moe_kind,
-    unit_attention_core_share,
+    unit_module_share,
     unit_pass_queues,
     unit_seconds,
 )
@@ -76,6 +76,8 @@ class Curve:
     # per pass, the (host, GPU) factors and the fitted times at the profiled sizes, where they were set rather than
     # fitted (host_scaled: a calibrated host, whose split a refit of one size would not keep)
     fitted: tuple[tuple[tuple[float, float], np.ndarray], ...] | None = field(default=None, compare=False, repr=False)
+    # host_scaled: how many times as slow per kernel the host is than the curve's times were measured with
+    host_factor: float = field(default=1.0, compare=False, repr=False)
 
     def at(self, mbs: int) -> tuple[float, float]:
         """(forward_s, backward_s) of one micro-batch of size `mbs`."""
@@ -98,9 +100,10 @@ class Curve:
         return replace(self, forward_s=self.forward_s * factor, backward_s=self.backward_s * factor, fitted=fitted)
 
     def host_scaled(self, factor: float) -> Curve:
-        """The times of a host `factor` times as slow per kernel: each pass at the profiled sizes times its launch
-        queue's Q(factor a, c) / Q(a, c) at its fitted host and GPU factors (a, c), and that split kept for the
-        other sizes. Unchanged without a roofline shape: no host part to scale."""
+        """The times of a host `factor` times as slow per kernel: each pass at every size times its launch queue's
+        Q(factor a, c) / Q(a, c) at its fitted host and GPU factors (a, c), never below 1 for a slower host; that
+        split is kept (a refit of one size would not keep it). Unchanged without a roofline shape: no host part
+        to scale."""
         if self.shape is None or factor == 1.0:
             return self
         queues = [self.shape.queues(int(b)) for b in self.mbs]
@@ -110,19 +113,29 @@ class Curve:
             after = np.array([q[column].seconds(host * factor, gpu) for q in queues])
             times.append(measured * after / before)
             fitted.append(((host * factor, gpu), after))
-        return replace(self, forward_s=times[0], backward_s=times[1], fitted=tuple(fitted))
+        return replace(self, forward_s=times[0], backward_s=times[1], fitted=tuple(fitted),
+                       host_factor=self.host_factor * factor)
 
     def _roofline_scaled(self, mbs: int, index: int) -> tuple[float, float]:
         """Each pass at `mbs`: its launch queue at the profile's fitted host and GPU factors (fit_scales), f(b).
         Beyond the profiled sizes, f times the measured-to-fitted ratio of the nearest one; between two, the
         measured times mapped along f (t_lo + (t_hi - t_lo) (f(b) - f(lo)) / (f(hi) - f(lo)), linear in b where
-        f is flat), so that time never falls as the micro-batch grows where the measurements do not."""
+        f is flat), so that time never falls as the micro-batch grows where the measurements do not. A curve of a
+        host `host_factor` f times as slow takes its measured curve's time at `mbs` times Q_b(f a, c) / Q_b(a, c),
+        as at the profiled sizes: a slower host makes no size faster."""
         shape = self.shape
         assert shape is not None  # at() calls this only with a shape
         queues = shape.queues(mbs)
+        anchors = [shape.queues(int(b)) for b in self.mbs] if self.host_factor != 1.0 else []
         times = []
         for column, measured in enumerate((self.forward_s, self.backward_s)):
             (host, gpu), fitted = self._fits[column]
+            scale = 1.0
+            if anchors:  # back to the measured curve: its host, and its times at the profiled sizes
+                host /= self.host_factor
+                before = np.array([q[column].seconds(host, gpu) for q in anchors])
+                measured, fitted = measured * before / fitted, before
+                scale = queues[column].seconds(host * self.host_factor, gpu) / queues[column].seconds(host, gpu)
             time = queues[column].seconds(host, gpu)
             if index == 0 or index == len(self.mbs):
                 edge = min(index, len(self.mbs) - 1)
@@ -132,7 +145,7 @@ class Curve:
                 rise = fitted[hi] - fitted[lo]
                 share = (time - fitted[lo]) / rise if rise > 0 else (mbs - self.mbs[lo]) / (self.mbs[hi] - self.mbs[lo])
                 time = measured[lo] + (measured[hi] - measured[lo]) * share
-            times.append(float(time))
+            times.append(float(time * scale))
         return times[0], times[1]
 
     @cached_property
@@ -212,8 +225,9 @@ class RooflineShape:
         """The forward and backward launch queues of the roofline (fasop.cost.roofline.PassQueue)."""
         return unit_pass_queues(self.model, self.tp, mbs, self.kind, self.rates)
 
-    def attention_core_share(self, mbs: int, layout: Layout = DENSE) -> float:
-        return unit_attention_core_share(self.model, self.tp, mbs, self.kind, self.rates, layout)
+    def module_share(self, mbs: int, layout: Layout = DENSE, modules: tuple[str, ...] = ("core_attn",)) -> float:
+        """The share of the forward time the kernels of `modules` take (fasop.cost.roofline.module_time_share)."""
+        return unit_module_share(self.model, self.tp, mbs, self.kind, self.rates, layout, modules)
 
 
 def roofline_shape(model: Model, spec: GpuSpec, tp: int, kind: str) -> RooflineShape:
@@ -283,18 +297,24 @@ class GpuProfile:
         times = self.times_s(tp, kind, mbs_values)
         return times[:, 0] + times[:, 1]
 
-    def attention_core_forward_s(self, model: Model, tp: int, kind: str, mbs_values: tuple[int, ...],
-                                 layout: Layout = DENSE) -> np.ndarray:
-        """Forward seconds of a layer's attention core for each micro-batch size (memoised): the forward times
-        the core's share of it on the roofline of this GPU (its time share), or of its FLOPs where the profile
-        has no roofline (a GPU the catalogue lacks, a precision without a tensor-core peak)."""
-        key = ("core", tp, kind, mbs_values, layout)
+    def module_forward_s(self, model: Model, tp: int, kind: str, mbs_values: tuple[int, ...],
+                         layout: Layout = DENSE, modules: tuple[str, ...] = ("core_attn",)) -> np.ndarray:
+        """Forward seconds of a unit's `modules` (fasop.cost.roofline.RECOMPUTE_MODULES; the attention core by
+        default) for each micro-batch size (memoised): the forward times their share of it on the roofline of
+        this GPU (their time share). Where the profile has no roofline (a GPU the catalogue lacks, a precision
+        without a tensor-core peak), the attention core's share of the FLOPs; the other modules are element-wise
+        or small, and only a roofline prices them."""
+        key = ("modules", tp, kind, mbs_values, layout, modules)
         if key not in self._memo:
             shape = self.curves[(tp, kind)].shape if (tp, kind) in self.curves else None
             if isinstance(shape, RooflineShape):
-                shares = np.array([shape.attention_core_share(b, layout) for b in mbs_values])
+                shares = np.array([shape.module_share(b, layout, modules) for b in mbs_values])
+            elif set(modules) <= {"core_attn"}:
+                shares = np.full(len(mbs_values), attention_core_share(model, kind) if modules else 0.0)
             else:
-                shares = np.full(len(mbs_values), attention_core_share(model, kind))
+                raise InputError(self.file, f"tp={tp} kind={kind}: recomputing {', '.join(modules)} is priced on "
+                                            f"the roofline, and GPU {self.gpu} has no spec to draw one from: give it "
+                                            "a [[gpu]] table in the cluster file")
             self._memo[key] = self.times_s(tp, kind, mbs_values, layout)[:, 0] * shares
         return self._memo[key]
 
@@ -304,10 +324,11 @@ class GpuProfile:
         their counts (one unit for a dense model)."""
         return _mean_layer(model, kind, lambda unit: self.times_s(tp, unit, mbs_values, layout))
 
-    def layer_core_forward_s(self, model: Model, tp: int, kind: str, mbs_values: tuple[int, ...],
-                             layout: Layout = DENSE) -> np.ndarray:
-        """attention_core_forward_s of the mean layer of segment `kind`."""
-        return _mean_layer(model, kind, lambda unit: self.attention_core_forward_s(model, tp, unit, mbs_values, layout))
+    def layer_module_forward_s(self, model: Model, tp: int, kind: str, mbs_values: tuple[int, ...],
+                               layout: Layout = DENSE, modules: tuple[str, ...] = ("core_attn",)) -> np.ndarray:
+        """module_forward_s of the mean layer of segment `kind`."""
+        return _mean_layer(model, kind,
+                           lambda unit: self.module_forward_s(model, tp, unit, mbs_values, layout, modules))
 
 
 def _mean_layer(model: Model, kind: str, of_unit: Callable[[str], np.ndarray]) -> np.ndarray:

@@ -281,6 +281,8 @@ def train_config(plan: Plan, model: Any, meshes: Sequence[Mesh], opts: LaunchOpt
         if plan.recompute == "full":
             system["recompute"].update(recompute_method=plan.recompute_method,
                                        recompute_num_layers=plan.recompute_num_layers)
+        elif plan.recompute_modules:
+            system["recompute"]["recompute_modules"] = list(plan.recompute_modules)
     system["precision"] = {key: shape.pop(key) for key in _PRECISION if key in shape}
     system["logging"] = {"log_interval": training.pop("log_interval")}
     # the launchers override save and load with paths in the run directory

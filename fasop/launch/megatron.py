@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from fasop.cost.config import DEFAULT_RECOMPUTE_MODULES
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs.training import training_settings
 from fasop.launch.options import LaunchOptions
@@ -217,12 +218,15 @@ def _latent_attention_flags(model: Any) -> list[tuple[str, ...]]:
 
 
 def recompute_flags(p: PlanSpec) -> list[tuple[str, ...]]:
-    """Activation recomputation: `--recompute-granularity`, and for full recomputation its method and layers."""
+    """Activation recomputation: `--recompute-granularity`, for full recomputation its method and layers, for
+    selective its modules where they are not Megatron-LM's default."""
     if p.recompute == "none":
         return []
     flags: list[tuple[str, ...]] = [("--recompute-granularity", p.recompute)]
     if p.recompute == "full":
         flags += [("--recompute-method", str(p.recompute_method)), ("--recompute-num-layers", str(p.recompute_num_layers))]
+    elif p.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
+        flags.append(("--recompute-modules", *p.recompute_modules))
     return flags
 
 

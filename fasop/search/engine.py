@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from fasop.cost.config import RECOMPUTE_MODES, Config
+from fasop.cost.config import DEFAULT_RECOMPUTE_MODULES, RECOMPUTE_MODES, Config
 from fasop.cost.price import add_training_run
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs.cluster import Cluster
@@ -214,7 +214,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
                  sequence_parallel: bool = True, tp_comm_overlap: bool = True, use_all: bool = False,
                  stage_groups: bool = False, bound_placements: int = 0,
                  exclude: frozenset[tuple] = frozenset(), only_combos: frozenset[tuple] | None = None,
-                 geometries: dict | None = None) -> SearchResult:
+                 geometries: dict | None = None,
+                 recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES) -> SearchResult:
     """Every plan that fits memory, best first, as Plan records (fasop.plans, docs/formats.md).
 
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
@@ -224,7 +225,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     searches finish before extra processes would have started).
     profiles: already loaded profiles (by GPU type) instead of reading profiles_dir.
     overlap: Megatron's --overlap-grad-reduce, and --overlap-param-gather with the distributed optimizer.
-    recompute: the recompute modes to consider (each plan takes its best); sequence_parallel: on when tp > 1.
+    recompute: the recompute modes to consider (each plan takes its best); recompute_modules: what the selective
+    mode reruns (Megatron's --recompute-modules); sequence_parallel: on when tp > 1.
     tp_comm_overlap: Megatron's --tp-comm-overlap wherever it runs and hides time (fasop.search.space).
     use_all: only plans on every node; by default plans that leave whole node types idle compete too
     (node_type_subsets), and `idle` says how the best of each subset compares.
@@ -238,7 +240,7 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     """
     cut = cut_of(keep, places, sort)
     inputs = prepare(model, cluster, gbs, profiles_dir, distributed_optimizer, profiles, overlap, recompute,
-                     sequence_parallel, tp_comm_overlap, geometries)
+                     sequence_parallel, tp_comm_overlap, geometries, recompute_modules)
     one_size = cluster.one_kind_per_node
     # plans of one tp and dp run on node types of one size and one GPU kind per node (Cluster.gpus_per_node)
     subsets = ([cluster] if one_size else []) if use_all else node_type_subsets(cluster)
@@ -327,7 +329,8 @@ def _subset_inputs(inputs: Inputs, clusters: list[Cluster]) -> list[Inputs]:
     """`inputs` on each cluster of `clusters` (the first is inputs.cluster), with the profiles read once."""
     return [inputs if sub is inputs.cluster else
             prepare(inputs.model, sub, inputs.gbs, None, inputs.distributed_optimizer, inputs.profiles, inputs.overlap,
-                    inputs.recompute, inputs.sequence_parallel, inputs.tp_comm_overlap, inputs.geometries)
+                    inputs.recompute, inputs.sequence_parallel, inputs.tp_comm_overlap, inputs.geometries,
+                    inputs.recompute_modules)
             for sub in clusters]
 
 

@@ -187,6 +187,6 @@ def plan_record(inputs: Inputs, options: StageOptions, found: Assignment, pp: in
     spec = stage_group_spec(inputs.model, inputs.cluster, placement=placement, stages=stages,
                             mbs=batch // stages[0].dp, gbs=inputs.gbs, distributed_optimizer=inputs.distributed_optimizer,
                             overlap_grad_reduce=inputs.overlap, recompute=mode, recompute_method=full.recompute_method,
-                            recompute_num_layers=full.recompute_num_layers,
+                            recompute_num_layers=full.recompute_num_layers, recompute_modules=inputs.recompute_modules,
                             sequence_parallel=None if inputs.sequence_parallel else False)
     return {**stage_group_record(inputs, spec, "ilp"), "optimality_gap": found.gap}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from fasop.cost.communication import Geometry
-from fasop.cost.config import Config, chunk_layers
+from fasop.cost.config import Config, chunk_layers, recompute_modules_field
 from fasop.cost.fp8 import plan_fields
 from fasop.cost.price import cost_per_step_usd, price_per_hour_usd
 from fasop.cost.step import StageCosts, breakdown
@@ -53,7 +53,8 @@ def plan_rows(inputs: Inputs, plans: list[tuple[Config, Geometry, bool]], costs:
                 stage["chunks"] = chunks
             interleaved = {"wrap_send_s": float(costs.schedule.wrap_s[k])}
         recompute = {"recompute": config.recompute, "recompute_method": config.recompute_method,
-                     "recompute_num_layers": config.recompute_num_layers}
+                     "recompute_num_layers": config.recompute_num_layers,
+                     "recompute_modules": recompute_modules_field(config)}
         rows.append({
             "model": model.name, "model_file": model.file,
             **({"seq_length": model.seq_length} if model.seq_length_changed else {}),

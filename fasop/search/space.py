@@ -12,8 +12,10 @@ import numpy as np
 
 from fasop.cost.communication import Geometry, Links, geometry, with_embedding_groups, with_experts
 from fasop.cost.config import (
+    DEFAULT_RECOMPUTE_MODULES,
     RECOMPUTE_MODES,
     Config,
+    check_recompute_modules,
     embedding_stages,
     param_gather_overlaps,
     sequence_parallel_on,
@@ -86,6 +88,7 @@ class Inputs:
     # several searches of one question share, as the memory headroom's two do (geometry ignores memory). Those
     # searches' clusters differ only in memory and in the node types kept, which is all the key holds.
     geometries: dict = field(default_factory=dict, compare=False, repr=False)
+    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # what selective recomputation reruns
 
 
 # The most GPUs one plan spans: every placement's rank geometry (fasop.cost.communication) holds a node per rank,
@@ -96,14 +99,17 @@ MAX_PLAN_GPUS = 2**18
 def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir: str | None = None,
             distributed_optimizer: bool = True, profiles: dict[str, GpuProfile] | None = None,
             overlap: bool = True, recompute: tuple[str, ...] = RECOMPUTE_MODES, sequence_parallel: bool = True,
-            tp_comm_overlap: bool = True, geometries: dict | None = None) -> Inputs:
+            tp_comm_overlap: bool = True, geometries: dict | None = None,
+            recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES) -> Inputs:
     """Checked inputs of one search; `profiles` (already loaded, e.g. for many compositions) skips the files;
-    `geometries`, another search's of the same question (Inputs.geometries)."""
+    `geometries`, another search's of the same question (Inputs.geometries); `recompute_modules`, what its
+    selective plans rerun."""
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
     if cluster.num_gpus > MAX_PLAN_GPUS:
         raise InputError("cluster", f"{cluster.num_gpus:,} GPUs: a plan spans at most {MAX_PLAN_GPUS:,} "
                                     "(fasop's limit; a placement's rank geometry takes memory in proportion)")
     check_param_gather(model, distributed_optimizer)
+    modules = check_recompute_modules(model, recompute_modules)
     unknown = [mode for mode in recompute if mode not in RECOMPUTE_MODES]
     if unknown or not recompute:
         raise ArgumentError("recompute", f"expected one or more of {', '.join(RECOMPUTE_MODES)}, "
@@ -113,7 +119,7 @@ def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir
         profiles = load_profiles(model, gpus, profiles_dir, specs=merged_specs(own=cluster.gpus))
     modes = tuple(mode for mode in RECOMPUTE_MODES if mode in recompute)  # lightest first, once each
     return Inputs(model, cluster, {g: profiles[g] for g in gpus}, gbs, distributed_optimizer, overlap, modes,
-                  sequence_parallel, tp_comm_overlap, {} if geometries is None else geometries)
+                  sequence_parallel, tp_comm_overlap, {} if geometries is None else geometries, modules)
 
 
 def tensor_degrees(inputs: Inputs) -> list[int]:
@@ -295,7 +301,7 @@ def groups(inputs: Inputs, combos: list[Degrees], placement_limit: int = PLACEME
                           overlap_param_gather=param_gather_overlaps(inputs.overlap, inputs.distributed_optimizer),
                           sequence_parallel=sequence_parallel,
                           tp_comm_overlap=tp_comm_overlap_on(inputs, tp, sequence_parallel, mbs_values, cp),
-                          cp=cp, ep=ep, etp=etp)
+                          cp=cp, ep=ep, etp=etp, recompute_modules=inputs.recompute_modules)
                    for split in encoder_splits(model, pp)]
         grid = (tp, dp, cp, placement_limit)  # pp follows, and with it the encoder splits of the configs
         if grid not in dense_of:
@@ -342,9 +348,9 @@ def tp_comm_overlap_on(inputs: Inputs, tp: int, sequence_parallel: bool, mbs_val
 
 
 def recompute_modes(inputs: Inputs) -> tuple[str, ...]:
-    """The recompute modes worth searching, lightest first. With flash attention selective recomputation keeps
-    the same activations as none (the fused kernel stores no attention scores) and only adds the rerun of the
-    kernel's forward, so it never wins and is left out."""
-    if inputs.model.flash_attention and "none" in inputs.recompute:
+    """The recompute modes worth searching, lightest first. With flash attention selective recomputation of the
+    attention core alone keeps the same activations as none (the fused kernel stores no attention scores) and
+    only adds the rerun of the kernel's forward, so it never wins and is left out."""
+    if inputs.model.flash_attention and "none" in inputs.recompute and inputs.recompute_modules == DEFAULT_RECOMPUTE_MODULES:
         return tuple(mode for mode in inputs.recompute if mode != "selective")
     return inputs.recompute

@@ -11,10 +11,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from fasop.cost.config import (
+    DEFAULT_RECOMPUTE_MODULES,
     Config,
+    checked_recompute,
     fewest_layers,
     param_gather_overlaps,
-    recompute_error,
     sequence_parallel_on,
     virtual_stages_error,
 )
@@ -30,8 +31,8 @@ Refuse = Callable[[str, str], InputError]  # (field, problem) -> the error namin
 # The Plan fields a specification is made of, named as plan_spec takes them.
 SHAPE_FIELDS = ("tp", "dp", "pp", "mbs", "gbs", "placement", "layers_per_stage", "encoder_stages",
                 "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "virtual_stages",
-                "layers_per_virtual_stage", "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel",
-                "tp_comm_overlap", "cp", "ep", "etp")
+                "layers_per_virtual_stage", "recompute", "recompute_method", "recompute_num_layers", "recompute_modules",
+                "sequence_parallel", "tp_comm_overlap", "cp", "ep", "etp")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class PlanSpec:
     cp: int = 1
     ep: int = 1
     etp: int = 0  # an MoE model's expert-tensor-parallel degree (0: tp; a dense model's is its tp)
+    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # selective recomputation's, in canonical order
 
     @property
     def num_microbatches(self) -> int:
@@ -73,7 +75,7 @@ class PlanSpec:
                       virtual_stages=self.virtual_stages, recompute=self.recompute,
                       recompute_method=self.recompute_method, recompute_num_layers=self.recompute_num_layers,
                       sequence_parallel=self.sequence_parallel, tp_comm_overlap=self.tp_comm_overlap, cp=self.cp,
-                      ep=self.ep, etp=self.etp)
+                      ep=self.ep, etp=self.etp, recompute_modules=self.recompute_modules)
 
 
 def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs: int, placement: Sequence[str],
@@ -82,6 +84,7 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
               overlap_param_gather: bool | None = None, virtual_stages: int = 1,
               layers_per_virtual_stage: Sequence[int] | None = None, recompute: str = "none",
               recompute_method: str | None = None, recompute_num_layers: int | None = None,
+              recompute_modules: Sequence[str] | None = None,
               sequence_parallel: bool | None = None, tp_comm_overlap: bool = False,
               cp: int = 1, ep: int = 1, etp: int | None = None, gpus_per_node: int | None = None,
               where: str | None = None) -> PlanSpec:
@@ -89,8 +92,9 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
     None: fasop's default (the model's global batch, the encoder stages the layers imply, parameters gathered
     during the forward when the optimizer is distributed and gradients reduced during the backward, sequence
     parallelism when tp > 1, each stage's layers split evenly over its chunks; tensor-parallel communication
-    overlap off); full recomputation without a
-    method is uniform over every layer. `gpus_per_node`: the launch's own, instead of the placement's node types'.
+    overlap off); full recomputation without a method is uniform over every layer, selective recomputation
+    without modules reruns the attention core. `gpus_per_node`: the launch's own, instead of the placement's node
+    types'.
     Errors name the argument, or `where` and the field (a plan file's)."""
     def refuse(field: str, problem: str) -> InputError:
         return ArgumentError(field, problem) if where is None else InputError(f"{where}: {field}", problem)
@@ -121,11 +125,8 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
     if encoder_stages is not None and encoder_stages != encoder:
         raise refuse("encoder_stages", f"expected {encoder}, the stages holding the model's "
                                        f"{model.encoder_num_layers} encoder layers, got {encoder_stages}")
-    if recompute == "full" and recompute_method is None and recompute_num_layers is None:
-        recompute_method, recompute_num_layers = "uniform", 1  # every layer, as the search takes full recomputation
-    problem = recompute_error(recompute, recompute_method, recompute_num_layers)
-    if problem:
-        raise refuse("recompute", problem)
+    recompute_method, recompute_num_layers, modules = checked_recompute(
+        model, recompute, recompute_method, recompute_num_layers, recompute_modules, refuse)
     _check_tensor_parallel(model, cluster, placement, tp, sequence_parallel, tp_comm_overlap, refuse, cp)
     spec = PlanSpec(tp=tp, dp=dp, pp=pp, mbs=mbs, gbs=gbs, placement=placement, layers_per_stage=layers,
                     gpus_per_node=gpn, encoder_stages=encoder, distributed_optimizer=distributed_optimizer,
@@ -135,7 +136,7 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
                     virtual_stages=virtual_stages, layers_per_virtual_stage=(), recompute=recompute,
                     recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
                     sequence_parallel=sequence_parallel_on(tp, sequence_parallel), tp_comm_overlap=tp_comm_overlap,
-                    cp=cp, ep=ep, etp=etp)
+                    cp=cp, ep=ep, etp=etp, recompute_modules=modules)
     if pp > 1 and (np.array(layers) < fewest_layers(model, spec.config)).any():
         raise refuse("layers_per_stage", f"every stage needs at least the {spec.config.blocked_layers} layers "
                                          "block recomputation reruns in it" if spec.config.blocked_layers else

@@ -11,7 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from fasop.cost.config import Config, fewest_layers, param_gather_overlaps, recompute_error, sequence_parallel_on
+from fasop.cost.config import (
+    DEFAULT_RECOMPUTE_MODULES,
+    Config,
+    checked_recompute,
+    fewest_layers,
+    param_gather_overlaps,
+    sequence_parallel_on,
+)
 from fasop.cost.memory import usable_gib
 from fasop.cost.price import cost_per_step_usd
 from fasop.cost.stagegroups import GroupLayout, group_layout, host_types, stage_group_costs
@@ -51,6 +58,7 @@ class StageGroupSpec:
     recompute_method: str | None
     recompute_num_layers: int | None
     sequence_parallel: bool | None  # None: on wherever a stage has tp > 1
+    recompute_modules: tuple[str, ...] = DEFAULT_RECOMPUTE_MODULES  # selective recomputation's, canonical order
 
     @property
     def num_microbatches(self) -> int:
@@ -63,7 +71,8 @@ class StageGroupSpec:
                        self.distributed_optimizer, overlap_grad_reduce=self.overlap_grad_reduce,
                        overlap_param_gather=self.overlap_param_gather, recompute=self.recompute,
                        recompute_method=self.recompute_method, recompute_num_layers=self.recompute_num_layers,
-                       sequence_parallel=sequence_parallel_on(s.tp, self.sequence_parallel)) for s in self.stages]
+                       sequence_parallel=sequence_parallel_on(s.tp, self.sequence_parallel),
+                       recompute_modules=self.recompute_modules) for s in self.stages]
 
 
 def stage_group_spec(model: Model, cluster: Cluster, *, placement: Sequence[str], stages: Sequence[StageGroup],
@@ -71,7 +80,7 @@ def stage_group_spec(model: Model, cluster: Cluster, *, placement: Sequence[str]
                      overlap_grad_reduce: bool = True, overlap_param_gather: bool | None = None,
                      recompute: str = "none", recompute_method: str | None = None,
                      recompute_num_layers: int | None = None, sequence_parallel: bool | None = None,
-                     where: str | None = None) -> StageGroupSpec:
+                     recompute_modules: Sequence[str] | None = None, where: str | None = None) -> StageGroupSpec:
     """The stage-group plan checked against `model` and `cluster`: `mbs` is the first stage's micro-batch per
     GPU (every stage takes mbs x dp_0 samples per micro-batch). Errors name the argument, or `where` and the
     field (a plan file's)."""
@@ -98,11 +107,8 @@ def stage_group_spec(model: Model, cluster: Cluster, *, placement: Sequence[str]
     layers = [s.layers for s in stages]
     if sum(layers) != model.num_layers:
         raise refuse("stages", f"expected layers summing to {model.num_layers}, got {','.join(map(str, layers))}")
-    if recompute == "full" and recompute_method is None and recompute_num_layers is None:
-        recompute_method, recompute_num_layers = "uniform", 1
-    problem = recompute_error(recompute, recompute_method, recompute_num_layers)
-    if problem:
-        raise refuse("recompute", problem)
+    recompute_method, recompute_num_layers, modules = checked_recompute(
+        model, recompute, recompute_method, recompute_num_layers, recompute_modules, refuse)
     layout = group_layout(cluster, placement, [(s.tp, s.dp) for s in stages])
     _check_layout(cluster, layout, stages, refuse)
     if model.tie_embeddings and (stages[0].tp, stages[0].dp) != (stages[-1].tp, stages[-1].dp):
@@ -110,7 +116,7 @@ def stage_group_spec(model: Model, cluster: Cluster, *, placement: Sequence[str]
                                "all-reduce the embedding rank by rank)")
     spec = StageGroupSpec(gbs, batch, placement, stages, layout, distributed_optimizer, overlap_grad_reduce,
                           param_gather_overlaps(overlap_grad_reduce, distributed_optimizer, overlap_param_gather),
-                          recompute, recompute_method, recompute_num_layers, sequence_parallel)
+                          recompute, recompute_method, recompute_num_layers, sequence_parallel, modules)
     least = fewest_layers(model, spec.configs[0])
     if (np.array(layers) < least).any():
         raise refuse("stages", "every stage needs at least one layer (the first may hold only the embedding, the "
@@ -133,7 +139,8 @@ def spec_of_stage_groups(plan: Plan, model: Model, cluster: Cluster, where: str 
         assert row.tp is not None and row.dp is not None  # the plan schema requires them
         groups.append(StageGroup(placement[row.nodes[0]], row.tp, row.dp, row.layers))
     options = {name: value for name in ("gbs", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-                                        "recompute", "recompute_method", "recompute_num_layers", "sequence_parallel")
+                                        "recompute", "recompute_method", "recompute_num_layers", "recompute_modules",
+                                        "sequence_parallel")
                if name in plan.model_fields_set and (value := getattr(plan, name)) is not None}
     spec = stage_group_spec(model, cluster, placement=placement, stages=groups, mbs=plan.mbs, where=where, **options)
     for row, nodes in zip(stages, spec.layout.stage_nodes):
