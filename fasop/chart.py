@@ -1,12 +1,13 @@
 """What every chart shares: a figure drawn headless, written whole (PNG or SVG, by the file suffix) with the same
-bytes for the same inputs, titles wrapped inside the figure, logarithmic axes where values span orders of
-magnitude, and labels of chart points placed so that no two overlap.
+bytes for the same inputs, every text drawn as written (no mathematics), at most MAX_ROWS rows, titles wrapped
+inside the figure, logarithmic axes where values span orders of magnitude, and labels of chart points placed so
+that no two overlap.
 
-Labels: each label may sit at eight positions around its point (right first, then round the compass), or,
-shortened to a number, at the same eight; the figure's renderer measures every text, and one integer program
-(scipy's milp, exact and deterministic) picks at most one position per label so that no two chosen boxes
-intersect and none leaves the axes, preferring full labels, then labels that cover fewer points, then the
-earlier positions. A label shown as a number, or not shown at all, is named with its value in the legend
+Labels (at most MAX_LABELS): each label may sit at eight positions around its point (right first, then round the
+compass), or, shortened to a number, at the same eight; the figure's renderer measures every text, and one
+integer program (scipy's milp, exact and deterministic) picks at most one position per label so that no two
+chosen boxes intersect and none leaves the axes, preferring full labels, then labels that cover fewer points,
+then the earlier positions. A label shown as a number, or not shown at all, is named with its value in the legend
 instead; as the legend's size moves the axes, the placement is solved again with those labels kept as numbers
 until no new one is added.
 
@@ -18,10 +19,12 @@ from __future__ import annotations
 import io
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -29,6 +32,10 @@ from fasop.errors import ArgumentError, InputError
 from fasop.files import write_atomically
 
 SUFFIXES = (".png", ".svg")
+# Rows (pipeline stages) a chart draws: a figure grows some 0.45 inches a row, so 256 rows make one about 115 inches
+# (11,500 pixels) tall, which draws and saves in a few seconds.
+MAX_ROWS = 256
+T = TypeVar("T")
 
 
 def figure(width_in: float, height_in: float):
@@ -59,6 +66,18 @@ def as_argument(argument: str, path) -> Iterator[None]:
         raise ArgumentError(argument, err.problem, path) from None
 
 
+@contextmanager
+def plain_text() -> Iterator[None]:
+    """Every text drawn inside (as a decorator: by the function) as written: names from input files may hold `$`,
+    which matplotlib would otherwise read as mathematics and draw as something else, or refuse with a traceback;
+    fasop's charts draw no mathematics. Tick labels are made as the figure is drawn, so saving it needs this too."""
+    import matplotlib
+
+    with matplotlib.rc_context({"text.parse_math": False}):
+        yield
+
+
+@plain_text()
 def figure_bytes(fig, suffix: str) -> bytes:
     """The chart as PNG or SVG ('.png', '.svg'), without a date or random ids (the same inputs, the same bytes)."""
     import matplotlib
@@ -128,6 +147,13 @@ POSITIONS = ((1, 0, "left", "center"), (1, -1, "left", "top"), (1, 1, "left", "b
              (-1, -1, "right", "top"))
 GAP_PX = 2.0  # clearance kept between two labels and between a label and the axes' edge
 FULL_SCORE, NUMBER_SCORE, COVER_PENALTY = 100.0, 30.0, 5.0  # a full label beats a number even over a few points
+# Labels of one chart: as many as its legend can name beside its 5.4 inches where none has room; the integer
+# program's work grows steeply with them.
+MAX_LABELS = 40
+# Seconds the integer programs of one chart take at most, together: far beyond what MAX_LABELS labels take but in
+# crowds built to be hard, so that the placement is the exact optimum, the same every run. Out of time, no label is
+# drawn and each is named in the legend instead, whatever the program had found by then.
+LABEL_TIME_LIMIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +168,13 @@ class Label:
     color: str = "#333333"
     fontsize: float = 7.0
     weight: str = "normal"
+
+
+def spread(items: Sequence[T], count: int) -> list[T]:
+    """At most `count` (2 or more) of `items`, evenly spaced from the first to the last."""
+    if len(items) <= count:
+        return list(items)
+    return [items[i * (len(items) - 1) // (count - 1)] for i in range(count)]
 
 
 def _box(anchor: np.ndarray, size: tuple[float, float], position: tuple, distance_px: float) -> np.ndarray:
@@ -183,43 +216,63 @@ def _candidates(fig, ax, renderer, labels: Sequence[Label], numbered: set[int], 
     return found
 
 
-def _choose(found: list, count: int) -> list[int]:
-    """Indices into `found` of the chosen positions: the integer program of the module docstring."""
+def _meeting(boxes: np.ndarray, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs (a, b), a < b in lexical order, of boxes of different labels closer than GAP_PX: a sweep along x
+    meets each box only with those that start before it ends, so work and memory grow with the pairs found."""
+    order = np.argsort(boxes[:, 0], kind="stable")
+    ends = np.searchsorted(boxes[order, 0], boxes[order, 2] + GAP_PX, side="left")
+    pairs = []
+    for i, end in enumerate(ends):
+        a, others = order[i], order[i + 1:end]
+        near = others[(boxes[others, 1] < boxes[a, 3] + GAP_PX) & (boxes[a, 1] < boxes[others, 3] + GAP_PX)
+                      & (owner[others] != owner[a])]
+        pairs += [(min(a, b), max(a, b)) for b in near.tolist()]
+    first, second = np.array(sorted(pairs), dtype=int).reshape(-1, 2).T
+    return first, second
+
+
+def _choose(found: list, count: int, seconds: float) -> list[int]:
+    """Indices into `found` of the chosen positions: the integer program of the module docstring, or none when it
+    takes more than `seconds`."""
     from scipy.optimize import LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
-    if not found:
+    if not found or seconds <= 0:
         return []
     boxes = np.array([box for _, _, _, box, _ in found])
     owner = np.array([label for label, _, _, _, _ in found])
     score = np.array([(NUMBER_SCORE if is_number else FULL_SCORE) - COVER_PENALTY * min(covered, 10) - 0.1 * position
                       for _, is_number, position, _, covered in found])
-    meet = ((boxes[:, None, 0] < boxes[None, :, 2] + GAP_PX) & (boxes[None, :, 0] < boxes[:, None, 2] + GAP_PX)
-            & (boxes[:, None, 1] < boxes[None, :, 3] + GAP_PX) & (boxes[None, :, 1] < boxes[:, None, 3] + GAP_PX))
-    a, b = np.nonzero(np.triu(meet & (owner[:, None] != owner[None, :]), k=1))
+    a, b = _meeting(boxes, owner)
     rows = np.concatenate([owner, count + np.arange(len(a)), count + np.arange(len(a))])
     cols = np.concatenate([np.arange(len(found)), a, b])
     matrix = coo_matrix((np.ones(len(rows)), (rows, cols)), shape=(count + len(a), len(found)))
     result = milp(-score, integrality=np.ones(len(found)), bounds=(0, 1),
-                  constraints=LinearConstraint(matrix, -np.inf, 1))
+                  constraints=LinearConstraint(matrix, -np.inf, 1), options={"time_limit": seconds})
+    if result.status != 0:  # out of time: its best so far depends on the machine's speed
+        return []
     return [int(i) for i in np.flatnonzero(np.round(result.x) == 1)]
 
 
 def place_labels(fig, ax, labels: Sequence[Label], points: np.ndarray,
                  legend: Callable[[list[str]], None]) -> dict[str, int]:
-    """Draw `labels` on `ax` without overlap (module docstring), avoiding the points (data coordinates, n x 2)
-    where it can; `legend(entries)` draws the figure's legend with the entries of the labels not drawn in full.
-    Returns how many labels were drawn in full, as numbers, and not at all."""
+    """Draw `labels` (at most MAX_LABELS) on `ax` without overlap (module docstring), avoiding the points (data
+    coordinates, n x 2) where it can; `legend(entries)` draws the figure's legend with the entries of the labels
+    not drawn in full. Returns how many labels were drawn in full, as numbers, and not at all."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if len(labels) > MAX_LABELS:
+        raise ArgumentError("labels", f"{len(labels)} labels: a chart places at most {MAX_LABELS}")
 
     renderer = FigureCanvasAgg(fig).get_renderer()
     numbered: set[int] = set()
+    deadline = time.monotonic() + LABEL_TIME_LIMIT_S
     while True:
         legend([f"{i + 1}: {' '.join(labels[i].text.split())} ({labels[i].value})" for i in sorted(numbered)])
         fig.draw_without_rendering()  # the layout, with this legend
         points_px = ax.transData.transform(points) if len(points) else np.zeros((0, 2))
         found = _candidates(fig, ax, renderer, labels, numbered, points_px)
-        chosen = [found[i] for i in _choose(found, len(labels))]
+        chosen = [found[i] for i in _choose(found, len(labels), deadline - time.monotonic())]
         full = {label for label, is_number, _, _, _ in chosen if not is_number}
         if set(range(len(labels))) - full <= numbered:
             break

@@ -8,7 +8,7 @@ import math
 import os
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -60,16 +60,27 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a finite number")
 
 
-def read_json(path: str | os.PathLike, limit_bytes: int, what: str, missing: str = "file not found") -> Any:
-    """The JSON value of a file read as read_text reads it; NaN, Infinity and deep nesting are refused, naming
-    the file and `what` it should have been."""
+def _distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (json.loads keeps the last of a key given twice)."""
+    fields: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in fields:
+            raise ValueError(f"key {key!r} given twice in one object")
+        fields[key] = value
+    return fields
+
+
+def read_json(path: str | os.PathLike, limit_bytes: int, what: str, missing: str = "file not found",
+              parse_int: Callable[[str], Any] | None = None) -> Any:
+    """The JSON value of a file read as read_text reads it; NaN, Infinity, a key given twice in one object and deep
+    nesting are refused, naming the file and `what` it should have been. `parse_int`: json.loads' own."""
     where = str(path)
     text = read_text(path, limit_bytes, missing)
     try:
-        return json.loads(text, parse_constant=_refuse_constant)
+        return json.loads(text, parse_constant=_refuse_constant, parse_int=parse_int, object_pairs_hook=_distinct_keys)
     except json.JSONDecodeError as err:
         raise InputError(where, f"not {what}: not JSON ({err.msg} at line {err.lineno})") from None
-    except ValueError as err:  # NaN or Infinity
+    except ValueError as err:  # NaN, Infinity, a key given twice
         raise InputError(where, f"not {what}: {err}") from None
     except RecursionError:
         raise InputError(where, f"not {what}: JSON nested too deeply") from None
@@ -100,7 +111,8 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def check_outputs(outputs: Iterable[tuple[str | os.PathLike, str]], inputs: Iterable[str | os.PathLike]) -> None:
     """Refuse outputs, given as (path, option), that would replace an input of the same run or one another, that
-    are directories, or whose folder cannot hold them; a missing folder is fine (it is created)."""
+    are directories or other files that are not regular (devices, pipes), or whose folder cannot hold them; a
+    missing folder is fine (it is created)."""
     input_paths = [Path(p) for p in inputs]
     seen: list[tuple[Path, str]] = []
     for output, option in outputs:
@@ -115,6 +127,8 @@ def check_outputs(outputs: Iterable[tuple[str | os.PathLike, str]], inputs: Iter
         seen.append((path, option))
         if path.is_dir():
             raise InputError(where, "is a directory; expected a file name")
+        if path.exists() and not path.is_file():  # --force would put a file in the place of a device or a pipe
+            raise InputError(where, "exists and is not a regular file (a device, pipe or socket); expected a file name")
         folder = path.absolute().parent
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent

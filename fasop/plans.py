@@ -9,15 +9,17 @@ import io
 import itertools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, WrapValidator, model_validator
 
 from fasop.errors import ArgumentError, InputError
 from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_json, write_atomically
-from fasop.inputs.model import MAX_SEQ_LENGTH
+from fasop.inputs.cluster import MAX_GPUS_PER_NODE
+from fasop.inputs.model import MAX_LAYERS, MAX_SEQ_LENGTH
 from fasop.inputs.names import NAME, NAME_RULE
 from fasop.inputs.tomlfile import Range, Table, expected, validated
 
@@ -34,10 +36,32 @@ CSV_LIST_SEPARATOR = " "
 # (fasop.search.space.MAX_PLAN_GPUS): reading one then takes work and memory bounded by the placement it gives,
 # not by the counts written in it.
 MAX_PLACEMENT_NODES = 2**18
+MAX_PLAN_LAYERS = 2 * MAX_LAYERS  # an encoder-decoder model's encoder and decoder hold up to MAX_LAYERS each
+
+
+def _listed(what: str, least: int, value: Any, handler: Callable[[Any], Any]) -> Any:
+    if not isinstance(value, list) or len(value) < least:
+        raise ValueError(f"expected a list of {'one or more ' if least else ''}{what}, got {value!r:.60}")
+    return handler(value)
+
+
+def listed(what: str, least: int = 0) -> WrapValidator:
+    """Annotated metadata of a list field: another type, or fewer than `least` entries, reads `expected a list of
+    [one or more] <what>, got ...`, in a JSON file's words (the schema's own error names TOML's [[tables]]); an
+    error of one entry still names the entry."""
+    return WrapValidator(partial(_listed, what, least))
+
 
 Count = Annotated[int, Range(1, MAX_PLAN_INT)]
 Index = Annotated[int, Range(0, MAX_PLAN_INT)]
-NodeType = Annotated[str, Field(min_length=1), expected("a node-type name")]
+# names are held to the rule of the input files they come from (fasop.inputs.names): they reach charts, pages and
+# emitted scripts
+NAME_PATTERN = f"^{NAME.pattern}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN), expected(NAME_RULE)]
+NodeType = Annotated[str, Field(pattern=NAME_PATTERN), expected(f"a node-type name, {NAME_RULE}")]
+# a stage's GPU type, or the types its ranks span joined by + ("A100+A10")
+GpuTypes = Annotated[str, Field(pattern=f"^{NAME.pattern}(\\+{NAME.pattern})*$"),
+                     expected(f"GPU type names joined by +, each {NAME_RULE}")]
 # Megatron-LM's --recompute-modules that fasop models (fasop.cost.roofline.RECOMPUTE_MODULES)
 RecomputeModule = Literal["core_attn", "layernorm", "moe_act", "mla_up_proj", "mlp", "shared_experts"]
 
@@ -54,8 +78,8 @@ class Stage(Table):
     """One pipeline stage of a 3D or stage-group plan: seconds per micro-batch, memory of its most loaded GPU."""
 
     stage: Index
-    gpu: str  # the stage's GPU type; "A100+A10" for a stage whose ranks span two types
-    nodes: list[Index]  # node ranks (positions in the placement) holding the stage
+    gpu: GpuTypes  # the stage's GPU type; "A100+A10" for a stage whose ranks span two types
+    nodes: Annotated[list[Index], listed("node positions")]  # node ranks (positions in the placement) holding the stage
     layers: Index
     # stage-group plans: the stage's own tensor- and data-parallel degrees and each of its GPUs' micro-batch
     tp: Count | None = None
@@ -69,14 +93,15 @@ class Stage(Table):
     dp_allreduce_s: float
     memory_gib: float
     memory_capacity_gib: float
-    chunks: list[Chunk] | None = None  # interleaved plans: each model chunk of the stage, in chunk order
+    # interleaved plans: each model chunk of the stage, in chunk order
+    chunks: Annotated[list[Chunk], listed("chunk objects")] | None = None
 
 
 class TypeShare(Table):
     """The GPUs of one node type in a data-parallel plan and their share of the global batch."""
 
     node_type: NodeType
-    gpu: str
+    gpu: Name
     gpus: Count
     samples_per_gpu: Count
     micro_batch_size: Count
@@ -93,14 +118,15 @@ class Plan(Table):
 
     rank: Count | None = None
     family: str | None = None  # fasop compare: the strategies this plan is the best of
-    model: str | None = None
+    model: Name | None = None
     model_file: str | None = None
     # tokens per sample where not the model file's (--seq-length)
     seq_length: Annotated[int, Range(1, MAX_SEQ_LENGTH)] | None = None
-    cluster: str | None = None
+    cluster: Name | None = None
     cluster_file: str | None = None
     profiles: str | None = None  # the --profiles folder as given; absent: the bundled profiles of the model
-    synthesised_profiles: list[str] | None = None  # GPU types without a profile, synthesised from the roofline
+    # GPU types without a profile, synthesised from the roofline
+    synthesised_profiles: Annotated[list[Name], listed("GPU names")] | None = None
     kind: Literal["3d", "stage-groups", "ddp", "zero1", "zero2", "zero3"] = "3d"
     batch_split: Literal["even", "uneven"] | None = None
     gbs: Count
@@ -112,9 +138,9 @@ class Plan(Table):
     ep: Count | None = None  # MoE models: expert-parallel degree (absent: 1)
     etp: Count | None = None  # MoE models: expert-tensor-parallel degree (absent: tp)
     num_microbatches: Count | None = None
-    placement: Annotated[list[NodeType], Field(min_length=1)]
+    placement: Annotated[list[NodeType], Field(min_length=1), listed("node-type names", 1)]
     gpus_per_node: Count | None = None
-    layers_per_stage: Annotated[list[Index], Field(min_length=1)]
+    layers_per_stage: Annotated[list[Index], Field(min_length=1), listed("layer counts", 1)]
     encoder_stages: Index = 0
     distributed_optimizer: bool | None = None
     overlap_grad_reduce: bool | None = None  # Megatron's --overlap-grad-reduce
@@ -122,14 +148,14 @@ class Plan(Table):
     virtual_stages: Count | None = None  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     # layers of each virtual stage, chunk-major (chunk c of stage i is entry c * pp + i); each stage's layers split
     # as evenly as can be, the first chunks taking one more
-    layers_per_virtual_stage: list[Index] | None = None
+    layers_per_virtual_stage: Annotated[list[Index], listed("layer counts")] | None = None
     # how step_time_s was found: "exact-schedule", Megatron's 1F1B schedule timed exactly (docs/cost-model.md 4.1)
     timing: Literal["exact-schedule"] | None = None
     recompute: Literal["none", "selective", "full"] | None = None  # --recompute-granularity (none: left out)
     recompute_method: Literal["uniform", "block"] | None = None  # full only
     recompute_num_layers: Count | None = None  # full only
     # selective only: --recompute-modules (absent: Megatron-LM's default, the attention core)
-    recompute_modules: Annotated[list[RecomputeModule], Field(min_length=1)] | None = None
+    recompute_modules: Annotated[list[RecomputeModule], Field(min_length=1), listed("module names", 1)] | None = None
     sequence_parallel: bool | None = None
     tp_comm_overlap: bool | None = None  # Megatron's --tp-comm-overlap (Transformer Engine's userbuffers)
     # an fp8 plan's precision, scaling recipe and --fp8-param-gather (absent: the model file's precision, not fp8)
@@ -158,20 +184,27 @@ class Plan(Table):
     # the integer program's relative gap, (found - bound) / found: of its own plan ("ilp"), or the bound it puts
     # on a type-blocks plan's placement
     optimality_gap: float | None = None
-    stages: list[Stage] | None = None
-    per_type: Annotated[list[TypeShare], Field(min_length=1)] | None = None
+    stages: Annotated[list[Stage], listed("stage objects")] | None = None
+    per_type: Annotated[list[TypeShare], Field(min_length=1), listed("node-type objects", 1)] | None = None
     train_steps: Count | None = None
     train_hours: float | None = None
     train_cost_usd: float | None = None
     fits_memory: bool | None = None  # fasop estimate: whether the plan fits with the cluster's memory margin
 
     @model_validator(mode="after")
-    def _kind_has_its_rows(self) -> Plan:
+    def _parts_agree(self) -> Plan:
+        """The rows its kind needs, and the parts that state one thing twice agree (docs/formats.md): an error
+        names the field first, as the schema's errors do."""
         if self.kind in DATA_PARALLEL_KINDS and (self.per_type is None or self.gpus_per_node is None):
             raise ValueError(f"a {self.kind} plan needs per_type and gpus_per_node")
         if self.kind == "stage-groups" and (self.stages is None or any(
                 s.tp is None or s.dp is None for s in self.stages)):
             raise ValueError("a stage-groups plan needs stages, each with its gpu, tp and dp")
+        _check_layers(self)
+        _check_stages(self)
+        if self.is_stage_groups:
+            _check_group_batch(self)
+            _check_group_nodes(self)
         return self
 
     @classmethod
@@ -212,6 +245,76 @@ def _unchecked(cls: type[Stage], values: dict[str, Any]) -> Stage:
 
 
 _STAGE_DEFAULTS = {name: field.default for name, field in Stage.model_fields.items() if not field.is_required()}
+
+
+def _check_layers(plan: Plan) -> None:
+    """One entry of layers_per_stage per pipeline stage, as many layers as a model holds; and, where given, the
+    layers of each stage's model chunks adding up to its own."""
+    counts, pp = plan.layers_per_stage, plan.pp
+    if len(counts) != pp:
+        raise ValueError(f"layers_per_stage: {len(counts)} entries, expected one per pipeline stage (pp = {pp})")
+    if sum(counts) > MAX_PLAN_LAYERS:
+        raise ValueError(f"layers_per_stage: {sum(counts):,} layers in all, expected at most {MAX_PLAN_LAYERS:,}")
+    if not plan.encoder_stages < pp:
+        raise ValueError(f"encoder_stages: expected fewer than the {pp} stages, got {plan.encoder_stages}")
+    chunks, v = plan.layers_per_virtual_stage, plan.virtual_stages or 1
+    if chunks is None:
+        return
+    if len(chunks) != v * pp:
+        raise ValueError(f"layers_per_virtual_stage: {len(chunks)} entries, expected virtual_stages x pp = {v * pp}")
+    for i, layers in enumerate(counts):
+        if sum(chunks[i::pp]) != layers:
+            raise ValueError(f"layers_per_virtual_stage: the chunks of stage {i} hold {sum(chunks[i::pp])} layers, "
+                             f"expected layers_per_stage[{i}] = {layers}")
+
+
+def _check_stages(plan: Plan) -> None:
+    """One row of stages per pipeline stage, in pipeline order, holding the layers of layers_per_stage (a row
+    that holds another share of them is a stale figure, which fasop emit refuses), the times of each model chunk
+    where given, on increasing positions of the placement."""
+    if plan.stages is None:
+        return
+    if len(plan.stages) != plan.pp:
+        raise ValueError(f"stages: {len(plan.stages)} rows, expected one per pipeline stage (pp = {plan.pp})")
+    layers = sum(stage.layers for stage in plan.stages)
+    if layers != sum(plan.layers_per_stage):
+        raise ValueError(f"stages: {layers:,} layers in all, expected the {sum(plan.layers_per_stage):,} of "
+                         "layers_per_stage")
+    v, nodes = plan.virtual_stages or 1, len(plan.placement)
+    for i, stage in enumerate(plan.stages):
+        if stage.stage != i:
+            raise ValueError(f"stages[{i}].stage: expected {i} (the rows in pipeline order), got {stage.stage}")
+        if stage.chunks is not None and len(stage.chunks) != v:
+            raise ValueError(f"stages[{i}].chunks: {len(stage.chunks)} entries, expected virtual_stages = {v}")
+        increasing = all(a < b for a, b in zip(stage.nodes, stage.nodes[1:]))
+        if not increasing or (stage.nodes and stage.nodes[-1] >= nodes):
+            raise ValueError(f"stages[{i}].nodes: expected increasing positions among the placement's {nodes} nodes")
+
+
+def _check_group_batch(plan: Plan) -> None:
+    """A stage-group plan's plan-level degrees are the first stage's, and num_microbatches micro-batches of mbs x dp
+    samples make the global batch (whether each stage's dp divides the micro-batch, the estimate checks against its
+    cluster)."""
+    assert plan.stages  # _check_stages checked that it has pp >= 1 rows
+    first = plan.stages[0]
+    if (plan.tp, plan.dp) != (first.tp, first.dp):
+        raise ValueError(f"tp: expected the first stage's tp and dp ({first.tp}, {first.dp}), got ({plan.tp}, {plan.dp})")
+    batch = plan.mbs * plan.dp
+    if plan.num_microbatches is not None and plan.num_microbatches * batch != plan.gbs:
+        raise ValueError(f"num_microbatches: expected gbs / (mbs x dp) = {plan.gbs} / {batch}, got {plan.num_microbatches}")
+
+
+def _check_group_nodes(plan: Plan) -> None:
+    """Each stage of a stage-group plan sits on a run of nodes of one type that can hold its tp x dp ranks (that
+    they follow the previous stage's, the estimate and the emitter check against the cluster's nodes)."""
+    for i, stage in enumerate(plan.stages or []):
+        assert stage.tp is not None and stage.dp is not None  # _parts_agree checked them
+        nodes = stage.nodes
+        if not nodes or nodes[-1] - nodes[0] + 1 != len(nodes) or len({plan.placement[n] for n in nodes}) > 1:
+            raise ValueError(f"stages[{i}].nodes: expected a run of consecutive nodes of one type")
+        if stage.tp * stage.dp > MAX_GPUS_PER_NODE * len(nodes):
+            raise ValueError(f"stages[{i}].dp: its tp x dp = {stage.tp * stage.dp:,} GPUs do not fit on its "
+                             f"{len(nodes)} nodes of at most {MAX_GPUS_PER_NODE} GPUs")
 
 
 def placement_runs(placement: Sequence[str]) -> list[tuple[str, int]]:
@@ -285,6 +388,30 @@ def write_plans(plans: Sequence[Plan], output: Path) -> None:
     write_atomically(output, plans_text(plans, output), str(output))
 
 
+class _LongInteger:
+    """An integer of a plan file too long for int() (sys.get_int_max_str_digits), kept as its length: the schema
+    then refuses it in the field that holds it, with that field's range, rather than the parser the whole file."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits:,} digits"
+
+
+def _integer(text: str) -> int | _LongInteger:
+    try:
+        return int(text)
+    except ValueError:  # the text of a JSON integer: too many digits
+        return _LongInteger(len(text.lstrip("-")))
+
+
+def read_plan_json(path: str | os.PathLike, what: str) -> Any:
+    """The JSON value of a plan file (fasop.files.read_json), an integer too long for int() left to the schema,
+    which names its field."""
+    return read_json(path, PLANS_LIMIT_BYTES, what, missing="no such plan file", parse_int=_integer)
+
+
 def read_plan(data: Any, where: str) -> Plan:
     """A plan object read from a file, checked against the schema: one line naming `where` and the field."""
     if not isinstance(data, dict):
@@ -297,13 +424,24 @@ def load_plans(path: str | os.PathLike) -> list[Plan]:
     where = str(path)
     if str(path).endswith(".csv"):
         raise InputError(where, "expected the JSON plan list a search writes (plans.json), not its CSV")
-    data = read_json(path, PLANS_LIMIT_BYTES, "a fasop plan list", missing="no such plan file")
+    data = read_plan_json(path, "a fasop plan list")
     if not isinstance(data, list) or not data:
         raise InputError(where, "not a fasop plan list: expected a non-empty JSON list of plan objects")
-    plans = [read_plan(plan, f"{where}: entry {index}") for index, plan in enumerate(data)]
+    plans = _plan_list(data, where)
     for index, plan in enumerate(plans):
         if plan.rank is None:  # what --rank selects
             raise InputError(f"{where}: entry {index}: rank", "missing")
+    return plans
+
+
+def _plan_list(data: list, where: str) -> list[Plan]:
+    """The plans of a plan list, no two of the same rank."""
+    plans = [read_plan(plan, f"{where}: entry {index}") for index, plan in enumerate(data)]
+    first: dict[int, int] = {}  # entry of each rank
+    for index, plan in enumerate(plans):
+        if plan.rank is not None and first.setdefault(plan.rank, index) != index:
+            raise InputError(f"{where}: entry {index}: rank", f"{plan.rank} is also the rank of entry "
+                                                              f"{first[plan.rank]}: expected each rank once")
     return plans
 
 
@@ -319,7 +457,7 @@ def select_plan(plans: Sequence[Plan], rank: int, where: str) -> Plan:
 
 def read_plan_file(path: str | os.PathLike, rank: int = 1) -> Plan:
     """The plan in `path`: one plan object (the plan.json of `fasop emit`) or plan `rank` of a plan list."""
-    data = read_json(path, PLANS_LIMIT_BYTES, "a fasop plan", missing="no such plan file")
+    data = read_plan_json(path, "a fasop plan")
     if isinstance(data, list):
-        return select_plan([read_plan(item, f"{path}: entry {i}") for i, item in enumerate(data)], rank, str(path))
+        return select_plan(_plan_list(data, str(path)), rank, str(path))
     return read_plan(data, str(path))

@@ -8,9 +8,11 @@ figures are drawn headless (Agg) and written as PNG or SVG, chosen by the file s
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 
-from fasop.chart import check_out, figure, fit_title, save, scale
+from fasop.chart import MAX_ROWS, check_out, figure, fit_title, plain_text, save, scale
 from fasop.errors import ArgumentError, InputError
 from fasop.plans import Plan, compress_placement
 
@@ -20,6 +22,20 @@ MIXED = "mixed"
 SERIES_GID = "series-"  # SVG group id of each scatter series: series-<label with spaces as dashes>
 COLORS = ("#1f77b4", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 MIXED_COLOR = "#2ca02c"
+
+
+# What a front chart's title and deadline take from its first row: the same in every row of one sweep.
+FRONT_RUN = ("model", "cluster", "gbs", "train_steps")
+
+
+def check_one_run(rows: Sequence[Mapping], keys: Sequence[str], where: str) -> None:
+    """Refuse rows that give different values of any of `keys` (a row may leave one out: a composition without a
+    plan has no run length): a chart or page names them once, from the first row, for all."""
+    for key in keys:
+        values = list(dict.fromkeys(value for row in rows if (value := row.get(key)) is not None))
+        if len(values) > 1:
+            raise InputError(f"{where}: {key}", f"expected one value in every row (the results of one run), got "
+                                                f"{values[0]!r} and {values[1]!r}")
 
 
 def series_label(kind: str | None) -> str:
@@ -43,6 +59,7 @@ def plot_front(records: list[dict], out_path, *, x: str = "throughput", budget: 
     return counts
 
 
+@plain_text()
 def front_chart(records: list[dict], *, x: str = "throughput", budget: float | None = None,
                 deadline: float | None = None, chosen: dict | None = None, title: str | None = None):
     """Cost of the run (USD) against throughput (samples/s) or time to train (hours), one point per
@@ -51,10 +68,11 @@ def front_chart(records: list[dict], *, x: str = "throughput", budget: float | N
     Marker shape by composition kind: one shape per single-type composition (circle for the node type
     with the lowest price per node, then square, diamond, ...), a triangle for mixed compositions. The
     Pareto front is a step line (the least cost at which each throughput or each deadline can be had),
-    the budget and the deadline are dashed lines, and `chosen` (one of `records`) is circled. The front's
-    points and the chosen one are labelled without overlap (fasop/labels.py); a label with no room is a
-    number on the chart, named in the legend beside it. An axis whose values span more than LOG_SPAN is
-    logarithmic.
+    the budget and the deadline are dashed lines, and `chosen` (one of `records`) is circled. The chosen point
+    and the front's (of a longer front, fasop.chart.MAX_LABELS spread evenly along it) are labelled without
+    overlap (fasop.chart); a label with no room is a number on the chart, named in the legend beside it. Every
+    record names the same model, cluster, global batch and run length (FRONT_RUN). An axis whose values span more
+    than LOG_SPAN is logarithmic.
 
     Returns the figure and the number of points drawn in each series, read back from the figure: one key per
     scatter series ('A100 only', 'mixed', ...), 'front' (points on the step line), 'chosen' (0 or 1), 'not
@@ -66,6 +84,7 @@ def front_chart(records: list[dict], *, x: str = "throughput", budget: float | N
     if x not in ("throughput", "time"):
         raise ArgumentError("x", "expected throughput or time", x)
     check_limits(budget, deadline)
+    check_one_run(records, FRONT_RUN, "front")
     records = [dict(r) for r in records]
     mark_front(records)  # the front of the points drawn (a front file may have been filtered by hand)
     feasible = [r for r in records if r.get("feasible")]
@@ -113,7 +132,7 @@ def _label_points(fig, ax, feasible: list[dict], front: list[dict], chosen: dict
     drawn beside the axes, the title fitted to what the legend leaves."""
     from matplotlib.lines import Line2D
 
-    from fasop.chart import Label, place_labels
+    from fasop.chart import MAX_LABELS, Label, place_labels, spread
     from fasop.market.pareto import composition_label
 
     unit = "samples/s" if xkey == "throughput_samples_per_s" else "h"
@@ -126,8 +145,9 @@ def _label_points(fig, ax, feasible: list[dict], front: list[dict], chosen: dict
         labels.append(Label(chosen[xkey], chosen["train_cost_usd"], f"{composition_label(chosen)}\n"
                             f"{chosen['train_hours']:,.1f} h, ${chosen['train_cost_usd']:,.0f}", value(chosen),
                             radius_pt=13, color="#b00000", fontsize=8.5, weight="bold"))
+    others = [r for r in front if chosen is None or _short(r) != _short(chosen)]  # the chosen one has its own
     labels += [Label(r[xkey], r["train_cost_usd"], _short(r), value(r), radius_pt=6)
-               for r in front if chosen is None or _short(r) != _short(chosen)]  # the chosen one has its own
+               for r in spread(others, MAX_LABELS - len(labels))]
     handles, names = ax.get_legend_handles_labels()
 
     def legend(entries: list[str]) -> None:
@@ -205,19 +225,29 @@ def _label_axes(ax, feasible: list[dict], x: str, xkey: str, hidden: int) -> Non
 MAX_SECONDS = 1e9  # a stage time or step time of a plan to chart
 
 
-def check_plan(plan: Plan, where: str) -> None:
-    """What a stage chart needs beyond the plan schema: the per-stage breakdown of a 3D plan, times in range."""
-    if not plan.stages or plan.num_microbatches is None or plan.step_time_s is None:
-        raise InputError(where, "not a 3D plan as fasop search writes them: a chart needs its stages, "
-                                "step_time_s and num_microbatches")
-    for index, stage in enumerate(plan.stages):
+def check_times(plan: Plan, where: str) -> None:
+    """The times a chart of a plan draws in range, where the plan gives them: each stage's compute_s, p2p_s and
+    dp_allreduce_s, step_time_s and num_microbatches."""
+    for index, stage in enumerate(plan.stages or []):
         for key in ("compute_s", "p2p_s", "dp_allreduce_s"):
             if not 0 <= getattr(stage, key) <= MAX_SECONDS:
                 raise InputError(f"{where}: stages[{index}].{key}",
                                  f"expected seconds from 0 to {MAX_SECONDS:g}, got {getattr(stage, key)!r}")
-    for key, value in (("step_time_s", plan.step_time_s), ("num_microbatches", plan.num_microbatches)):
-        if not 0 < value <= MAX_SECONDS:
+    for key in ("step_time_s", "num_microbatches"):
+        value = getattr(plan, key)
+        if value is not None and not 0 < value <= MAX_SECONDS:
             raise InputError(f"{where}: {key}", f"expected a positive number up to {MAX_SECONDS:g}, got {value!r}")
+
+
+def check_plan(plan: Plan, where: str) -> None:
+    """What a stage chart needs beyond the plan schema: the per-stage breakdown of a 3D plan, times in range, at
+    most MAX_ROWS stages."""
+    check_times(plan, where)
+    if not plan.stages or plan.num_microbatches is None or plan.step_time_s is None:
+        raise InputError(where, "not a 3D plan as fasop search writes them: a chart needs its stages, "
+                                "step_time_s and num_microbatches")
+    if len(plan.stages) > MAX_ROWS:
+        raise InputError(f"{where}: pp", f"{len(plan.stages):,} stages: a chart draws at most {MAX_ROWS}")
 
 
 def stage_times(plan: Plan) -> dict[str, list[float]]:
@@ -259,6 +289,7 @@ def stage_names(plan: Plan) -> list[str]:
     return names
 
 
+@plain_text()
 def stage_chart(plan: Plan, *, title: str | None = None):
     """A horizontal stacked bar per pipeline stage: compute, p2p communication, data-parallel all-reduce
     and idle time within one step, in seconds. Returns the figure and the seconds drawn per series, one per
@@ -300,6 +331,7 @@ def node_range(nodes: list[int]) -> str:
     return "nodes " + ",".join(map(str, nodes))
 
 
+@plain_text()
 def plot_validation(labels: list[str], predicted_s, measured_s, out_path, *, title: str | None = None,
                     argument: str = "out_path") -> None:
     """Estimated against measured step time, one labelled point per run, with the line where they agree;
@@ -321,6 +353,7 @@ def plot_validation(labels: list[str], predicted_s, measured_s, out_path, *, tit
     save(fig, path, argument)
 
 
+@plain_text()
 def plot_comparison(families: list, out_path, title: str, argument: str = "out_path") -> None:
     """Throughput of each strategy as horizontal bars; strategies without a plan show their reason. `argument`
     names the chart file in errors."""
@@ -332,7 +365,7 @@ def plot_comparison(families: list, out_path, title: str, argument: str = "out_p
     bars = ax.barh(names, values, color=["#1f77b4" if v else "#cccccc" for v in values])
     top = max(values) or 1.0
     for bar, family in zip(bars, families[::-1]):
-        label = f" \\${family.plan.cost_per_step_usd:.4f}/step" if family.plan else f" no plan: {family.reason}"
+        label = f" ${family.plan.cost_per_step_usd:.4f}/step" if family.plan else f" no plan: {family.reason}"
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
     ax.set_xlim(0, top * 1.45)
     ax.set_xlabel("throughput (samples/s)")

@@ -168,10 +168,17 @@ def _step_covers(plan: Plan) -> str:
             + " (docs/cost-model.md)")
 
 
+# What the page names once, from the best plan, for every plan of the file.
+PLANS_RUN = ("model", "model_file", "cluster", "cluster_file", "gbs", "profiles", "train_steps")
+
+
 def _plans_page(plans: list[Plan], result: Path) -> tuple[str, list[str]]:
-    from fasop.plot import check_plan, stage_chart, stage_names
+    from fasop.plot import check_one_run, check_plan, check_times, stage_chart, stage_names
     from fasop.timeline import plan_op_times, timeline_chart, timeline_title
 
+    check_one_run([dict(plan) for plan in plans], PLANS_RUN, str(result))
+    for plan in plans:  # the table shows every plan's figures: refused as fasop plot refuses them
+        check_times(plan, f"{result}: plan {plan.rank}")
     plans = sorted(plans, key=lambda plan: plan.rank or 0)
     best = plans[0]
     profiles = best.profiles or f"the bundled profiles of {best.model or 'the model'}"
@@ -205,8 +212,9 @@ def _plans_page(plans: list[Plan], result: Path) -> tuple[str, list[str]]:
 
 def _front_page(records: list[dict], result: Path) -> tuple[str, list[str]]:
     from fasop.market.pareto import composition_label, node_counts
-    from fasop.plot import front_chart
+    from fasop.plot import FRONT_RUN, check_one_run, front_chart
 
+    check_one_run(records, FRONT_RUN, str(result))
     first = records[0]
     feasible = [r for r in records if r["feasible"]]
     facts = [("result", f"{result.name}: {len(records)} compositions, {len(feasible)} with a plan that fits, "

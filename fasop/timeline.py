@@ -10,7 +10,8 @@ matplotlib is imported only when a chart is drawn.
 A chart draws at most MAX_OPERATIONS forwards and backwards (2 x stages x model chunks x micro-batches): its
 10 inches at 100 dpi are 1000 pixels, so a row of 2048 of them (1024 micro-batches, or 256 of 4 model chunks)
 already leaves each half a pixel, and the limit is 16 such rows, the plain schedules of up to 16 stages over
-the 1024 micro-batches fasop plot allows. A larger plan is refused in one line, before its schedule is computed.
+the 1024 micro-batches fasop plot allows. A chart also draws at most MAX_ROWS stages (fasop.chart). A larger plan
+is refused in one line, before its schedule is computed.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fasop.chart import as_argument, check_out, figure, fit_title, save
-from fasop.cost.schedule import OpTimes, op_times
+from fasop.chart import MAX_ROWS, as_argument, check_out, figure, fit_title, plain_text, save
+from fasop.cost.schedule import OpTimes, interleaving_error, op_times
 from fasop.errors import ArgumentError, InputError
 from fasop.files import check_outputs, write_atomically
 from fasop.plans import Plan
@@ -52,7 +53,9 @@ def _seconds(value: float | None, where: str, top: float) -> float:
 
 
 def check_drawable(stages: int, virtual_stages: int, num_microbatches: int, where: str) -> None:
-    """Refuse, in one line, a schedule of more than MAX_OPERATIONS forwards and backwards."""
+    """Refuse, in one line, a schedule of more than MAX_ROWS stages or MAX_OPERATIONS forwards and backwards."""
+    if stages > MAX_ROWS:
+        raise InputError(where, f"{stages:,} stages: a timeline draws at most {MAX_ROWS}")
     operations = 2 * stages * virtual_stages * num_microbatches
     if operations > MAX_OPERATIONS:
         raise InputError(where, f"{stages} stages x {virtual_stages} model chunks x {num_microbatches} micro-batches "
@@ -64,8 +67,12 @@ def plan_op_times(plan: Plan, where: str) -> OpTimes:
     and backward per micro-batch (interleaved: each model chunk's) and its sends (interleaved: also the last
     stage's send to the first). Its makespan is the plan's pipeline_time_s."""
     stages = plan.stages or []
-    v = plan.virtual_stages or 1
-    check_drawable(len(stages), v, int(plan.num_microbatches or 1), where)
+    v, m = plan.virtual_stages or 1, int(plan.num_microbatches or 1)
+    check_drawable(len(stages), v, m, where)
+    interleaving = interleaving_error(len(stages), v, m)
+    if interleaving:
+        raise InputError(f"{where}: virtual_stages", f"Megatron-LM runs no schedule of {v} model chunks here: "
+                                                     f"{interleaving}")
     sends = [_seconds(s.send_s, f"{where}: stages[{i}].send_s", MAX_SECONDS) for i, s in enumerate(stages[:-1])]
     wrap = None if v == 1 else _seconds(plan.wrap_send_s, f"{where}: wrap_send_s", MAX_SECONDS)
     chunks: list[list[tuple[float, ...]]] = []  # per stage, per chunk: (forward, recomputed forward, backward)
@@ -81,7 +88,7 @@ def plan_op_times(plan: Plan, where: str) -> OpTimes:
             chunks.append([tuple(_seconds(getattr(c, key), f"{where}: stages[{i}].chunks[{j}].{key}", MAX_SECONDS)
                                  for key in ("forward_s", "recompute_s", "backward_s")) for j, c in enumerate(s.chunks)])
     forward_s, recompute_s, backward_s = (np.array([[[c[part] for c in stage] for stage in chunks]]) for part in range(3))
-    return op_times(forward_s, backward_s, np.array([sends], dtype=float), int(plan.num_microbatches or 1),
+    return op_times(forward_s, backward_s, np.array([sends], dtype=float), m,
                     virtual_stages=v, wrap_send_s=wrap, recompute_s=recompute_s)
 
 
@@ -139,6 +146,7 @@ def plot_timeline(times: OpTimes, out_path: str | os.PathLike, *, plan: int = 0,
     return drawn
 
 
+@plain_text()
 def timeline_chart(times: OpTimes, *, plan: int = 0, title: str | None = None, stage_names: Sequence[str] = ()):
     """The schedule of plan `plan` of `times`, one row per stage named by `stage_names` ('stage 0 · A100 · layers
     1-4', fasop.plot.stage_names; 'stage k' without them). Returns the figure and what plot_timeline returns.

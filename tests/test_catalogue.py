@@ -102,7 +102,7 @@ def test_a_gpu_table_in_the_cluster_file_is_used_by_synth_and_the_cluster_still_
 
 BAD = [
     ({"dense_fp16_tflops": 3.12e14}, "dense_fp16_tflops", "<= 10000"),  # FLOP/s, not TFLOP/s
-    ({"dense_fp16_tflops": 0.0}, "dense_fp16_tflops", "> 0"),
+    ({"dense_fp16_tflops": 0.0}, "dense_fp16_tflops", ">= 0.01"),
     ({"dense_bf16_tflops": -1.0}, "dense_bf16_tflops", ">= 0"),
     ({"memory_gib": math.nan}, "memory_gib", "got nan"),
     ({"memory_bandwidth_gb_per_s": math.inf}, "memory_bandwidth_gb_per_s", "got inf"),

@@ -34,11 +34,11 @@ SYNTH = ["profile", "synth", "--model", "gpt2-xl", "--gpu", "A100", "--out", "{t
     # train_tokens is --train-tokens spelled with underscores
     ([*SEARCH, "--train-tokens", "1e30"], "Error: --train-tokens 1e+30: expected a positive number of tokens up to 2^53"),
     # efficiency is both the option's parameter and its spelling
-    ([*SYNTH, "--efficiency", "2"], "Error: --efficiency 2.0: expected a fraction of peak in (0, 1]"),
+    ([*SYNTH, "--efficiency", "2"], "Error: --efficiency 2.0: expected a fraction of peak from 0.01 to 1"),
     # tps and budget_usd are the parameters of --tp and --budget
     ([*SYNTH, "--tp", "3"], "Error: --tp 3: must divide the model's num_attention_heads"),
     (["pareto", *SEARCH[1:], "--budget", "-5", "--train-steps", "10"],
-     "Error: --budget: expected a positive number of dollars, got -5"),
+     "Error: --budget: expected a number of dollars from 0.01 to 9.007e+13, got -5"),
 ])
 def test_a_library_argument_error_names_the_option_that_gave_it(tmp_path, args, line):
     result = CliRunner().invoke(main, [arg.format(tmp=tmp_path) for arg in args])
@@ -84,10 +84,11 @@ def test_the_same_errors_from_the_library_name_its_arguments():
     assert str(_error(lambda: check_run_length(None, 1e30))) == \
         "train_tokens=1e+30: expected a positive number of tokens up to 2^53"
     assert str(_error(lambda: synthesize(gpt2, "A100", tps=[1], mbss=[1], efficiency=2))) == \
-        "efficiency=2: expected a fraction of peak in (0, 1]"
+        "efficiency=2: expected a fraction of peak from 0.01 to 1"
     assert str(_error(lambda: synthesize(gpt2, "A100", tps=[3], mbss=[1]))).startswith(
         "tps=3: must divide the model's num_attention_heads")
-    assert str(_error(lambda: check_limits(budget_usd=-5))) == "budget_usd: expected a positive number of dollars, got -5"
+    assert str(_error(lambda: check_limits(budget_usd=-5))) == ("budget_usd: expected a number of dollars from 0.01 to "
+                                                                "9.007e+13, got -5")
     assert str(_error(lambda: check_run_length(5, 1e6))) == "train_tokens: give either train_steps or train_tokens, not both"
 
 

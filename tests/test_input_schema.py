@@ -116,9 +116,9 @@ def test_unknown_tables_are_refused_in_every_file_kind(tmp_path, file, text, kno
 
 
 WRONG_TYPES = [  # kind, field, value, what the line says was expected, how it shows the value
-    ("model", "num_layers", "4", "an integer from 1 to 10,000", "'4'"),
-    ("model", "num_layers", 4.0, "an integer from 1 to 10,000", "4.0"),
-    ("model", "num_layers", True, "an integer from 1 to 10,000", "true"),
+    ("model", "num_layers", "4", "an integer from 1 to 1,024", "'4'"),
+    ("model", "num_layers", 4.0, "an integer from 1 to 1,024", "4.0"),
+    ("model", "num_layers", True, "an integer from 1 to 1,024", "true"),
     ("model", "tie_embeddings", 1, "true or false", "1"),
     ("model", "tie_embeddings", "true", "true or false", "'true'"),
     ("node_type", "count", "1", "an integer from 0 to 1,000,000", "'1'"),
@@ -127,10 +127,10 @@ WRONG_TYPES = [  # kind, field, value, what the line says was expected, how it s
     ("node_type", "price_per_hour_usd", True, "a number >= 0 and <= 1e+06", "true"),
     ("node_type", "gpu_memory_gib", "16", "a number > 0 and <= 65536", "'16'"),
     ("node_type", "price_date", 5, "a non-empty string", "5"),
-    ("cluster", "memory_margin", False, "a number > 0 and <= 100", "false"),
+    ("cluster", "memory_margin", False, "a number >= 1 and <= 100", "false"),
     ("derating", "p2p_inter_node", True, "a number > 0 and <= 1000", "true"),
     ("cluster-gpu", "memory_gib", True, "a number > 0 and <= 1024", "true"),
-    ("catalogue-gpu", "matmul_efficiency", "0.5", "a number > 0 and <= 1", "'0.5'"),
+    ("catalogue-gpu", "matmul_efficiency", "0.5", "a number >= 0.01 and <= 1", "'0.5'"),
 ]
 
 

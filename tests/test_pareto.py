@@ -553,7 +553,7 @@ def test_plot_timeline_command(cluster_file, folder):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--budget", "-5", "--train-steps", "10"], ["--budget", "positive"]),
+    (["--budget", "-5", "--train-steps", "10"], ["--budget", "from 0.01"]),
     (["--deadline", "0", "--train-steps", "10"], ["--deadline"]),
     (["--budget", "100"], ["--train-steps"]),
     (["--margin", "0.2", "--train-steps", "10"], ["--margin", "--budget or --deadline"]),

@@ -209,6 +209,26 @@ def test_a_busy_hosts_floor_is_written_as_the_most_a_profile_reads(runner, tiny,
     assert read_profile(out, load_model(str(t.model)), "fast").tensor_degrees == (1,)
 
 
+@needs_torch
+def test_a_processor_out_of_memory_is_a_size_that_does_not_fit(tiny, monkeypatch):
+    """The processor's allocator fails with a RuntimeError in words; that size is reported as not fitting, as a
+    GPU's out-of-memory error is, instead of ending the command with a traceback."""
+    from fasop.profile import measure
+    from fasop.profile.torchlayers import Group
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(measure, "build_unit", no_memory)
+    reports = []
+    model = load_model(str(tiny(model=GPT).model))
+    measure.measure_rank(model, 1, (1, 2), measure.Settings("cpu", 1, 0), Group(), reports.append)
+    assert reports == [("oom", 1)]
+    monkeypatch.setattr(measure, "build_unit", lambda *args, **kwargs: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # any other failure is not taken for one
+        measure.measure_rank(model, 1, (1,), measure.Settings("cpu", 1, 0), Group(), reports.append)
+
+
 def whole_model_s(model, passes):
     """Median seconds of `passes` forward + backward passes of the whole model (micro-batch of 2)."""
     import torch

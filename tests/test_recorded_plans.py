@@ -19,7 +19,8 @@ ep 1, kept their digests byte for byte. Re-recorded when the flash-attention ker
 forward's FLOPs and ran, on a GPU whose table gives them, at the fused kernel's measured speeds (section 2.1):
 again only the llama2-7b example moved. Re-recorded when a long plain 1F1B schedule was timed from its steady state
 where that repeats (section 4.1): the same times up to the last bits (within 1e-14), which the plan files' full
-precision shows."""
+precision shows. Re-recorded when the exposed data-parallel time was summed from its own terms rather than taken as
+a difference of two step-length times (exact at any global batch): again the last bits only (within 1e-14)."""
 
 from __future__ import annotations
 
@@ -42,15 +43,15 @@ SEARCHES = {
     "llama2-7b pareto-h100-a100-a10g": ["--recompute", "full", "--gbs", "64"],
 }
 DIGESTS = {
-    "gpt2-xl fasop-8xA10": "13a2cea1915aba185d67de3de4cefe1bc8162dc6a23ceb62ea4697dd5af6cf88",
-    "gpt2-xl fasop-1xA100-7xA10": "2733e84ffc8e9b5dc9c1efcdd44cfff45ca1dd1695b6afcf575cf09e6e43eb57",
-    "bert fasop-4xA10": "cb0ed94162b3adcd01ed1759623db1229edf97acb317a9dd5e968ca5af126ccf",
-    "bert fasop-1xA100-3xA10": "228598e53745b5550565307ddbc89a2618309b27eb3430f9e971ef34ee16af65",
-    "t5 fasop-8xA10": "0fec92c69eef959fe3c73a5bc25d7ebb5e77ad5ac8ec3df445de95ccad886f45",
-    "t5 fasop-1xA100-7xA10": "51ead7255e1e60dc387ba7dd1103f2af33a3ec9456b1395d63c0192a593bb35a",
-    "gpt2-xl fasop-1xA100-3xA10 csv": "c01573b60c2d5ffd8598df996f59cd337e1e0e9e664b9a5928daf595cd807705",
-    "bert fasop-1xA100-7xA10 csv": "fe69cb9d1d75c80e46cc696c4c0242d6006de8e5fce4fee4f88fee1093595bb9",
-    "llama2-7b pareto-h100-a100-a10g": "c53b92892f61bab46e52098a5fcf486393f258390e9bf09b91afd7147a87efd8",
+    "gpt2-xl fasop-8xA10": "ac5eff307602fec9484d42e4e6e28d7c25e449348cbfe1e6023280ee1fb3df8b",
+    "gpt2-xl fasop-1xA100-7xA10": "fc6b943382953abd50b8e3582033457f2d841d0cba8b3cce3f78e938342a7c6a",
+    "bert fasop-4xA10": "fad1c1045a8693a819f9c4c7baec149e6a46bc4bc73d91ec626c90657bcbf997",
+    "bert fasop-1xA100-3xA10": "8c5a2b6826c5657645dcf5ef7b30813e8973cdb5368dedceff2fd46f53e08520",
+    "t5 fasop-8xA10": "a47e51da37bcdf9825a3bd481bbdcaf135f0af1d2a8a01c665893ef781f45329",
+    "t5 fasop-1xA100-7xA10": "718b745809d15cabb696f20b7591d30b91bb1d6b05de04017ae1feee081df8d9",
+    "gpt2-xl fasop-1xA100-3xA10 csv": "210d98d42c96de47b614bd71dfa73dcdb78b8697564a310754571b7a1f68967c",
+    "bert fasop-1xA100-7xA10 csv": "a601b72776b274e397c8d00c1ca2c2bf28eddaaad76a543daee7e0b8e61255d7",
+    "llama2-7b pareto-h100-a100-a10g": "3bf3c5300e12f0a2056c8fa9dab50b808a422d2650a7f66ccd0b6dcc4550851e",
 }
 
 

@@ -101,8 +101,8 @@ def test_a_front_report_holds_the_front_and_every_composition(tmp_path):
 def test_every_text_from_the_result_is_escaped(plans, tmp_path):
     hostile = tmp_path / "hostile.json"
     records = json.loads(plans.read_text())
-    for record in records:
-        record["model"] = '<img src=x onerror="alert(1)">&'
+    for record in records:  # names follow the name rule; a file's path is free text
+        record["model_file"] = '<img src=x onerror="alert(1)">&'
     hostile.write_text(json.dumps(records))
     out = tmp_path / "hostile.html"
     write_report(hostile, out)

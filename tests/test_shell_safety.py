@@ -109,8 +109,8 @@ def hostile_inputs(tmp_path: Path, payload: str = PAYLOAD):
              for old, t in cluster.node_types.items()}
     cluster = replace(cluster, name=f"c{payload}", node_types=types)
     model = replace(load_model("gpt2-xl"), name=f"m{payload}")
-    plan = make_plan()
-    return Plan.model_validate({**plan, "placement": [renamed[n] for n in plan["placement"]]}), model, cluster
+    plan = make_plan()  # a record made in Python: a plan file with these names is refused when read
+    return Plan.trusted({**plan, "placement": [renamed[n] for n in plan["placement"]]}), model, cluster
 
 
 def stub_commands(directory: Path) -> dict[str, str]:

@@ -201,13 +201,63 @@ def test_the_loader_takes_node_types_of_different_gpus_per_node(tmp_path):
     (3, 3, [[1, 0, 0], [0, 1, 0], [0, 0, 1]], 3),
 ])
 def test_slice_overlap_is_the_share_of_the_dimension_two_slices_have_in_common(a, b, shares, per):
-    assert np.allclose(slice_overlap(a, b), np.array(shares) / per, rtol=0, atol=1e-15)
+    assert np.allclose(dense_overlap(a, b), np.array(shares) / per, rtol=0, atol=1e-15)
 
 
-@given(st.integers(1, 12), st.integers(1, 12))
-def test_slice_overlaps_add_up_to_each_slice(a, b):
-    share = slice_overlap(a, b)
+def dense_overlap(a: int, b: int) -> np.ndarray:
+    """(a, b) the share every pair of slices has in common, zero where they do not meet."""
+    share = np.zeros((a, b))
+    ia, ib, shared = slice_overlap(a, b)
+    share[ia, ib] = shared
+    return share
+
+
+def brute_overlap(a: int, b: int) -> np.ndarray:
+    """The same from the slices' ends, every pair compared."""
+    edges_a, edges_b = np.arange(a + 1) / a, np.arange(b + 1) / b
+    return np.array([[max(0.0, min(edges_a[i + 1], edges_b[j + 1]) - max(edges_a[i], edges_b[j])) for j in range(b)]
+                     for i in range(a)])
+
+
+@given(st.integers(1, 40), st.integers(1, 40))
+def test_slice_overlaps_are_every_meeting_pair_and_add_up_to_each_slice(a, b):
+    share = dense_overlap(a, b)
+    assert np.allclose(share, brute_overlap(a, b), rtol=0, atol=1e-12)
     assert np.allclose(share.sum(axis=1), 1 / a) and np.allclose(share.sum(axis=0), 1 / b)
+    assert len(slice_overlap(a, b)[0]) <= a + b - 1
+
+
+def brute_reshard_s(links, cluster, src, dst, activation_bytes):
+    """reshard_s over every pair of ranks, met or not, each node a host of its own: the dense reference."""
+    share = (dense_overlap(src.shape[0], dst.shape[0])[:, None, :, None]
+             * dense_overlap(src.shape[1], dst.shape[1])[None, :, None, :]).reshape(src.size, dst.size)
+    sent = activation_bytes * share
+    src_node, dst_node = src.ravel(), dst.ravel()
+    same = src_node[:, None] == dst_node[None, :]
+    block = np.where(same, sent, 0.0)
+    der = cluster.derating
+    intra = max((block.sum(axis=1) / links.intra[src_node]).max(), (block.sum(axis=0) / links.intra[dst_node]).max())
+    crossing = np.where(same, 0.0, sent)
+    nodes = len(links.inter)
+    out = np.bincount(src_node, weights=crossing.sum(axis=1), minlength=nodes)
+    into = np.bincount(dst_node, weights=crossing.sum(axis=0), minlength=nodes)
+    inter = (np.maximum(out, into) * der.p2p_inter_node / links.inter).max()
+    latency = np.where(same, links.intra_latency[src_node][:, None],
+                       np.maximum(links.inter_latency[src_node][:, None], links.inter_latency[dst_node][None, :]))
+    return max(intra * der.p2p_intra_node, inter) + latency[sent > 0].max()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(1, 6), st.integers(1, 4), st.data())
+def test_resharding_is_the_dense_sum_over_every_pair_of_ranks(dp_a, tp_a, dp_b, tp_b, data):
+    cluster = load_cluster("h100-a100-a10g")
+    placement = ("A100", "A10G", "H100", "A100")
+    links = Links(cluster, placement)
+    nodes = st.integers(0, len(placement) - 1)
+    src = np.array(data.draw(st.lists(nodes, min_size=dp_a * tp_a, max_size=dp_a * tp_a))).reshape(dp_a, tp_a)
+    dst = np.array(data.draw(st.lists(nodes, min_size=dp_b * tp_b, max_size=dp_b * tp_b))).reshape(dp_b, tp_b)
+    assert reshard_s(links, cluster, src, dst, 1e8) == pytest.approx(brute_reshard_s(links, cluster, src, dst, 1e8),
+                                                                    rel=1e-12)
 
 
 def test_resharding_across_nodes_sends_every_byte_once_over_the_slower_interface():

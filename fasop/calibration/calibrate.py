@@ -44,7 +44,14 @@ from fasop.inputs.bandwidth import MAX_BANDWIDTH_BYTES_PER_S, MIN_BANDWIDTH_BYTE
 from fasop.inputs.catalogue import GpuTable, gpu_tables, merged_specs
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.csvfile import csv_rows
-from fasop.inputs.profiles import DEFAULT_DEGREES, IDENTITY_PREFIX, MAX_KERNEL_LAUNCH_US, GpuProfile
+from fasop.inputs.profiles import (
+    DEFAULT_DEGREES,
+    IDENTITY_PREFIX,
+    MAX_KERNEL_LAUNCH_US,
+    MAX_UNIT_TIME_S,
+    MIN_UNIT_TIME_S,
+    GpuProfile,
+)
 from fasop.inputs.tomlfile import read_toml
 from fasop.profile import synth
 
@@ -121,14 +128,22 @@ class Calibration:
         self.measured_s = np.array([r.measured_step_s for r in runs])
 
     def _bounds(self, factor: Factor) -> tuple[float, float]:
-        """A factor's bounds; a host factor's kept below the longest time per kernel a GPU table or profile takes
-        (MAX_KERNEL_LAUNCH_US) for the GPU type's longest host time per kernel, so that the calibrated files read."""
+        """A factor's bounds, kept so that the calibrated files read: a compute factor's below the longest time a
+        profile row holds (MAX_UNIT_TIME_S) for the GPU type's longest profiled time, a host factor's below the
+        longest time per kernel a GPU table or profile takes (MAX_KERNEL_LAUNCH_US) for the GPU type's longest host
+        time per kernel. A row that the factors take further still (by a fitted host factor, or a file in another
+        precision than the times fitted) is refused when the profiles are written (calibrated_profile_text)."""
         low, high = factor.bounds
-        if factor.kind != "host":
+        curves = [c for s in {id(s): s for s in self.settings}.values() if factor.key in s.profiles
+                  for c in s.profiles[factor.key].curves.values()]
+        if factor.kind == "compute":
+            most = MAX_UNIT_TIME_S / max(max(c.forward_s.max(), c.backward_s.max()) for c in curves)
+        elif factor.kind == "host":
+            launch_us = max(c.shape.rates.kernel_launch_s * 1e6 for c in curves if c.shape is not None)
+            most = MAX_KERNEL_LAUNCH_US / launch_us if launch_us > 0 else high
+        else:
             return low, high
-        launch_us = max(c.shape.rates.kernel_launch_s * 1e6 for s in self.settings if factor.key in s.profiles
-                        for c in s.profiles[factor.key].curves.values() if c.shape is not None)
-        return low, high if launch_us <= 0 else max(low, min(high, MAX_KERNEL_LAUNCH_US / launch_us))
+        return low, max(low, min(high, float(most)))
 
     def inputs(self, values: dict[Factor, float], setting: Setting | None = None) -> tuple[Cluster, dict[str, GpuProfile]]:
         """The cluster and profiles of `setting` (the first run's by default) that `values` make: each GPU type's
@@ -406,7 +421,8 @@ def calibrated_cluster_text(cluster_path: Path, cluster: Cluster, outcome: Outco
 def calibrated_profile_text(setting: Setting, gpu: str, values: dict[Factor, float], comments: list[str]) -> str:
     """The profile file of `gpu` with the fitted compute and host factors applied to every row (adjusted_profile;
     the host factor to its measured floor too, where the identity line carries one), its own comments kept under
-    `comments` (a synthesised profile: the file `fasop profile synth` writes of it)."""
+    `comments` (a synthesised profile: the file `fasop profile synth` writes of it). A time taken past the longest
+    a profile row holds (MAX_UNIT_TIME_S) is an InputError: the file would not read back."""
     profile = setting.profiles[gpu]
     compute, host = values[Factor("compute", gpu)], values.get(Factor("host", gpu), 1.0)
     adjusted = adjusted_profile(profile, compute, host)
@@ -418,9 +434,9 @@ def calibrated_profile_text(setting: Setting, gpu: str, values: dict[Factor, flo
     else:
         text = files.read_text(profile.file, files.CSV_LIMIT_BYTES)
     kept = [_host_scaled_identity(line, host) for line in text.splitlines() if line.lstrip().startswith("#")]
-    rows = [cells for _, cells in csv_rows(((n, line) for n, line in enumerate(text.splitlines(), start=1)
-                                            if line.strip() and not line.lstrip().startswith("#")), profile.file)]
-    header = rows[0]
+    rows = csv_rows(((n, line) for n, line in enumerate(text.splitlines(), start=1)
+                     if line.strip() and not line.lstrip().startswith("#")), profile.file)
+    header = rows[0][1]
     timed = [header.index("forward_s"), header.index("backward_s")]
     applied = f"profile times x {compute:.6g} (compute_time_scale.{profile.gpu})"
     if host != 1.0:
@@ -428,11 +444,17 @@ def calibrated_profile_text(setting: Setting, gpu: str, values: dict[Factor, flo
     out = [files.comment_line(line) for line in comments] + [
         files.comment_line(f"{applied}; scaled from {profile.file}, whose comments follow:")] + kept
     out.append(",".join(header))
-    for row in rows[1:]:
+    for number, row in rows[1:]:
         unit = (int(row[header.index("tp")]), row[header.index("kind")], int(row[header.index("mbs")]))
         ratios = np.divide(adjusted.time(*unit), profile.time(*unit))
-        out.append(",".join(format(float(row[i]) * ratios[timed.index(i)], ".10g") if i in timed else v
-                            for i, v in enumerate(row)))
+        scaled = {i: format(float(row[i]) * ratio, ".10g") for i, ratio in zip(timed, ratios)}
+        for i, seconds in scaled.items():
+            if not MIN_UNIT_TIME_S <= float(seconds) <= MAX_UNIT_TIME_S:  # as the profile reader takes it
+                raise InputError(f"{profile.file}: line {number}: {header[i]}",
+                                 f"{row[i]} s calibrated ({applied}) is {seconds} s; a profile holds seconds >= "
+                                 f"{MIN_UNIT_TIME_S:g} and <= {MAX_UNIT_TIME_S:g}, so no calibrated profile of "
+                                 f"{profile.gpu} can be written")
+        out.append(",".join(scaled.get(i, v) for i, v in enumerate(row)))
     return "\n".join(out) + "\n"
 
 

@@ -15,14 +15,21 @@ a plan.json holds. One plan measured several times is scored once, at the mean o
 
 from __future__ import annotations
 
-import math
 import re
 import statistics
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fasop.calibration.traces import TRACE_SUFFIXES, StepTimes, is_trace, measured_step_s, read_trace, stage_medians
+from fasop.calibration.traces import (
+    TRACE_SUFFIXES,
+    StepTimes,
+    is_trace,
+    measured_step_s,
+    read_trace,
+    stage_medians,
+    step_seconds,
+)
 from fasop.cost.config import RECOMPUTE_METHODS, RECOMPUTE_MODES
 from fasop.errors import ArgumentError, InputError
 from fasop.files import CSV_LIMIT_BYTES, LOG_LIMIT_BYTES, PLANS_LIMIT_BYTES, beside, read_json, read_text
@@ -33,8 +40,6 @@ from fasop.runtime import check_plan
 WARMUP_ITERS = 3  # iterations of each log whose timings are left out by default
 LOG_SUFFIXES = (".out", ".log", ".txt")  # files beside plan.json read as training logs (fasop emit: fasop-<job>.out)
 REQUIRED_COLUMNS = ("tp", "dp", "pp", "mbs", "gbs", "placement", "layers_per_stage", "measured_step_s")
-# Range of a measured step time: a normal float far from both ends, so that errors relative to it stay finite.
-MIN_STEP_S, MAX_STEP_S = 1e-6, 1e6
 SPEC_FIELDS = ("tp", "dp", "pp", "mbs", "gbs", "placement", "layers_per_stage", "distributed_optimizer", "virtual_stages",
                "recompute", "recompute_method", "recompute_num_layers", "recompute_modules", "sequence_parallel",
                "overlap_grad_reduce", "overlap_param_gather")
@@ -156,18 +161,6 @@ def _choice(value: Any, where: str, key: str, choices: tuple[str, ...]) -> str:
     return text
 
 
-def step_seconds(value: Any, where: str, key: str, unit_s: float = 1.0) -> float:
-    """A measured time in seconds from `value`, in units of `unit_s` seconds: finite and in range."""
-    try:
-        number = float(value) * unit_s if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        number = math.nan
-    if not MIN_STEP_S <= number <= MAX_STEP_S:  # also refuses NaN, zero and denormals
-        raise InputError(f"{where}: {key}", f"expected a positive, finite time from {MIN_STEP_S / unit_s:g} to "
-                                            f"{MAX_STEP_S / unit_s:g}, got {value!r}")
-    return number
-
-
 def run_from_plan(plan: dict, measured_step_s: float, label: str, where: str, base: Path,
                   model: str | None, cluster: str | None, split: Plan | None = None) -> MeasuredRun:
     """A run from the plan fields of `plan` (a CSV row or a plan.json); `model` / `cluster` override it.
@@ -234,6 +227,8 @@ def read_runs_csv(path: Path, model: str | None = None, cluster: str | None = No
             raise InputError(where, f"expected {len(header)} fields like the header, got {len(cells)}")
         row = dict(zip(header, cells))
         label = row.get("run") or f"line {number}"
+        if not label.isprintable():  # reports print it on a terminal and charts write it into SVG
+            raise InputError(f"{where}: run", f"expected a name of printable characters, got {label!r}")
         step_s = step_seconds(row["measured_step_s"], where, "measured_step_s")
         runs.append(run_from_plan(row, step_s, label, where, path.parent, model, cluster))
     if not runs:

@@ -16,7 +16,7 @@ COMMAND_MODULES = {"search": "search", "estimate": "estimate", "emit": "emit", "
 
 
 class _OneLineError(click.ClickException):
-    """A bad option value, said in one line like every input error, with the same exit code (2)."""
+    """A usage error, said in one line like every input error, with the same exit code (2)."""
 
     exit_code = 2
 
@@ -46,10 +46,11 @@ class _Group(click.Group):
         return sorted(COMMAND_MODULES)
 
     def invoke(self, ctx: click.Context):
-        # click prints a bad or missing option value under the usage line and a hint: four lines, not one
+        # click prints a usage error (a bad or missing option value, an unknown option, an extra argument) under
+        # the usage line and a hint: four lines, not one
         try:
             return super().invoke(ctx)
-        except click.BadParameter as err:
+        except click.UsageError as err:
             raise _OneLineError(err.format_message()) from None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -99,6 +100,17 @@ def validate(measured, warmup_iters, model_name, cluster_name, profiles_dir, cha
         click.echo(f"chart written to {chart}")
 
 
+def _check_profiles_folder(out: Path, profiles_out: Path | None) -> None:
+    """Refuse a --profiles-out that is --out or lies inside it: writing the profiles would make a folder where the
+    cluster file goes (check_outputs compares the files, not the folders that hold them)."""
+    if profiles_out is None:
+        return
+    folder = Path(os.path.realpath(profiles_out))
+    if Path(os.path.realpath(out)) in (folder, *folder.parents):
+        raise InputError(f"--profiles-out {profiles_out}", f"is --out {out} or a folder inside it; expected a folder "
+                                                           "apart from the calibrated cluster file")
+
+
 @click.command()
 @_measured_options
 @click.option("--out", type=click.Path(path_type=Path), required=True, metavar="FILE",
@@ -117,6 +129,7 @@ def calibrate(measured, warmup_iters, model_name, cluster_name, profiles_dir, ou
 
     if out.suffix != ".toml":
         raise InputError(f"--out {out}", "expected a cluster file name ending in .toml")
+    _check_profiles_folder(out, profiles_out)
     runs, settings = _runs_and_settings(measured, warmup_iters, model_name, cluster_name, profiles_dir)
     pairs = sorted({(r.model, r.cluster) for r in runs})
     if len({id(s) for s in settings}) > 1:

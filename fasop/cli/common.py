@@ -23,10 +23,13 @@ from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.model import FP8_RECIPES, PRECISIONS
 from fasop.inputs.names import NAME, NAME_RULE
 from fasop.inputs.profiles import GpuProfile, load_profiles, profile_paths
-from fasop.search.headroom import DEFAULT_MEMORY_HEADROOM
+from fasop.search.headroom import DEFAULT_MEMORY_HEADROOM, MIN_MEMORY_HEADROOM
 
 PROGRESS_DELAY_S = 1.0  # runs shorter than this never show a bar
-_MODEL_NOTES = "fasop.model_notes"  # the click context's meta key of note_model_defaults
+# The most characters of an error line: a message that quotes a hostile value (a cell of a megabyte, a list of a
+# million entries) is cut there, so that the one line stays one readable line.
+MAX_ERROR_CHARS = 2000
+_NOTES = "fasop.notes"  # the click context's meta key of the notes shown after a command's result (note_after)
 
 
 def reports_input_errors(command):
@@ -37,30 +40,42 @@ def reports_input_errors(command):
         try:
             result = command(*args, **kwargs)
         except InputError as err:
-            click.echo(f"Error: {_as_given(err)}", err=True)
+            line = _as_given(err)
+            if len(line) > MAX_ERROR_CHARS:
+                line = f"{line[:MAX_ERROR_CHARS]}... ({len(line) - MAX_ERROR_CHARS:,} more characters)"
+            click.echo(f"Error: {line}", err=True)
             raise click.exceptions.Exit(2) from None
         except click.exceptions.Exit:  # a result shown with an exit code of its own
-            _show_model_notes()
+            _show_notes()
             raise
-        _show_model_notes()
+        _show_notes()
         return result
 
     return wrapper
 
 
+def note_after(key: str, text: str) -> None:
+    """A note on stderr once the command has shown its result, so that bad input found later stays one line;
+    one per `key` and command (at once outside a command)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        click.echo(text, err=True)
+    else:
+        ctx.find_root().meta.setdefault(_NOTES, {})[key] = text
+
+
 def note_model_defaults(model) -> None:
-    """Say, once the command has shown its result (an error stays one line), which fields that change the
-    estimate the model file leaves out and the values taken for them; once per model file and command."""
-    ctx = click.get_current_context(silent=True)
-    if model.defaulted and ctx is not None:
+    """Say which fields that change the estimate the model file leaves out and the values taken for them; once
+    per model file and command."""
+    if model.defaulted:
         taken = ", ".join(f"{name} = {json.dumps(value)}" for name, value in model.defaults_taken().items())
-        ctx.find_root().meta.setdefault(_MODEL_NOTES, {})[model.file] = (
-            f"note: {model.file} leaves out fields that change the estimate; taking {taken} (docs/formats.md)")
+        note_after(f"defaults {model.file}",
+                   f"note: {model.file} leaves out fields that change the estimate; taking {taken} (docs/formats.md)")
 
 
-def _show_model_notes() -> None:
+def _show_notes() -> None:
     ctx = click.get_current_context(silent=True)
-    for note in (ctx.find_root().meta.pop(_MODEL_NOTES, {}) if ctx is not None else {}).values():
+    for note in (ctx.find_root().meta.pop(_NOTES, {}) if ctx is not None else {}).values():
         click.echo(note, err=True)
 
 
@@ -138,8 +153,9 @@ def load_model_at(model_name: str, seq_length: int | None):
         return model
     stretched = with_seq_length(model, seq_length)  # refused before anything is noted
     if seq_length > model.seq_length:
-        click.echo(f"note: --seq-length {seq_length} is beyond the {model.seq_length} tokens {model.file} was set up "
-                   f"for; its {model.position_embedding} positions must stretch to it", err=True)
+        note_after(f"seq-length {model.file}",
+                   f"note: --seq-length {seq_length} is beyond the {model.seq_length} tokens {model.file} was set up "
+                   f"for; its {model.position_embedding} positions must stretch to it")
     return stretched
 
 
@@ -177,7 +193,7 @@ def precision_options(several: bool):
 
 
 memory_headroom_option = click.option(
-    "--memory-headroom", type=FiniteRange(0, 1, min_open=True), default=DEFAULT_MEMORY_HEADROOM, show_default=True,
+    "--memory-headroom", type=FiniteRange(MIN_MEMORY_HEADROOM, 1), default=DEFAULT_MEMORY_HEADROOM, show_default=True,
     metavar="F", help="Flag plans whose peak memory is above this fraction of a GPU's usable memory, and rank them "
                       "after every plan below it (1: no flag).")
 
@@ -195,7 +211,7 @@ def check_outputs(outputs: list[tuple[Path, str]], inputs: list[Path], force: bo
     files.check_outputs(outputs, inputs)
     if not force:
         for path, option in outputs:
-            if path.exists():
+            if path.exists() or path.is_symlink():  # a dangling link too: writing replaces it
                 raise InputError(f"{option} {path}", "already exists (pass --force to overwrite it)")
 
 
@@ -241,9 +257,10 @@ def run_profiles(model, cluster, profiles_dir: str | None, allow_mismatch: bool 
     noted.update(profiles)
     derived = sorted(f"{gpu} (from {p.derived_from})" for gpu, p in profiles.items() if p.derived_from)
     if derived:
-        click.echo(f"note: {model.precision} times of {', '.join(derived)} derived from its profile file by the "
-                   f"roofline's ratio of {model.precision} to the file's precision, unit by unit and micro-batch size by "
-                   "size (docs/cost-model.md section 12)", err=True)
+        note_after(f"derived {model.precision} {' '.join(derived)}",
+                   f"note: {model.precision} times of {', '.join(derived)} derived from its profile file by the "
+                   f"roofline's ratio of {model.precision} to the file's precision, unit by unit and micro-batch size "
+                   "by size (docs/cost-model.md section 12)")
     note_model_defaults(model)
     return profiles
 
@@ -268,9 +285,10 @@ def note_synthesised(model, profiles: dict[str, GpuProfile]) -> None:
     synthesised = sorted(gpu for gpu, profile in profiles.items() if profile.synthesised)
     if synthesised:
         model_arg = shlex.quote(model.file or model.name)
-        click.echo(f"note: no profile of {model.name} for {', '.join(synthesised)}: synthesised from the roofline "
+        note_after(f"synthesised {model.name} {' '.join(synthesised)}",
+                   f"note: no profile of {model.name} for {', '.join(synthesised)}: synthesised from the roofline "
                    "(an estimate; measured runs are slower); to measure instead, run `fasop profile layers --model "
-                   f"{model_arg} --gpu GPU --out DIR/GPU.csv` for each GPU type and pass --profiles DIR", err=True)
+                   f"{model_arg} --gpu GPU --out DIR/GPU.csv` for each GPU type and pass --profiles DIR")
 
 
 @contextmanager

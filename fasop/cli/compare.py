@@ -45,6 +45,9 @@ def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch,
     for path, option, suffixes in checks:
         if path is not None and path.suffix.lower() not in suffixes:
             raise InputError(f"{option} {path}", f"expected a file name ending in {' or '.join(suffixes)}")
+    for name, option, what in ((model_name, "--model", "model"), (cluster_name, "--cluster", "cluster")):
+        if not name:  # an empty path would name the current folder
+            raise InputError(option, f"an empty name is no {what}: expected a bundled {what}'s name or a {what} TOML file")
     model, cluster = load_model(model_name), load_cluster(cluster_name)
     outputs = [(path, option) for path, option, _ in checks if path is not None]
     common.check_outputs(outputs, common.input_paths(model_name, cluster_name, model, cluster, profiles_dir), force)

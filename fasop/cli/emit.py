@@ -76,8 +76,8 @@ _SITE_OPTIONS: tuple[tuple[str | None, str, dict[str, Any]], ...] = (
     ("--account", "Slurm account to charge.", {}),
     ("--exclusive/--no-exclusive", "Ask for whole nodes (default: yes).", {}),
     ("--job-name", "Slurm job name (default: fasop-<model>).", {}),
-    ("--time-limit", "Slurm time limit of each job such as 01:00:00 or 1-12:00:00 (default 01:00:00); a full run "
-                     "longer than that requeues itself.", {"metavar": "TIME"}),
+    ("--time-limit", "Slurm time limit of each job such as 01:00:00 or 1-12:00:00, at most 365 days (default "
+                     "01:00:00); a full run longer than that requeues itself.", {"metavar": "TIME"}),
     ("--megatron-path", "Megatron-LM checkout on the nodes (default Megatron-LM, relative to the run directory; "
                         "the MEGATRON_PATH variable overrides it at run time).", {"metavar": "DIR"}),
     ("--entry-script", "Training script, relative to the Megatron-LM path unless absolute (default "
@@ -124,8 +124,9 @@ def _site_options(command):
               help="Directory to write sbatch.sh (or launch.sh, or commands.txt), run_inter.sh and plan.json into "
                    "(created if missing).")
 @click.option("--force", is_flag=True,
-              help="Overwrite the files of a directory that holds files already, and emit a plan whose figures "
-                   "disagree with a fresh estimate (with a warning; plan.json gets the fresh figures).")
+              help="Overwrite the files of a directory that holds files already (removing those an earlier emit "
+                   "wrote that this one does not), and emit a plan whose figures disagree with a fresh estimate (with "
+                   "a warning; plan.json gets the fresh figures).")
 @click.option("--model", "model_name", default=None, metavar="NAME|FILE",
               help="Model file (default: the plan's model_file).")
 @click.option("--cluster", "cluster_name", default=None, metavar="NAME|FILE",

@@ -14,10 +14,11 @@ from fasop.cost.price import run_steps
 from fasop.errors import InputError
 from fasop.files import pending_write
 from fasop.inputs.cluster import load_cluster
-from fasop.inputs.errorband import band_of
+from fasop.inputs.errorband import ErrorBand, band_of
 from fasop.market.choice import MAX_MARGIN
 from fasop.market.rent import RENT_TIME_LIMIT_S
 from fasop.plans import Plan, load_plans, select_plan
+from fasop.search.space import check_global_batch
 from fasop.timeline import MAX_OPERATIONS
 
 margin_option = click.option(
@@ -51,8 +52,10 @@ def _max_nodes(values: tuple[str, ...]) -> dict[str, int]:
 @common.model_option
 @common.cluster_option
 @common.gbs_option
-@click.option("--train-steps", type=int, default=None, help="Steps of the whole run (default 10,000 without --train-tokens).")
-@click.option("--train-tokens", type=float, default=None, help="Tokens of the whole run (instead of --train-steps).")
+@click.option("--train-steps", type=click.IntRange(min=1), default=None,
+              help="Steps of the whole run (default 10,000 without --train-tokens).")
+@click.option("--train-tokens", type=click.FloatRange(min=1), default=None,
+              help="Tokens of the whole run (instead of --train-steps).")
 @click.option("--budget", "budget_usd", type=float, default=None, metavar="USD",
               help="Report the fastest run that costs at most this.")
 @click.option("--deadline", "deadline_hours", type=float, default=None, metavar="HOURS",
@@ -93,6 +96,8 @@ def pareto(model_name, seq_length, cluster_name, gbs, train_steps, train_tokens,
     check_limits(budget_usd, deadline_hours)
     _check_margin(margin, budget_usd, deadline_hours)
     common.check_run_length(train_steps, train_tokens)
+    if gbs is not None:  # before the sweep's first line
+        check_global_batch(gbs)
     if (budget_usd is not None or deadline_hours is not None) and train_steps is None and train_tokens is None:
         raise InputError("--budget" if budget_usd is not None else "--deadline",
                          "a budget or deadline needs the length of the run: give --train-steps or --train-tokens")
@@ -168,10 +173,12 @@ def _rent(model, cluster, max_nodes: dict[str, int], time_limit_s: float | None,
     from fasop.market.pareto import degrees_text, node_caps
 
     quotas = node_caps(cluster, max_nodes)
+    # the walk first: what it refuses (an encoder-decoder model, quotas of more GPUs than a plan spans) is refused
+    # before any line is printed
+    result = rent_and_choose(model, cluster, max_nodes=max_nodes, time_limit_s=time_limit_s or RENT_TIME_LIMIT_S, **run)
     click.echo(f"{model.name} on {cluster.name}: what to rent, at most "
                f"{', '.join(f'{n} {name}' for name, n in quotas.items())} nodes, global batch "
                f"{run['gbs'] or model.global_batch_size}, a run of {run_length}")
-    result = rent_and_choose(model, cluster, max_nodes=max_nodes, time_limit_s=time_limit_s or RENT_TIME_LIMIT_S, **run)
     walk = result.rent
     assert walk is not None  # rent_and_choose returns its walk
     records = result.records
@@ -258,6 +265,18 @@ def _plot_timeline(plan: Plan, out: Path, plan_file: Path) -> None:
                f"{idle:.0%} idle) written to {out}")
 
 
+def _own_band(cluster_name: str | None, records: list[dict], front_file: Path) -> ErrorBand | None:
+    """The error band of the --cluster file, which must be of the cluster the front was made for."""
+    if cluster_name is None:
+        return None
+    cluster = load_cluster(cluster_name)
+    made_for = sorted({r["cluster"] for r in records if r.get("cluster")})
+    if made_for and made_for != [cluster.name]:
+        raise InputError(f"--cluster {cluster_name}", f"is cluster {cluster.name}, but {front_file} was made for cluster "
+                                                      f"{', '.join(made_for)}: give that cluster's file")
+    return cluster.error_band
+
+
 @click.command()
 @click.argument("front_file", required=False, type=click.Path(dir_okay=False, path_type=Path), metavar="[FRONT.csv]")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -318,8 +337,9 @@ def plot(front_file, out_path, x_axis, budget_usd, deadline_hours, margin, clust
     check_limits(budget_usd, deadline_hours)
     _check_margin(margin, budget_usd, deadline_hours)
     records = read_front_csv(front_file)
-    own_band = load_cluster(cluster_name).error_band if cluster_name is not None else None
-    chosen, message = choose(records, budget_usd, deadline_hours, margin, own_band)
+    if not any(r["feasible"] for r in records):
+        raise InputError(str(front_file), "no composition has a plan that fits in memory: nothing to plot")
+    chosen, message = choose(records, budget_usd, deadline_hours, margin, _own_band(cluster_name, records, front_file))
     counts = plot_front(records, out_path, x=x_axis or "throughput", budget=budget_usd, deadline=deadline_hours,
                         chosen=chosen)
     if message:

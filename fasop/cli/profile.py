@@ -37,7 +37,7 @@ def profile():
                  tp_help="Tensor-parallel degrees to estimate; each must divide the model's heads, query groups and FFN.",
                  mbs_help="Micro-batch sizes to estimate (fasop interpolates between them and scales beyond).")
 @click.option("--efficiency", type=float, default=None, metavar="F",
-              help="Achievable fraction of the dense peak FLOP/s, in (0, 1] (default: the GPU's matmul_efficiency "
+              help="Achievable fraction of the dense peak FLOP/s, from 0.01 to 1 (default: the GPU's matmul_efficiency "
                    "in clusters/catalogue/gpus.toml). Lower it to match a measured profile of another GPU type.")
 @click.option("--link-bandwidth", default=None, metavar="BANDWIDTH",
               help='Intra-node link per GPU, one direction, for the tensor-parallel collectives (so with a --tp above '

@@ -111,12 +111,7 @@ def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort,
     model, cluster = common.load_model_at(model_name, seq_length), load_cluster(cluster_name)
     check_recompute_modules(model, recompute_modules)  # before any profile is read or noted
     inputs = common.input_paths(model_name, cluster_name, model, cluster, profiles_dir)
-    outputs = [(output, "--output")] if output is not None else []
-    if emit_dir is not None:
-        from fasop.launch.write import check_out_dir  # the launch code is loaded only for --emit
-
-        check_out_dir(emit_dir, force, "emit_dir")
-    common.check_outputs(outputs, inputs, force)
+    outputs = _checked_outputs(output, emit_dir, inputs, force)
     prune = output is None and noise is None if prune is None else prune  # every plan where one is written or perturbed
     spaces = precision_spaces(model, cluster, None if precision is None else parse_precisions(precision), fp8_recipe,
                               fp8_param_gather, use_all, distributed_optimizer)
@@ -161,6 +156,22 @@ def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort,
         click.echo(f"launch scripts of plan 1 written to {emit_dir}; submit with: cd {emit_dir} && sbatch sbatch.sh")
         for note in notes:
             click.echo(note, err=True)
+
+
+def _checked_outputs(output: Path | None, emit_dir: Path | None, inputs: list[Path],
+                     force: bool) -> list[tuple[Path, str]]:
+    """The files the search writes, refused before it runs where they would replace an input, one another or (without
+    --force) what exists."""
+    outputs = [(output, "--output")] if output is not None else []
+    if emit_dir is not None:
+        from fasop.launch.write import check_out_dir  # the launch code is loaded only for --emit
+
+        check_out_dir(emit_dir, force, "emit_dir")
+        if output is not None and output.resolve() == emit_dir.resolve():
+            raise InputError(f"--output {output}", "is the folder --emit writes the launch scripts into; choose "
+                                                   "another file")
+    common.check_outputs(outputs, inputs, force)
+    return outputs
 
 
 def _cut(prune: bool, top: int, all_placements: bool) -> dict[str, int]:
@@ -246,5 +257,5 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs, run
         if emit_dir is not None:
             # force: whether its files may be replaced was settled before the search, and the plan list's
             # temporary file may be there now
-            write_files(emit_dir, emitted, force=True, argument="emit_dir")
+            write_files(emit_dir, emitted, force=True, argument="emit_dir", keep=inputs)
     return notes

@@ -106,18 +106,19 @@ def with_recompute(config: Config, mode: str) -> Config:
                    recompute_num_layers=1 if full else None)
 
 
-def recompute_error(recompute: str, method: str | None, num_layers: int | None) -> str | None:
-    """Why a recompute setting is not one fasop models, or None. Megatron-LM's own rules (TransformerConfig):
-    full needs a method and a layer count, selective neither. fasop times full uniform recomputation with one
-    layer per checkpoint (every layer's input kept), and block with any count."""
+def recompute_error(recompute: str, method: str | None, num_layers: int | None, model_layers: int) -> str | None:
+    """Why a recompute setting is not one fasop models for a model of `model_layers` layers, or None. Megatron-LM's
+    own rules (TransformerConfig): full needs a method and a layer count, selective neither. fasop times full
+    uniform recomputation with one layer per checkpoint (every layer's input kept), and block with any count up
+    to the model's layers (a model chunk holds no more)."""
     if recompute not in RECOMPUTE_MODES:
         return f"expected one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
     if recompute != "full":
         return None if method is None and num_layers is None else f"{recompute} takes no method and no layer count"
     if method not in RECOMPUTE_METHODS:
         return f"full recomputation needs a method, one of {', '.join(RECOMPUTE_METHODS)}, got {method!r}"
-    if num_layers is None or num_layers < 1:
-        return f"full recomputation needs a layer count >= 1, got {num_layers!r}"
+    if num_layers is None or not 1 <= num_layers <= model_layers:
+        return f"full recomputation needs a layer count from 1 to the model's {model_layers} layers, got {num_layers!r}"
     if method == "uniform" and num_layers != 1:
         return "fasop models the uniform method with one layer per checkpoint (--recompute-num-layers 1)"
     return None
@@ -131,7 +132,7 @@ def checked_recompute(model: Model, recompute: str, method: str | None, num_laye
     every layer, as the search takes it, selective without modules reruns the attention core."""
     if recompute == "full" and method is None and num_layers is None:
         method, num_layers = "uniform", 1
-    problem = recompute_error(recompute, method, num_layers)
+    problem = recompute_error(recompute, method, num_layers, model.num_layers)
     if problem:
         raise refuse("recompute", problem)
     chosen = DEFAULT_RECOMPUTE_MODULES if modules is None else tuple(modules)

@@ -126,24 +126,26 @@ class ScheduleBatch:
         # the last backward of each stage: it ends computing before its gradient send upstream (none on stage 0)
         send = np.zeros_like(end)
         send[:, 1:] = self.boundary_s
-        computed = end - send
         # gradients become ready evenly over the last backward; a bucket's reduction starts once it is full and
-        # the previous bucket's has ended, so the first and the last bucket bound when the reduction ends
-        bucketed = np.maximum(computed - backward + backward / buckets + grad, computed + grad / buckets)
-        reduced = np.where(self.overlap_grad_reduce[:, None], np.maximum(end, bucketed), end + grad)
+        # the previous bucket's has ended, so the first and the last bucket bound how long after the stage's end
+        # the reduction ends (from these terms: a difference of two times near 1e14 s, the end of a step of 2^52
+        # micro-batches, would keep only milliseconds)
+        overlapped = np.maximum(grad - backward + backward / buckets, grad / buckets) - send
+        reduce_after = np.where(self.overlap_grad_reduce[:, None], np.maximum(overlapped, 0.0), grad)
         # the next step's first forward needs its parameters bucket by bucket; before it the stage waits for its
         # input anyway: only what the first bucket, or the whole gather, cannot fit in that time is exposed
         hidden_gather = np.maximum.reduce([gather / buckets - first, gather - first - forward * (buckets - 1) / buckets,
                                            np.zeros_like(gather)])
         gathered = np.where(self.overlap_param_gather[:, None], hidden_gather, gather)
-        done = reduced + optimizer + gathered
+        exposed = reduce_after + gathered
+        done = end + exposed + optimizer
         step = done.max(-1) + self.embedding_allreduce_s
         return {
             "step_time_s": step,
             "pipeline_time_s": end.max(-1),
             "stage_done_s": done,
             "optimizer_s": optimizer.max(-1),
-            "dp_exposed_s": (done - end - optimizer).max(-1),
+            "dp_exposed_s": exposed.max(-1),
         }
 
 

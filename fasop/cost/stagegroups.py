@@ -137,12 +137,18 @@ def layout_hosts(cluster: Cluster, layout: GroupLayout) -> Hosts:
                  np.array([t.intra_node_latency_s for t in whole]))
 
 
-def slice_overlap(a: int, b: int) -> np.ndarray:
-    """(a, b) share of a dimension that slice i of `a` equal slices and slice j of `b` have in common."""
-    edges_a, edges_b = np.arange(a + 1) * b, np.arange(b + 1) * a  # slice ends in units of 1 / (a b)
-    low = np.maximum(edges_a[:-1, None], edges_b[None, :-1])
-    high = np.minimum(edges_a[1:, None], edges_b[None, 1:])
-    return np.maximum(high - low, 0) / (a * b)
+def slice_overlap(a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(i, j, share): every slice i of `a` equal slices and slice j of `b` that have a part of the dimension in
+    common, and that share of it; at most a + b - 1 pairs (slice i meets the slices of b from its start to its
+    end), so that two stages of many ranks cost what their pairs do, not a times b."""
+    i = np.arange(a)
+    first, last = (i * b) // a, ((i + 1) * b - 1) // a  # in units of 1 / (a b), slice i spans [i b, (i + 1) b)
+    counts = last - first + 1
+    ia = np.repeat(i, counts)
+    ib = np.repeat(first, counts) + np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    share = (np.minimum((ia + 1) * b, (ib + 1) * a) - np.maximum(ia * b, ib * a)) / (a * b)
+    kept = share > 0
+    return ia[kept], ib[kept], share[kept]
 
 
 def reshard_s(links: Links, cluster: Cluster, src: np.ndarray, dst: np.ndarray, activation_bytes: float,
@@ -153,36 +159,40 @@ def reshard_s(links: Links, cluster: Cluster, src: np.ndarray, dst: np.ndarray, 
     intra-node link (towards a GPU of another kind of its node, `hosts`' link between kinds), a node's sends and
     receives to other nodes its network interface; the busiest sets the time, and the slowest pair's latency is
     paid once. `hosts`: None when every position is a node of its own."""
-    share = (slice_overlap(src.shape[0], dst.shape[0])[:, None, :, None]
-             * slice_overlap(src.shape[1], dst.shape[1])[None, :, None, :]).reshape(src.size, dst.size)
-    sent = activation_bytes * share
-    src_node, dst_node = src.ravel(), dst.ravel()
+    batch_a, batch_b, batch_share = slice_overlap(src.shape[0], dst.shape[0])
+    seq_a, seq_b, seq_share = slice_overlap(src.shape[1], dst.shape[1])
+    sender = (batch_a[:, None] * src.shape[1] + seq_a[None, :]).ravel()  # flat ranks of the pairs that exchange
+    receiver = (batch_b[:, None] * dst.shape[1] + seq_b[None, :]).ravel()
+    sent = activation_bytes * (batch_share[:, None] * seq_share[None, :]).ravel()
+    src_rank_node, dst_rank_node = src.ravel(), dst.ravel()
+    src_node, dst_node = src_rank_node[sender], dst_rank_node[receiver]
     if hosts is None:
         hosts = Hosts(np.arange(len(links.inter)), links.intra, links.intra_latency)
     src_host, dst_host = hosts.index[src_node], hosts.index[dst_node]
-    pairs = sent > 0
-    same_block = src_node[:, None] == dst_node[None, :]
-    local = src_host[:, None] == dst_host[None, :]
+    same_block = src_node == dst_node
+    local = src_host == dst_host
     between = local & ~same_block  # two GPU kinds of one node
     der = cluster.derating
     block_bytes, between_bytes = np.where(same_block, sent, 0.0), np.where(between, sent, 0.0)
-    sends = block_bytes.sum(axis=1) / links.intra[src_node] \
-        + between_bytes.sum(axis=1) / hosts.between_kinds_bytes_per_s[src_node]
-    receives = block_bytes.sum(axis=0) / links.intra[dst_node] \
-        + between_bytes.sum(axis=0) / hosts.between_kinds_bytes_per_s[dst_node]
-    intra = max(sends.max(initial=0.0), receives.max(initial=0.0)) * der.p2p_intra_node
+
+    def per_rank(ranks: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+        """Seconds each rank's sends (or receives) take on its node's links."""
+        return (np.bincount(ranks, weights=block_bytes, minlength=len(nodes)) / links.intra[nodes]
+                + np.bincount(ranks, weights=between_bytes, minlength=len(nodes)) / hosts.between_kinds_bytes_per_s[nodes])
+
+    intra = max(per_rank(sender, src_rank_node).max(initial=0.0),
+                per_rank(receiver, dst_rank_node).max(initial=0.0)) * der.p2p_intra_node
     crossing = np.where(local, 0.0, sent)
     nodes = int(hosts.index.max()) + 1
-    out = np.bincount(src_host, weights=crossing.sum(axis=1), minlength=nodes)
-    into = np.bincount(dst_host, weights=crossing.sum(axis=0), minlength=nodes)
+    out = np.bincount(src_host, weights=crossing, minlength=nodes)
+    into = np.bincount(dst_host, weights=crossing, minlength=nodes)
     interface = np.zeros(nodes)
     interface[hosts.index] = links.inter  # the positions of one node share its network interface
     inter = float((np.maximum(out, into) * der.p2p_inter_node / interface).max(initial=0.0))
-    latency = np.where(same_block, links.intra_latency[src_node][:, None],
-                       np.where(between, hosts.between_kinds_latency_s[src_node][:, None],
-                                np.maximum(links.inter_latency[src_node][:, None],
-                                           links.inter_latency[dst_node][None, :])))
-    return max(intra, inter) + float(latency[pairs].max(initial=0.0))
+    latency = np.where(same_block, links.intra_latency[src_node],
+                       np.where(between, hosts.between_kinds_latency_s[src_node],
+                                np.maximum(links.inter_latency[src_node], links.inter_latency[dst_node])))
+    return max(intra, inter) + float(latency[sent > 0].max(initial=0.0))
 
 
 def uniform_costs(model: Model, cluster: Cluster, profiles: dict[str, GpuProfile], node_type: str, config: Config,

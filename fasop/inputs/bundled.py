@@ -22,6 +22,8 @@ def data_dir(kind: str) -> Path:
 
 def resolve(kind: str, name_or_path: str, suffix: str) -> Path:
     """A path as given if it exists or looks like a path, else the bundled `kind/<name><suffix>`."""
+    if not name_or_path:  # Path("") is the current folder
+        raise ArgumentError(kind[:-1], f"an empty name is no {kind[:-1]}: give a bundled name or a file")
     path = Path(name_or_path)
     if path.exists() or path.suffix == suffix or len(path.parts) > 1:
         return path

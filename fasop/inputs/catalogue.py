@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from fasop.errors import ArgumentError, InputError
 from fasop.inputs import bundled
-from fasop.inputs.bandwidth import bandwidth_bytes_per_s
+from fasop.inputs.bandwidth import MIN_BANDWIDTH_BYTES_PER_S, bandwidth_bytes_per_s
 from fasop.inputs.names import Name
 from fasop.inputs.tomlfile import Range, Table, Text, expected, read_toml, validated
 
@@ -92,12 +92,33 @@ def _increasing_payloads(curve: tuple[tuple[float, float], ...]) -> tuple[tuple[
     return curve
 
 
+# Least figures of a GPU table: far below any GPU that trains (the bundled table's slowest: T4, 65 TFLOP/s; L4, 300
+# GB/s of memory), yet large enough that every time the roofline divides by them stays finite and readable (1e-300
+# TFLOP/s gives steps of 300 digits; times an efficiency as small, a division by 0).
+MIN_TFLOPS = 0.01
+MIN_EFFICIENCY = 0.01  # of peak
+MIN_MEMORY_GB_PER_S = 1.0
+# A measured all-reduce's bus bandwidth, GB/s, may be as low as the slowest link a file gives (1 kB/s): at its
+# tiniest payloads a measured curve is latency-bound (some microseconds for 8 bytes: about 0.001 GB/s).
+MIN_BUSBW_GB_PER_S = MIN_BANDWIDTH_BYTES_PER_S / 1e9
+
+
+def _none_or_at_least_min(tflops: float) -> float:
+    """A peak of 0 says the GPU has none; any other is at least MIN_TFLOPS."""
+    if 0 < tflops < MIN_TFLOPS:
+        raise ValueError(f"expected 0 (none) or a number >= {MIN_TFLOPS:g}, got {tflops!r}")
+    return tflops
+
+
+NoneOrAtLeastMin = AfterValidator(_none_or_at_least_min)
+
+
 # [payload_bytes, busbw_gb_per_s] points of a measured all-reduce (nccl-tests' bus bandwidth), 2 to 64 of them
-BusbwPoint = tuple[Annotated[float, Range(1.0, 2.0**50)], Annotated[float, Range(0.0, 1e5, low_allowed=False)]]
+BusbwPoint = tuple[Annotated[float, Range(1.0, 2.0**50)], Annotated[float, Range(MIN_BUSBW_GB_PER_S, 1e5)]]
 BusbwCurve = Annotated[tuple[BusbwPoint, ...], Field(min_length=2, max_length=64), BeforeValidator(_pairs),
                        AfterValidator(_increasing_payloads),
                        expected("an array of 2 to 64 [payload_bytes, busbw_gb_per_s] pairs, payloads increasing "
-                                "from 1 to 2^50 bytes, bandwidths > 0 and <= 100000")]
+                                f"from 1 to 2^50 bytes, bandwidths >= {MIN_BUSBW_GB_PER_S:g} and <= 100000")]
 
 
 def _attention_rows(rows: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
@@ -109,31 +130,31 @@ def _attention_rows(rows: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, .
 
 
 # [head_dim, seq_length, forward_causal_tflops, forward_tflops, backward_tflops] of a fused attention kernel
-_Speed = Annotated[float, Range(0.0, 1e5, low_allowed=False)]
+_Speed = Annotated[float, Range(MIN_TFLOPS, 1e5)]
 AttentionPoint = tuple[Annotated[float, Range(1.0, 4096.0)], Annotated[float, Range(1.0, 2.0**24)], _Speed, _Speed,
                        _Speed]
 AttentionTable = Annotated[tuple[AttentionPoint, ...], Field(min_length=2, max_length=64), BeforeValidator(_pairs),
                            AfterValidator(_attention_rows),
                            expected("an array of 2 to 64 [head_dim, seq_length, forward_causal_tflops, "
                                     "forward_tflops, backward_tflops] rows, each head dim at 2 or more lengths, "
-                                    "increasing, speeds > 0 and <= 100000")]
+                                    f"increasing, speeds >= {MIN_TFLOPS:g} and <= 100000")]
 
 
 class GpuTable(Table):
     """One [[gpu]] table."""
 
     name: Name
-    dense_fp16_tflops: Annotated[float, Range(0.0, 1e4, low_allowed=False)]
-    dense_bf16_tflops: Annotated[float, Range(0.0, 1e4)]  # 0 means "no bf16"
+    dense_fp16_tflops: Annotated[float, Range(MIN_TFLOPS, 1e4)]
+    dense_bf16_tflops: Annotated[float, Range(0.0, 1e4), NoneOrAtLeastMin]  # 0 means "no bf16"
     memory_gib: Annotated[float, Range(0.0, 1024.0, low_allowed=False)]
-    memory_bandwidth_gb_per_s: Annotated[float, Range(0.0, 1e5, low_allowed=False)]
+    memory_bandwidth_gb_per_s: Annotated[float, Range(MIN_MEMORY_GB_PER_S, 1e5)]
     intra_node_link: Annotated[str, BeforeValidator(_link)]
-    matmul_efficiency: Annotated[float, Range(0.0, 1.0, low_allowed=False)]
+    matmul_efficiency: Annotated[float, Range(MIN_EFFICIENCY, 1.0)]
     kernel_launch_us: Annotated[float, Range(0.0, 1000.0)] = DEFAULT_KERNEL_LAUNCH_US
     sm_count: Annotated[int, Range(1, 4096)] | None = None
     allreduce_busbw: BusbwCurve = ()
-    dense_fp8_tflops: Annotated[float, Range(0.0, 1e5)] = 0.0  # 0 means "no FP8 tensor cores"
-    fp8_matmul_efficiency: Annotated[float, Range(0.0, 1.0, low_allowed=False)] | None = None
+    dense_fp8_tflops: Annotated[float, Range(0.0, 1e5), NoneOrAtLeastMin] = 0.0  # 0 means "no FP8 tensor cores"
+    fp8_matmul_efficiency: Annotated[float, Range(MIN_EFFICIENCY, 1.0)] | None = None
     compute_capability: Annotated[str, Field(pattern=r"^[0-9]{1,2}\.[0-9]$"), expected("a compute capability such as "
                                                                                       "9.0")] | None = None
     nvlink_domain_gpus: Annotated[int, Range(1, 2**16)] | None = None

@@ -160,7 +160,9 @@ MAX_GPU_MEMORY_GIB = 65536.0
 MAX_PRICE_PER_HOUR_USD = 1e6
 MAX_NODES_PER_TYPE = 1_000_000
 MAX_DERATING = 1000.0
-MAX_MEMORY_MARGIN = 100.0
+# memory_margin multiplies the estimated memory to cover what the allocator wastes beside it: 1 is no margin, and
+# one below 1 would count memory the GPU does not have (1e-10 takes every GPU for 1e10 times its size)
+MIN_MEMORY_MARGIN, MAX_MEMORY_MARGIN = 1.0, 100.0
 
 
 GpuCount = Annotated[int, Range(1, MAX_GPUS_PER_NODE)]
@@ -228,7 +230,7 @@ class DeratingTable(Table):
 class ClusterHead(Table):
     name: Name
     description: Text = ""
-    memory_margin: Annotated[float, Range(0.0, MAX_MEMORY_MARGIN, low_allowed=False)] = 1.0
+    memory_margin: Annotated[float, Range(MIN_MEMORY_MARGIN, MAX_MEMORY_MARGIN)] = 1.0
     gpu_memory_overhead_gib: Annotated[float, Range(0.0, MAX_GPU_MEMORY_GIB)] = GPU_MEMORY_OVERHEAD_GIB
     derating: DeratingTable = Field(default_factory=DeratingTable)
     error_band: BandTable | None = None  # written by fasop calibrate

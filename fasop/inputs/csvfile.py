@@ -4,6 +4,7 @@ naming the file and the line."""
 from __future__ import annotations
 
 import csv
+from collections import Counter
 from collections.abc import Iterable
 
 from fasop.errors import InputError
@@ -16,8 +17,9 @@ CSV_CELL_LIMIT = CSV_LIMIT_BYTES
 
 def csv_rows(lines: Iterable[tuple[int, str]], file: str) -> list[tuple[int, list[str]]]:
     """(line number, cells) of each row of `lines`, given as (line number, text) pairs; a row whose quoted cell
-    spans several lines takes the number of its first. A cell longer than CSV_CELL_LIMIT characters, or text
-    that is not CSV, is an InputError naming the file and the line."""
+    spans several lines takes the number of its first. A cell longer than CSV_CELL_LIMIT characters, text that is
+    not CSV, or a first row (the header of every CSV fasop reads) naming a column twice is an InputError naming
+    the file and the line."""
     numbered = list(lines)
     reader = csv.reader(text for _, text in numbered)
     rows: list[tuple[int, list[str]]] = []
@@ -37,4 +39,10 @@ def csv_rows(lines: Iterable[tuple[int, str]], file: str) -> list[tuple[int, lis
         raise InputError(where, f"not CSV ({err})") from None
     finally:
         csv.field_size_limit(previous)
+    if rows:  # a reader of a row as a dict would keep only the last of two cells of one column
+        number, header = rows[0]
+        twice = [name for name, count in Counter(header).items() if count > 1]
+        if twice:
+            raise InputError(f"{file}: line {number}", f"column {twice[0]!r} named twice in the header; expected each "
+                                                       "column once")
     return rows

@@ -25,8 +25,9 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 MAIN_PARAMS_DTYPES = ("fp32", "fp16", "none")
 MOMENT_DTYPES = ("fp32", "fp16", "bf16", "fp8")
 # Ranges of the shape fields of a model file (docs/formats.md): beyond any trained Transformer, small enough
-# that parameter, activation and FLOP counts stay finite.
-MAX_LAYERS = 10_000
+# that parameter, activation and FLOP counts stay finite. Layers: the deepest published models have a few hundred
+# (Llama 3.1 405B 126, DeepSeek-V3 61); the partition search's work grows with layers x stages.
+MAX_LAYERS = 1024
 MAX_WIDTH = 2**20  # hidden_size, kv_channels (ffn_hidden_size: 4x)
 MAX_HEADS = 2**16
 MAX_SEQ_LENGTH = 2**24

@@ -19,6 +19,7 @@ A GPU type with no bundled profile of the model gets one synthesised from the ro
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -50,12 +51,17 @@ MEMORY_COLUMN = "peak_memory_bytes"  # optional last column of measured profiles
 IDENTITY_PREFIX = "# fasop-profile:"
 # Ranges of a profile row (docs/formats.md).
 MAX_DEGREE = 2**16  # tp and mbs
-MAX_UNIT_TIME_S = 3600.0  # one unit, one micro-batch
+# One unit, one micro-batch: from a picosecond, below any kernel's time (a roofline of tiny units on a host of no
+# launch time comes near a nanosecond), so that the partition's ratios of times stay finite
+MIN_UNIT_TIME_S, MAX_UNIT_TIME_S = 1e-12, 3600.0
 MAX_MEMORY_BYTES = 2**50  # one unit's peak memory
 MAX_KERNEL_LAUNCH_US = 1000.0  # the host's time per kernel, as the GPU table's kernel_launch_us
 # The tensor degrees and micro-batch sizes `fasop profile synth` estimates by default, and so those of the
 # profiles synthesised for GPU types without one.
 DEFAULT_DEGREES = (1, 2, 4, 8)
+# A row's numbers in ASCII digits (int() and float() also take "1_0", other scripts' digits, "inf" and "nan")
+INTEGER = re.compile(r"[0-9]+")
+DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 # fit_scales: the weight of the pull of log(host) and log(GPU) towards 0 (the spec's figures) against the fit of
 # the measured times' logarithms: small, so that it decides only what the measurements leave open; and the
 # bound on either logarithm (factors from e^-12 to e^12).
@@ -448,26 +454,29 @@ def _row(cells: list[str], header: list[str], where: str, kinds: tuple[str, ...]
     if len(cells) != len(header):
         raise InputError(where, f"expected {len(header)} cells ({','.join(header)}), got {len(cells)}")
     row = dict(zip(header, cells))
-    for key in ("tp", "mbs"):
-        try:
-            degree = int(row[key])
-        except ValueError:
-            degree = 0
-        if not 1 <= degree <= MAX_DEGREE:
+    tp, mbs = (_number(row[key], INTEGER, int) for key in ("tp", "mbs"))
+    for key, degree in (("tp", tp), ("mbs", mbs)):
+        if not 1 <= degree <= MAX_DEGREE:  # also refuses NaN
             raise InputError(f"{where}: {key}", f"expected an integer from 1 to {MAX_DEGREE}, got {row[key]!r}")
-    for key in ("forward_s", "backward_s"):
-        try:
-            seconds = float(row[key])
-        except ValueError:
-            seconds = math.nan
-        if not 0 < seconds <= MAX_UNIT_TIME_S:  # also refuses NaN
-            raise InputError(f"{where}: {key}", f"expected seconds > 0 and <= {MAX_UNIT_TIME_S:g}, got {row[key]!r}")
+    forward, backward = (_number(row[key], DECIMAL, float) for key in ("forward_s", "backward_s"))
+    for key, seconds in (("forward_s", forward), ("backward_s", backward)):
+        if not MIN_UNIT_TIME_S <= seconds <= MAX_UNIT_TIME_S:
+            raise InputError(f"{where}: {key}", f"expected seconds >= {MIN_UNIT_TIME_S:g} and <= {MAX_UNIT_TIME_S:g}, "
+                                                f"got {row[key]!r}")
     memory = row.get(MEMORY_COLUMN)
-    if memory is not None and not (memory.isascii() and memory.isdigit() and int(memory) <= MAX_MEMORY_BYTES):
-        raise InputError(f"{where}: {MEMORY_COLUMN}", f"expected bytes from 0 to 2**50, got {row[MEMORY_COLUMN]!r}")
+    if memory is not None and not 0 <= _number(memory, INTEGER, int) <= MAX_MEMORY_BYTES:
+        raise InputError(f"{where}: {MEMORY_COLUMN}", f"expected bytes from 0 to 2**50, got {memory!r}")
     if row["kind"] not in kinds:
         raise InputError(f"{where}: kind", f"{row['kind']!r} is not one of {', '.join(kinds)} ({architecture} model)")
-    return int(row["tp"]), row["kind"], int(row["mbs"]), float(row["forward_s"]), float(row["backward_s"])
+    return int(tp), row["kind"], int(mbs), forward, backward
+
+
+def _number(cell: str, pattern: re.Pattern[str], kind: type[int] | type[float]) -> float:
+    """The number a cell holds, written as `pattern` says; else NaN, which every range refuses."""
+    try:
+        return kind(cell) if pattern.fullmatch(cell) else math.nan
+    except ValueError:  # more digits than int() converts
+        return math.nan
 
 
 def _curves(rows: dict[tuple[int, str], list[tuple[int, float, float]]], file: str, kinds: tuple[str, ...],

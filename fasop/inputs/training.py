@@ -54,10 +54,14 @@ def training_settings(model: Any, overrides: Mapping[str, str] | None = None) ->
     text, e.g. from `training=lr=3e-4`) over it; errors name the file and key, or the `training` argument."""
     table: dict[str, Any] = {}
     file = getattr(model, "file", "")
+    warmup = {"lr_warmup_fraction", "lr_warmup_iters"}
     if file:
         path = bundled.resolve("models", file, ".toml")
         raw = {"training": read_toml(path).get("training", {})}
         table = validated(_TrainingOf, raw, str(path)).training.model_dump(exclude_none=True)
+        if warmup <= set(table):
+            raise InputError(f"{path}: training", "gives both lr_warmup_fraction and lr_warmup_iters; Megatron-LM "
+                                                  "takes one")
     for key, text in (overrides or {}).items():
         if key not in TrainingTable.model_fields or key == "source":
             known = ", ".join(k for k in TrainingTable.model_fields if k != "source")
@@ -68,5 +72,6 @@ def training_settings(model: Any, overrides: Mapping[str, str] | None = None) ->
     except InputError as err:  # an override: the file's own values were read above
         raise ArgumentError("training", f"{err.where.removeprefix('training: ')}: {err.problem}") from None
     if settings.lr_warmup_fraction is not None and settings.lr_warmup_iters is not None:
-        raise ArgumentError("training", "gives both lr_warmup_fraction and lr_warmup_iters; Megatron-LM takes one")
+        raise ArgumentError("training", "gives both lr_warmup_fraction and lr_warmup_iters (with the model file's "
+                                        "[training] table); Megatron-LM takes one")
     return settings

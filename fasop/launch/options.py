@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from fasop.errors import ArgumentError, InputError
+from fasop.inputs.cluster import MAX_GPUS_PER_NODE
+from fasop.plans import MAX_PLAN_INT
 
 # Characters Slurm reads unquoted in "#SBATCH --key=value" lines; always applied with fullmatch (a pattern
 # ending in "$" would also accept a trailing newline, which ends the directive and starts a shell line).
@@ -33,6 +35,18 @@ SAFE_PATH_RULE = "a path of letters, digits and _ . / + -"
 
 
 SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2}", re.ASCII)
+# Slurm's controller gives a job without a time limit an end time 365 days after its start (YEAR_SECONDS in its
+# sources): no job needs a longer limit, nor a longer stop margin.
+MAX_TIME_LIMIT_S = 365 * 86400
+MAX_CPUS_PER_TASK = 1_000_000  # as a cluster file's cpus_per_node (fasop.inputs.cluster)
+# The integer options' maxima. Iterations as a plan's train_steps: sbatch.sh compares them in bash's signed 64-bit
+# arithmetic, where a larger number may wrap to a negative one.
+INTEGER_MAXIMA = {"gpus_per_node": MAX_GPUS_PER_NODE, "cpus_per_task": MAX_CPUS_PER_TASK, "train_iters": MAX_PLAN_INT,
+                  "save_interval": MAX_PLAN_INT, "stop_margin_s": MAX_TIME_LIMIT_S}
+# Options that Megatron-LM, torchrun or FlagScale's runner take as a flag's argument (or cd as its directory): a
+# value starting with "-" would be read as a flag of its own.
+FLAG_ARGUMENTS = ("checkpoint_dir", "megatron_path", "data_path", "tokenizer_type", "vocab_file", "merge_file",
+                  "tokenizer_model", "flagscale_dir")
 
 
 @dataclass(frozen=True)
@@ -107,15 +121,7 @@ def check_options(opts: LaunchOptions, where: str | None = None) -> None:
         raise bad("megatron_flavor", f"expected one of {', '.join(FLAVORS)}, got {opts.megatron_flavor!r}")
     if opts.pipeline_split not in PIPELINE_SPLITS:
         raise bad("pipeline_split", f"expected one of {', '.join(PIPELINE_SPLITS)}, got {opts.pipeline_split!r}")
-    for key in ("gpus_per_node", "cpus_per_task", "train_iters", "save_interval", "stop_margin_s"):
-        value = getattr(opts, key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise bad(key, f"expected an integer >= 1, got {value!r}")
-    port = opts.master_port
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise bad("master_port", f"expected a port number 1-65535, got {port!r}")
-    if not isinstance(opts.time_limit, str) or not SLURM_TIME.fullmatch(opts.time_limit):
-        raise bad("time_limit", f"expected a Slurm time such as 90, 01:30:00 or 1-12:00:00, got {opts.time_limit!r}")
+    _check_numbers(opts, bad)
     _check_slurm_names(opts, bad)
     _check_paths(opts, bad)
     for key in ("exclusive", "smoke_test"):
@@ -125,8 +131,47 @@ def check_options(opts: LaunchOptions, where: str | None = None) -> None:
         raise bad("extra_flags", "expected one-line strings")
 
 
+def time_limit_s(text: str) -> int:
+    """Seconds of a Slurm time (SLURM_TIME): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        hms = (parts + [0, 0])[:3]
+        return int(days) * 86400 + hms[0] * 3600 + hms[1] * 60 + hms[2]
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return parts[0] * 3600 + parts[1] * 60 + parts[2]
+
+
+def _slurm_time(value: Any) -> bool:
+    """Whether `value` is a Slurm time of at most MAX_TIME_LIMIT_S."""
+    if not isinstance(value, str) or not SLURM_TIME.fullmatch(value):
+        return False
+    try:
+        return time_limit_s(value) <= MAX_TIME_LIMIT_S
+    except ValueError:  # a number of more digits than int() reads (sys.get_int_max_str_digits): far beyond it
+        return False
+
+
+def _check_numbers(opts: LaunchOptions, bad: Callable[[str, str], InputError]) -> None:
+    """The integer options in their ranges, the port and the time limit: every number a script holds."""
+    for key, maximum in INTEGER_MAXIMA.items():
+        value = getattr(opts, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum):
+            raise bad(key, f"expected an integer from 1 to {maximum:,}, got {value!r}")
+    port = opts.master_port
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise bad("master_port", f"expected a port number 1-65535, got {port!r}")
+    if not _slurm_time(opts.time_limit):
+        raise bad("time_limit", f"expected a Slurm time of at most {MAX_TIME_LIMIT_S // 86400} days such as 90, 01:30:00 "
+                                f"or 1-12:00:00, got {opts.time_limit!r}")
+
+
 def _check_paths(opts: LaunchOptions, bad: Callable[[str, str], InputError]) -> None:
-    """Paths and names that reach scripts quoted: one line each; the FlagScale checkout: a SAFE_PATH."""
+    """Paths and names that reach scripts quoted: one line each, and none that a program would take for a flag
+    (FLAG_ARGUMENTS); the FlagScale checkout: a SAFE_PATH."""
     if not isinstance(opts.flagscale_dir, str) or not SAFE_PATH.fullmatch(opts.flagscale_dir):
         raise bad("flagscale_dir", f"expected {SAFE_PATH_RULE}, got {opts.flagscale_dir!r}")
     for key in ("checkpoint_dir", "megatron_path", "entry_script", "data_path", "tokenizer_type", "vocab_file", "merge_file",
@@ -134,6 +179,11 @@ def _check_paths(opts: LaunchOptions, bad: Callable[[str, str], InputError]) -> 
         value = getattr(opts, key)
         if value is not None and (not isinstance(value, str) or not value or "\n" in value or "\0" in value):
             raise bad(key, f"expected a non-empty one-line string, got {value!r}")
+    for key in FLAG_ARGUMENTS:
+        value = getattr(opts, key)
+        if value is not None and value.startswith("-"):
+            raise bad(key, f"{value!r} would be read as a flag; expected a value not starting with '-' (a relative "
+                           f"path as ./{value})")
 
 
 def _str_map(value: Any, where: str) -> dict[str, str]:

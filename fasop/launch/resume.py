@@ -18,7 +18,7 @@ from typing import Any
 
 from fasop.errors import ArgumentError
 from fasop.inputs.errorband import ErrorBand
-from fasop.launch.options import LaunchOptions
+from fasop.launch.options import LaunchOptions, time_limit_s
 
 SMOKE_TEST_ITERS = 50  # a smoke test's iterations unless train_iters says otherwise
 SAVE_EVERY_S = 3600.0  # default checkpoint interval: about an hour of training
@@ -36,20 +36,6 @@ def train_iters(plan: Any, opts: LaunchOptions) -> int:
         raise ArgumentError("train_iters", "a full run needs its length: search with train_steps or train_tokens, "
                                            "give train_iters, or ask for a smoke_test")
     return plan.train_steps
-
-
-def time_limit_s(text: str) -> int:
-    """Seconds of a Slurm time (checked by fasop.launch.options): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
-    days, _, rest = text.rpartition("-")
-    parts = [int(p) for p in rest.split(":")]
-    if days:
-        hms = (parts + [0, 0])[:3]
-        return int(days) * 86400 + hms[0] * 3600 + hms[1] * 60 + hms[2]
-    if len(parts) == 1:
-        return parts[0] * 60
-    if len(parts) == 2:
-        return parts[0] * 60 + parts[1]
-    return parts[0] * 3600 + parts[1] * 60 + parts[2]
 
 
 def exit_duration_min(opts: LaunchOptions) -> int:

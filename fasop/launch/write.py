@@ -27,7 +27,8 @@ from fasop.inputs.cluster import Cluster
 from fasop.inputs.errorband import band_of
 from fasop.inputs.model import Model
 from fasop.launch.dataparallel import render_dp_plan, restate_dp_plan
-from fasop.launch.flagscale import flagscale_launcher_files, render_flagscale
+from fasop.launch.flagscale import TRAIN_NAME, flagscale_launcher_files, render_flagscale
+from fasop.launch.flagscale_scripts import CONFIG_NAME
 from fasop.launch.launchers import LAUNCHERS, RENDEZVOUS, launcher_files, launcher_inputs
 from fasop.launch.options import LaunchOptions, check_options, launch_options, split_flags
 from fasop.launch.restate import restate_plan
@@ -38,7 +39,10 @@ from fasop.plans import Plan
 from fasop.search.precision import plan_model
 from fasop.search.spec import spec_of
 
-OUTPUT_FILES = ("sbatch.sh", "run_inter.sh", "plan.json")
+# Every file an emit may write, whatever its launcher and plan kind (fasop.launch.launchers, fasop.launch.flagscale):
+# replacing an emit, force removes those of the earlier one that the new one does not write.
+EMITTED_FILES = ("sbatch.sh", "run_inter.sh", "plan.json", "hosts", "launch.sh", "commands.txt", "hostfile",
+                 f"{CONFIG_NAME}.yaml", f"train/{TRAIN_NAME}.yaml")
 
 
 def check_out_dir(out_dir: Path, force: bool, argument: str = "out_dir") -> None:
@@ -75,9 +79,18 @@ def _umask() -> int:
     return mask
 
 
-def write_files(out_dir: Path, files: Mapping[str, str], force: bool = False, argument: str = "out_dir") -> list[Path]:
+def _stale_files(out_dir: Path, names: Iterable[str], keep: Iterable[Path]) -> list[Path]:
+    """The files of an earlier emit in `out_dir` that `names` do not replace, but for the files in `keep`."""
+    kept = [Path(path) for path in keep if Path(path).is_file()]
+    stale = [out_dir / name for name in EMITTED_FILES if name not in names and (out_dir / name).is_file()]
+    return [path for path in stale if not any(path.samefile(other) for other in kept)]
+
+
+def write_files(out_dir: Path, files: Mapping[str, str], force: bool = False, argument: str = "out_dir",
+                keep: Iterable[Path] = ()) -> list[Path]:
     """Write `files` into `out_dir` through a temporary sibling, so a failure leaves no half-written output;
-    errors name `argument`."""
+    errors name `argument`. Into a directory that holds files (`force`), an earlier emit's files that `files`
+    do not replace are removed once `files` are in place, but for those in `keep` (the run's inputs)."""
     out_dir = Path(out_dir)
     check_out_dir(out_dir, force, argument)
     parent = out_dir.absolute().parent
@@ -94,10 +107,15 @@ def write_files(out_dir: Path, files: Mapping[str, str], force: bool = False, ar
             path.write_text(text, encoding="utf-8")
             os.chmod(path, (0o777 if name.endswith(".sh") else 0o666) & ~mask)
         if out_dir.is_dir():
+            stale = _stale_files(out_dir, files, keep)
             for name in files:
                 (out_dir / name).parent.mkdir(exist_ok=True)
                 os.replace(tmp / name, out_dir / name)
             shutil.rmtree(tmp)
+            for path in stale:
+                path.unlink()
+                if path.parent != out_dir and not any(path.parent.iterdir()):
+                    path.parent.rmdir()  # FlagScale's train/, left empty
         else:
             os.chmod(tmp, 0o777 & ~mask)
             os.rename(tmp, out_dir)
@@ -128,8 +146,9 @@ def emit(plan: Plan, model: Model, cluster: Cluster, out_dir: str | os.PathLike,
     figure it states disagrees; with `force` it is emitted with the fresh figures and `warn` (default: a
     UserWarning) says so. Then its files for `launcher` are written into `out_dir`, which must hold no files
     unless `force`: sbatch.sh, run_inter.sh and plan.json for slurm; run_inter.sh, plan.json, hosts (from
-    `hosts_file`) and launch.sh for ssh; run_inter.sh, plan.json and commands.txt for manual. Returns the paths
-    written.
+    `hosts_file`) and launch.sh for ssh; run_inter.sh, plan.json and commands.txt for manual. With `force`, the
+    files an earlier emit wrote there that this one does not (EMITTED_FILES) are removed, but for the inputs.
+    Returns the paths written.
 
     `site`: launch options (fasop.launch.options.LaunchOptions: time_limit=..., partitions={"A100": "hgx"}, ...)
     over the cluster file's [launch] table; a `partition` or `gres_type` names every node type, over the table's
@@ -158,8 +177,9 @@ def emit(plan: Plan, model: Model, cluster: Cluster, out_dir: str | os.PathLike,
         files = launcher_files(render(plan, model, cluster, options, where), plan, out, options.master_port, launch)
     model_files = [bundled.resolve(kind, given.file, ".toml") for kind, given in (("models", model), ("clusters", cluster))
                    if given.file]
-    _check_outputs(out, files, [*map(Path, inputs), *model_files, *launcher_inputs(launch)])
-    written = write_files(out, files, force)
+    input_files = [*map(Path, inputs), *model_files, *launcher_inputs(launch)]
+    _check_outputs(out, files, input_files)
+    written = write_files(out, files, force, keep=input_files)
     if warning:
         warn(warning)
     if not plan.is_data_parallel:
@@ -171,10 +191,16 @@ def emit(plan: Plan, model: Model, cluster: Cluster, out_dir: str | os.PathLike,
 def _site_overrides(cluster: Cluster, site: dict[str, Any]) -> dict[str, Any]:
     """`site` as launch_options takes it: a `partition` or `gres_type` added to the per-type names (`partitions`,
     `gres_types`) for every node type they do not name, so that it wins over the cluster file's per-type names;
-    `extra_flags` split."""
+    `extra_flags` split. A per-type name must name a node type or GPU of the cluster: another would be ignored."""
     overrides = dict(site)
+    types = [*cluster.node_types.values(), *cluster.hosts.values()]
+    known = sorted({t.name for t in types} | {t.gpu for t in types})
     for key in ("partition", "gres_type"):
         default, per_type = overrides.get(key), dict(overrides.get(f"{key}s") or {})
+        for name, value in per_type.items():
+            if name not in known:
+                raise ArgumentError(f"{key}s", f"{name} is no node type or GPU of cluster {cluster.name}; expected one "
+                                               f"of {', '.join(known)}", f"{name}={value}")
         for node_type in cluster.node_types.values():
             if default is not None and node_type.name not in per_type and node_type.gpu not in per_type:
                 per_type[node_type.name] = default

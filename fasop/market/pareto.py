@@ -293,11 +293,16 @@ def mark_front(records: list[dict]) -> None:
 
 # -- budget and deadline ----------------------------------------------------------------------------------
 
+# A budget (dollars) and a deadline (hours) are shown to the hundredth: from one hundredth, the least not shown as
+# 0.00, to 2^53 hundredths (9e13), the most a double counts exactly, as the price code bounds steps and tokens
+MIN_LIMIT, MAX_LIMIT = 0.01, 2**53 / 100
+
+
 def check_limits(budget_usd: float | None = None, deadline_hours: float | None = None) -> None:
-    """A budget and a deadline, when given, must be positive finite numbers."""
+    """A budget and a deadline, when given, must be numbers from MIN_LIMIT to MAX_LIMIT."""
     for value, argument, unit in ((budget_usd, "budget_usd", "dollars"), (deadline_hours, "deadline_hours", "hours")):
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ArgumentError(argument, f"expected a positive number of {unit}, got {value:g}"
-                                if isinstance(value, (int, float)) else f"expected a positive number of {unit}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_LIMIT <= value <= MAX_LIMIT:
+            shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
+            raise ArgumentError(argument, f"expected a number of {unit} from {MIN_LIMIT:g} to {MAX_LIMIT:.4g}, got {shown}")

@@ -153,6 +153,10 @@ def measure_rank(model: Model, tp: int, mbss: tuple[int, ...], settings: Setting
                     peak = float(torch.cuda.max_memory_allocated(device) - base_bytes)
             except torch.cuda.OutOfMemoryError:
                 out_of_memory = 1.0
+            except RuntimeError as err:  # the processor's allocator says so in words, with no error type of its own
+                if "can't allocate memory" not in str(err):
+                    raise
+                out_of_memory = 1.0
             finally:
                 del unit
             # every rank learns the slowest rank's times and whether any rank ran out of memory

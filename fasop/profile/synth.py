@@ -39,9 +39,9 @@ from fasop.cost.roofline import Rates, unit_times, unit_work
 from fasop.errors import ArgumentError
 from fasop.files import comment_line, write_atomically
 from fasop.inputs.bandwidth import parse_bandwidth
-from fasop.inputs.catalogue import GpuSpec, load_gpu_spec
+from fasop.inputs.catalogue import MIN_EFFICIENCY, GpuSpec, load_gpu_spec
 from fasop.inputs.model import Model
-from fasop.inputs.profiles import COLUMNS, DEFAULT_DEGREES, identity_line
+from fasop.inputs.profiles import COLUMNS, DEFAULT_DEGREES, MAX_DEGREE, MAX_UNIT_TIME_S, MIN_UNIT_TIME_S, identity_line
 
 FORMULA = ("per kernel g = max(F / (peak x efficiency x waves), B / memory_bandwidth), or (tp-1)/tp x C / busbw(C) "
            "per collective, in the launch queue: max over k of (k x kernel_launch_s + g_k + ... + g_n); waves: "
@@ -66,10 +66,12 @@ class ProfileRow(NamedTuple):
 def check_degrees(model: Model, tps, mbss) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Sorted, distinct tensor degrees and micro-batch sizes; degrees must split heads, groups and FFN."""
     tps, mbss = tuple(sorted(set(tps))), tuple(sorted(set(mbss)))
-    if not tps or tps[0] < 1:
-        raise ArgumentError("tps", f"expected tensor-parallel degrees >= 1, got {','.join(map(str, tps))}")
-    if not mbss or mbss[0] < 1:
-        raise ArgumentError("mbss", f"expected micro-batch sizes >= 1, got {','.join(map(str, mbss))}")
+    if not tps or tps[0] < 1 or tps[-1] > MAX_DEGREE:
+        raise ArgumentError("tps", f"expected tensor-parallel degrees from 1 to {MAX_DEGREE} (what a profile holds), "
+                                   f"got {','.join(map(str, tps))}")
+    if not mbss or mbss[0] < 1 or mbss[-1] > MAX_DEGREE:
+        raise ArgumentError("mbss", f"expected micro-batch sizes from 1 to {MAX_DEGREE} (what a profile holds), got "
+                                    f"{','.join(map(str, mbss))}")
     for tp in tps:
         for what, value in (("num_attention_heads", model.num_attention_heads),
                             ("num_query_groups", model.num_query_groups),
@@ -93,8 +95,8 @@ def parse_sizes(argument: str, text: str) -> tuple[int, ...]:
 def check_efficiency(efficiency: float | None, spec: GpuSpec) -> float:
     if efficiency is None:
         return spec.matmul_efficiency
-    if not 0 < efficiency <= 1:
-        raise ArgumentError("efficiency", "expected a fraction of peak in (0, 1]", efficiency)
+    if not MIN_EFFICIENCY <= efficiency <= 1:
+        raise ArgumentError("efficiency", f"expected a fraction of peak from {MIN_EFFICIENCY:g} to 1", efficiency)
     return float(efficiency)
 
 
@@ -112,7 +114,12 @@ def synthesize(model: Model, gpu_spec: GpuSpec | str, tps=DEFAULT_DEGREES, mbss=
     for tp in tps:
         for mbs in mbss:
             for kind, work in unit_work(model, tp, mbs).items():
-                rows.append(ProfileRow(tp, mbs, kind, *unit_times(work, tp, rates)))
+                row = ProfileRow(tp, mbs, kind, *unit_times(work, tp, rates))
+                if not MIN_UNIT_TIME_S <= min(row[3:]) <= max(row[3:]) <= MAX_UNIT_TIME_S:  # what a profile holds
+                    raise ArgumentError("mbss", f"the roofline gives {kind} at tp {tp} {min(row[3:]):.4g} to "
+                                                f"{max(row[3:]):.4g} s per pass, outside the {MIN_UNIT_TIME_S:g} to "
+                                                f"{MAX_UNIT_TIME_S:g} s a profile holds", mbs)
+                rows.append(row)
     return rows
 
 

@@ -28,13 +28,16 @@ from fasop.search.evaluation import Cut
 
 DEFAULT_MEMORY_HEADROOM = 0.90  # a policy, not a measured fact: the share of usable memory a plan may fill unflagged
 HEADROOM_TOLERANCE = 1e-9  # memory at the headroom up to rounding counts as below it
+# The least headroom: a plan under 1% of usable memory is no plan (its model state alone fills more), and a
+# smaller fraction only takes the second search's memory caps towards 0
+MIN_MEMORY_HEADROOM = 0.01
 
 
 def check_headroom(memory_headroom: float) -> float:
     if isinstance(memory_headroom, bool) or not isinstance(memory_headroom, (int, float)) \
-            or not 0 < memory_headroom <= 1:
-        raise ArgumentError("memory_headroom", "expected a fraction of usable GPU memory above 0 and at most 1",
-                            memory_headroom)
+            or not MIN_MEMORY_HEADROOM <= memory_headroom <= 1:
+        raise ArgumentError("memory_headroom", f"expected a fraction of usable GPU memory from {MIN_MEMORY_HEADROOM:g} "
+                                               "to 1", memory_headroom)
     return float(memory_headroom)
 
 

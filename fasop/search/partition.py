@@ -26,6 +26,7 @@ from fasop.cost.problem import PartitionBatch, segment_sums
 
 _EPS = 1e-9
 _GRID_ELEMENTS = 4_000_000  # grid cells (problems x X x Y x stages) evaluated at once
+_VALUE_ELEMENTS = 16_000_000  # stage values (problems x stages x layer counts) held at once
 # Multiply-adds per problem up to which the fill's products go to BLAS, which runs products this small on the calling
 # thread (OpenBLAS's threshold); larger ones run in numpy's own loop, since BLAS threads cost more than they save on
 # them, and far more when other processes hold the cores.
@@ -189,8 +190,7 @@ def least_admitting(fixed: np.ndarray, per_layer: np.ndarray, batch: PartitionBa
     growth of memory at which some partition fits."""
     most = batch.most_layers.astype(float)
     least = np.full(len(batch), np.inf)
-    rows = np.flatnonzero(admits(batch, most))
-    if len(rows):
+    for rows in _value_chunks(np.flatnonzero(admits(batch, most)), batch.lo, most):
         least[rows] = _smallest_feasible(fixed[rows], per_layer[rows], batch.take(rows), most[rows])
     return least
 
@@ -211,8 +211,7 @@ def lower_bounds(batch: PartitionBatch) -> np.ndarray:
     widest, feasible = widest[:, 0], feasible[:, 0] & (hi >= p.lo).all(-1)
     layer_sum = (p.layer_s * widest).sum(-1)
     smallest = np.zeros(len(p))  # rows without a partition are given inf below
-    rows = np.flatnonzero(feasible)
-    if len(rows):
+    for rows in _value_chunks(np.flatnonzero(feasible), p.lo, hi):
         q, q_hi = p.take(rows), hi[rows]
         smallest[rows] = _smallest_feasible(q.period_fixed_s, q.layer_s, q, q_hi)
     stages = p.lo.shape[1]
@@ -229,10 +228,20 @@ def optimal_partitions(batch: PartitionBatch) -> tuple[np.ndarray, np.ndarray, n
     widest, feasible = widest[:, 0], feasible[:, 0] & (hi >= p.lo).all(-1)
     counts = np.where(feasible[:, None], widest, p.lo).astype(float)
     value = np.full(len(p), np.inf)
-    rows = np.flatnonzero(feasible)
-    if len(rows):
+    for rows in _value_chunks(np.flatnonzero(feasible), p.lo, hi):
         counts[rows], value[rows] = _Search(p.take(rows), hi[rows], widest[rows]).run()
     return np.rint(counts).astype(int), value, feasible
+
+
+def _value_chunks(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """`rows` in groups whose stage values (_values: rows x stages x layer counts) stay within _VALUE_ELEMENTS,
+    so that a model of many layers on many stages takes memory for a group, not for every problem at once."""
+    if not len(rows):
+        return
+    per_row = lo.shape[1] * (max(int((hi[rows] - lo[rows]).max()), 0) + 1)
+    step = max(1, _VALUE_ELEMENTS // per_row)
+    for start in range(0, len(rows), step):
+        yield rows[start:start + step]
 
 
 class _Search:

@@ -106,8 +106,10 @@ def prepare(model: Model, cluster: Cluster, gbs: int | None = None, profiles_dir
     selective plans rerun."""
     gbs = check_global_batch(model.global_batch_size if gbs is None else gbs)
     if cluster.num_gpus > MAX_PLAN_GPUS:
-        raise InputError("cluster", f"{cluster.num_gpus:,} GPUs: a plan spans at most {MAX_PLAN_GPUS:,} "
-                                    "(fasop's limit; a placement's rank geometry takes memory in proportion)")
+        largest = max(cluster.node_types.values(), key=lambda t: t.count * t.gpus_per_node)
+        raise InputError(f"{cluster.file or cluster.name}: node_type.{largest.host or largest.name}.count",
+                         f"expected at most {MAX_PLAN_GPUS:,} GPUs in all, the most a plan spans (fasop's limit; a "
+                         f"placement's rank geometry takes memory in proportion), got {cluster.num_gpus:,}")
     check_param_gather(model, distributed_optimizer)
     modules = check_recompute_modules(model, recompute_modules)
     unknown = [mode for mode in recompute if mode not in RECOMPUTE_MODES]

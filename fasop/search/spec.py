@@ -121,6 +121,9 @@ def plan_spec(model: Model, cluster: Cluster, *, tp: int, dp: int, pp: int, mbs:
     if len(layers) != pp or sum(layers) != model.num_layers:
         raise refuse("layers_per_stage", f"expected {pp} stage counts summing to {model.num_layers} layers, "
                                          f"got {','.join(map(str, layers))}")
+    if not 1 <= virtual_stages <= model.num_layers:  # before anything is built per model chunk
+        raise refuse("virtual_stages", f"expected 1 to the model's {model.num_layers} layers (each model chunk of the "
+                                       f"interleaved schedule holds layers), got {virtual_stages}")
     encoder = _encoder_stages(model, layers, refuse)
     if encoder_stages is not None and encoder_stages != encoder:
         raise refuse("encoder_stages", f"expected {encoder}, the stages holding the model's "
