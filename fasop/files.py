@@ -178,9 +178,14 @@ def write_atomically(path: Path, content: str | bytes, where: str | None = None)
 def comment_line(text: str) -> str:
     """`text` as one `# ...` line of a script, CSV or TOML file. A newline in a path or name would end the
     comment, and the rest would run as a shell command, end the #SBATCH directives or be read as a CSV row or
-    TOML line; so it and every other character that str.isprintable refuses (control characters, U+2028 and
-    the other line breaks of str.splitlines) are written as Python escapes (\\n, \\x1b, \\u2028)."""
-    return "# " + "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    TOML line; so it and every other character that str.isprintable refuses are escaped (one_line)."""
+    return "# " + one_line(text)
+
+
+def one_line(text: str) -> str:
+    """`text` with every character that str.isprintable refuses (control characters, U+2028 and the other line
+    breaks of str.splitlines) written as a Python escape (\\n, \\x1b, \\u2028): one line, shown as it is."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def printable(text: str, argument: str, what: str) -> str:

@@ -62,6 +62,14 @@ def test_an_error_quoting_a_huge_value_stays_a_readable_line(runner):
     assert line == f"Error: {line[7:7 + MAX_ERROR_CHARS]}... ({whole - MAX_ERROR_CHARS:,} more characters)"
 
 
+def test_an_error_naming_a_path_of_control_characters_stays_one_line(runner, tmp_path):
+    """A folder named with a newline and a terminal's escape sequence: the error shows them escaped, on one line."""
+    folder = tmp_path / "runs\n\x1b]0;x\x07"
+    result = runner.invoke(main, ["validate", "--measured", str(folder / "missing.csv")])
+    line = one_line_error(result, "runs\\n\\x1b]0;x\\x07")
+    assert line.isprintable()
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
 def test_force_does_not_put_a_file_in_place_of_a_pipe(runner, tmp_path):
     pipe = tmp_path / "out.csv"

@@ -39,8 +39,8 @@ def reports_input_errors(command):
     def wrapper(*args, **kwargs):
         try:
             result = command(*args, **kwargs)
-        except InputError as err:
-            line = _as_given(err)
+        except InputError as err:  # a path or a value may hold a newline or a terminal's control sequence
+            line = files.one_line(_as_given(err))
             if len(line) > MAX_ERROR_CHARS:
                 line = f"{line[:MAX_ERROR_CHARS]}... ({len(line) - MAX_ERROR_CHARS:,} more characters)"
             click.echo(f"Error: {line}", err=True)
