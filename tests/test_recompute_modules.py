@@ -61,10 +61,7 @@ def test_layernorm_frees_the_moe_norm_output_and_nothing_of_a_fused_one():
 def test_mla_up_proj_frees_q_k_and_v():
     """Multi-latent attention's up-projected Q, K and V, heads x 128 wide each as fasop counts them, over tp."""
     s, tp, p = DEEPSEEK.seq_length, 2, 2
-    q = DEEPSEEK.attention_width
-    kv = DEEPSEEK.kv_width
-    share = DEEPSEEK.moe_share("layer")  # the mean layer: every layer has the attention
-    assert share < 1
+    q, kv = DEEPSEEK.attention_width, DEEPSEEK.kv_width  # every layer, dense or MoE, has the attention
     freed = _memory(DEEPSEEK, "layer", ("core_attn",)) - _memory(DEEPSEEK, "layer", ("mla_up_proj",))
     assert freed == pytest.approx(p * s * (q + 2 * kv) / tp, rel=1e-12)
 

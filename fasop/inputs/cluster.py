@@ -159,6 +159,7 @@ MAX_GPUS_PER_NODE = 1024
 MAX_GPU_MEMORY_GIB = 65536.0
 MAX_PRICE_PER_HOUR_USD = 1e6
 MAX_NODES_PER_TYPE = 1_000_000
+MAX_CPUS_PER_NODE = 1_000_000  # the one task per node gets them all (--cpus-per-task)
 MAX_DERATING = 1000.0
 # memory_margin multiplies the estimated memory to cover what the allocator wastes beside it: 1 is no margin, and
 # one below 1 would count memory the GPU does not have (1e-10 takes every GPU for 1e10 times its size)
@@ -212,7 +213,7 @@ class NodeTypeTable(Table):
     count: Annotated[int, Range(0, MAX_NODES_PER_TYPE)]
     slurm_partition: Text | None = None
     gres_type: Text | None = None
-    cpus_per_node: Annotated[int, Range(1, 1_000_000)] | None = None
+    cpus_per_node: Annotated[int, Range(1, MAX_CPUS_PER_NODE)] | None = None
     network: NetworkTable | None = None
     nvlink_domain_gpus: Annotated[int, Range(1, MAX_NVLINK_DOMAIN_GPUS)] | None = None  # default: the GPU's table
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from fasop.errors import ArgumentError, InputError
-from fasop.inputs.cluster import MAX_GPUS_PER_NODE
+from fasop.inputs.cluster import MAX_CPUS_PER_NODE, MAX_GPUS_PER_NODE
 from fasop.plans import MAX_PLAN_INT
 
 # Characters Slurm reads unquoted in "#SBATCH --key=value" lines; always applied with fullmatch (a pattern
@@ -38,10 +38,9 @@ SLURM_TIME = re.compile(r"\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d
 # Slurm's controller gives a job without a time limit an end time 365 days after its start (YEAR_SECONDS in its
 # sources): no job needs a longer limit, nor a longer stop margin.
 MAX_TIME_LIMIT_S = 365 * 86400
-MAX_CPUS_PER_TASK = 1_000_000  # as a cluster file's cpus_per_node (fasop.inputs.cluster)
 # The integer options' maxima. Iterations as a plan's train_steps: sbatch.sh compares them in bash's signed 64-bit
 # arithmetic, where a larger number may wrap to a negative one.
-INTEGER_MAXIMA = {"gpus_per_node": MAX_GPUS_PER_NODE, "cpus_per_task": MAX_CPUS_PER_TASK, "train_iters": MAX_PLAN_INT,
+INTEGER_MAXIMA = {"gpus_per_node": MAX_GPUS_PER_NODE, "cpus_per_task": MAX_CPUS_PER_NODE, "train_iters": MAX_PLAN_INT,
                   "save_interval": MAX_PLAN_INT, "stop_margin_s": MAX_TIME_LIMIT_S}
 # Options that Megatron-LM, torchrun or FlagScale's runner take as a flag's argument (or cd as its directory): a
 # value starting with "-" would be read as a flag of its own.
