@@ -284,7 +284,8 @@ def _by_table(results: list[Result]) -> dict[str, list[Result]]:
 def model_steps(spec: GpuSpec) -> list[tuple[str, GpuSpec, bool]]:
     """The modelling steps, each added to the ones before: (label, GPU spec, selective recomputation at the
     attention core's time share)."""
-    plain = dataclasses.replace(spec, sm_count=None, allreduce_busbw=(), attention_tflops=())
+    burst = dataclasses.replace(spec, sustained_matmul_efficiency=None, sustained_fp8_matmul_efficiency=None)
+    plain = dataclasses.replace(burst, sm_count=None, allreduce_busbw=(), attention_tflops=())
     measured_busbw = dataclasses.replace(plain, allreduce_busbw=spec.allreduce_busbw)
     return [("matmuls in full waves, collectives at the nominal NVLink bandwidth, selective recomputation at the "
              "attention core's share of the FLOPs", plain, False),
@@ -292,8 +293,9 @@ def model_steps(spec: GpuSpec) -> list[tuple[str, GpuSpec, bool]]:
             ("+ collectives at the measured NCCL all-reduce bus bandwidth (allreduce_busbw)", measured_busbw, True),
             ("+ tile and wave quantization of matmuls (sm_count)",
              dataclasses.replace(measured_busbw, sm_count=spec.sm_count), True),
-            ("+ fused attention at its measured speed (attention_tflops, where the GPU has one): today's model",
-             spec, True)]
+            ("+ fused attention at its measured speed (attention_tflops, where the GPU has one)", burst, True),
+            ("+ matmuls at the efficiency a GEMM sustains at the power limit (sustained_matmul_efficiency, where the "
+             "GPU has one): today's model", spec, True)]
 
 
 def _steps_table(runs: list[Run]) -> list[str]:

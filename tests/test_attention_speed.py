@@ -15,7 +15,10 @@ from fasop.inputs.catalogue import load_gpu_spec
 
 
 def _rates(gpu="H100", model="llama3-8b", **spec_changes):
-    spec = dataclasses.replace(load_gpu_spec(gpu), **spec_changes)
+    """The GPU's rates timed alone: without its power-limited efficiencies, which slow the table's speeds
+    (tests/test_power_limit.py)."""
+    spec = dataclasses.replace(load_gpu_spec(gpu), sustained_matmul_efficiency=None,
+                               sustained_fp8_matmul_efficiency=None, **spec_changes)
     return Rates.of(spec, load_model(model))
 
 
@@ -78,8 +81,9 @@ def test_without_a_table_the_kernel_runs_at_the_matmuls_rate():
 
 def test_an_efficiency_given_scales_the_attention_speeds_as_the_matmuls():
     spec = load_gpu_spec("H100")
-    half = Rates.of(spec, load_model("llama3-8b"), efficiency=spec.matmul_efficiency / 2)
-    assert math.isclose(half.attention_flops_per_s(AttentionShape(128, 8192, True, False)), 529e12 / 2)
+    half = Rates.of(spec, load_model("llama3-8b"), efficiency=spec.training_matmul_efficiency / 2)
+    sustained = spec.training_matmul_efficiency / spec.matmul_efficiency  # the power limit's slowing
+    assert math.isclose(half.attention_flops_per_s(AttentionShape(128, 8192, True, False)), 529e12 * sustained / 2)
 
 
 @settings(max_examples=40, deadline=None)

@@ -122,6 +122,9 @@ BAD = [
     ({"attention_tflops": [[64, 512, 3e14, 400, 300], [64, 1024, 300, 400, 300]]}, "attention_tflops",
      "<= 100000"),  # FLOP/s, not TFLOP/s
     ({"attention_tflops": [[64, 512, 300, 400], [64, 1024, 300, 400]]}, "attention_tflops", "head_dim"),
+    # a power limit never makes a GEMM faster than timed alone; an FP8 figure needs FP8 tensor cores
+    ({"sustained_matmul_efficiency": 0.95}, "sustained_matmul_efficiency", "never faster"),
+    ({"sustained_fp8_matmul_efficiency": 0.5}, "sustained_fp8_matmul_efficiency", "dense_fp8_tflops > 0"),
 ]
 
 

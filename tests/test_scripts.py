@@ -53,3 +53,13 @@ def test_scripts_run_on_tiny_inputs(script, args, printed):
 def test_a_script_refuses_what_it_does_not_know():
     done = run(ROOT / "scripts" / "measure_limits.py", "no-such-case")
     assert done.returncode == 2 and "unknown case no-such-case" in done.stderr
+
+
+def test_the_kernel_tables_of_validation_profiles_readme_are_the_reports():
+    """The H100's kernel and power-limit tables there are what --report prints today from the measured files."""
+    profiles = ROOT / "validation" / "profiles"
+    done = run(ROOT / "scripts" / "measure_kernels.py", "--report", str(profiles / "H100-kernels.csv"),
+               str(profiles / "H100-power-limit.csv"))
+    assert done.returncode == 0, done.stderr
+    assert "| GPT-3 175B, bf16, 128 GPUs |" in done.stdout
+    assert done.stdout.strip() in (profiles / "README.md").read_text()

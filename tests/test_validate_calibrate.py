@@ -669,12 +669,16 @@ def test_a_calibrated_gpu_table_keeps_every_figure_it_does_not_calibrate():
     spec = merged_specs()["H100"]
     assert written.matmul_efficiency == pytest.approx(spec.matmul_efficiency / 1.25, rel=1e-12)
     assert written.fp8_matmul_efficiency == pytest.approx(spec.fp8_matmul_efficiency / 1.25, rel=1e-12)
+    assert written.sustained_matmul_efficiency == pytest.approx(spec.sustained_matmul_efficiency / 1.25, rel=1e-12)
+    assert written.sustained_fp8_matmul_efficiency == pytest.approx(spec.sustained_fp8_matmul_efficiency / 1.25,
+                                                                    rel=1e-12)
     assert written.memory_bandwidth_gb_per_s == pytest.approx(spec.memory_bandwidth_gb_per_s / 1.25, rel=1e-12)
     assert written.kernel_launch_us == pytest.approx(spec.kernel_launch_us * 2.0, rel=1e-12)
     np.testing.assert_allclose(np.array(written.attention_tflops)[:, 2:], np.array(spec.attention_tflops)[:, 2:] / 1.25)
     np.testing.assert_array_equal(np.array(written.attention_tflops)[:, :2], np.array(spec.attention_tflops)[:, :2])
-    changed = {"matmul_efficiency", "fp8_matmul_efficiency", "memory_bandwidth_gb_per_s", "kernel_launch_us",
-               "attention_tflops", "source", "date", "file"}
+    changed = {"matmul_efficiency", "fp8_matmul_efficiency", "sustained_matmul_efficiency",
+               "sustained_fp8_matmul_efficiency", "memory_bandwidth_gb_per_s", "kernel_launch_us", "attention_tflops",
+               "source", "date", "file"}
     assert replace(written, **{f: getattr(spec, f) for f in changed}) == spec
     assert spec.sm_count and spec.allreduce_busbw and spec.dense_fp8_tflops  # figures a table without them would lose
 

@@ -111,16 +111,18 @@ def test_the_modelling_steps_add_one_thing_each_and_end_at_todays_synth(vp, runs
     steps = vp.model_steps(load_gpu_spec("A100-80GB"))
     assert [(s.sm_count, bool(s.allreduce_busbw), bool(s.attention_tflops), shaped) for _, s, shaped in steps] == [
         (None, False, False, False), (None, False, False, True), (None, True, False, True), (108, True, False, True),
-        (108, True, False, True)]  # the A100 has no attention table: the last step changes nothing there
-    assert steps[-1][1] == load_gpu_spec("A100-80GB")
+        (108, True, False, True), (108, True, False, True)]  # the A100 has no attention table nor sustained figures:
+    assert steps[-1][1] == load_gpu_spec("A100-80GB")  # the last two steps change nothing there
     h100 = vp.model_steps(load_gpu_spec("H100"))
-    assert not h100[-2][1].attention_tflops and h100[-1][1] == load_gpu_spec("H100")
+    assert not h100[-3][1].attention_tflops and h100[-1][1] == load_gpu_spec("H100")
+    assert h100[-2][1].sustained_matmul_efficiency is None and h100[-2][1].attention_tflops
+    assert h100[-1][1].sustained_matmul_efficiency is not None
     # each step only slows the estimate of a selective run with tensor parallelism (the scores' softmax and
     # dropout rerun too, NCCL below nominal, waves part-empty)
     run = runs["175B, selective recomputation + sequence parallelism"]
     model, cluster = vp.load_model(str(vp.DATA / run.model_file)), vp.load_cluster(str(vp.CLUSTER))
     times = [vp.predict(run, model, cluster, spec, shaped).step_time_s for _, spec, shaped in steps]
-    assert times[0] < times[1] < times[2] < times[3] == times[4]
+    assert times[0] < times[1] < times[2] < times[3] == times[4] == times[5]
 
 
 def test_refused_inputs_leave_one_line_and_no_change(vp, runs, tmp_path, capsys):

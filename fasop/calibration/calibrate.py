@@ -324,6 +324,11 @@ def _toml_tables(path: str, table: dict, lines: list[str]) -> None:
                 _toml_tables(sub, entry, lines)
 
 
+# every efficiency of a GPU table, each divided by a fitted compute factor
+EFFICIENCY_FIELDS = ("matmul_efficiency", "fp8_matmul_efficiency", "sustained_matmul_efficiency",
+                     "sustained_fp8_matmul_efficiency")
+
+
 def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, date: str) -> tuple[list[dict], list[str]]:
     """A [[gpu]] table for each GPU type with a fitted compute_time_scale or host_time_scale and a spec in the
     catalogue (bundled, then the cluster file's own): every figure of its spec, with its efficiencies, attention
@@ -337,8 +342,7 @@ def calibrated_gpu_tables(cluster: Cluster, outcome: Outcome, measured: str, dat
         if gpu not in specs or compute == host == 1.0:
             continue
         spec = specs[gpu]
-        efficiencies = {name: getattr(spec, name) / compute for name in ("matmul_efficiency", "fp8_matmul_efficiency")
-                        if getattr(spec, name) is not None}
+        efficiencies = {name: getattr(spec, name) / compute for name in EFFICIENCY_FIELDS if getattr(spec, name) is not None}
         above = [name for name, efficiency in efficiencies.items() if efficiency > 1.0]
         if above:
             notes.append(f"No [[gpu]] table for {spec.name}: {above[0]} {getattr(spec, above[0]):g} ({spec.file}) / "

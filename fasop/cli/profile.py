@@ -37,8 +37,9 @@ def profile():
                  tp_help="Tensor-parallel degrees to estimate; each must divide the model's heads, query groups and FFN.",
                  mbs_help="Micro-batch sizes to estimate (fasop interpolates between them and scales beyond).")
 @click.option("--efficiency", type=float, default=None, metavar="F",
-              help="Achievable fraction of the dense peak FLOP/s, from 0.01 to 1 (default: the GPU's matmul_efficiency "
-                   "in clusters/catalogue/gpus.toml). Lower it to match a measured profile of another GPU type.")
+              help="Achievable fraction of the dense peak FLOP/s, from 0.01 to 1 (default: the GPU's "
+                   "sustained_matmul_efficiency, or its matmul_efficiency, in clusters/catalogue/gpus.toml). Lower it to "
+                   "match a measured profile of another GPU type.")
 @click.option("--link-bandwidth", default=None, metavar="BANDWIDTH",
               help='Intra-node link per GPU, one direction, for the tensor-parallel collectives (so with a --tp above '
                    '1), e.g. "450 GB/s" (default: the GPU\'s intra_node_link in clusters/catalogue/gpus.toml).')

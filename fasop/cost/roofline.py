@@ -160,20 +160,24 @@ class Rates:
     @classmethod
     def of(cls, spec: GpuSpec, model: Model, efficiency: float | None = None,
            link_bytes_per_s: float | None = None) -> Rates:
-        """The rates of `spec` for `model`'s precision; `efficiency` and `link_bytes_per_s` override the table's
-        (a link bandwidth given replaces the table's measured curve too; `efficiency` scales the FP8 one by the
-        same factor)."""
-        scale = 1.0 if efficiency is None else efficiency / spec.matmul_efficiency
-        efficiency = spec.matmul_efficiency if efficiency is None else efficiency
+        """The rates of `spec` for `model`'s precision in training: its matmuls at the efficiency a GEMM sustains at
+        the GPU's power limit where the table gives one (the FP8 ones and the fused attention kernels slowed
+        alike), else the benchmark's. `efficiency` and `link_bytes_per_s` override the table's (a link bandwidth
+        given replaces the table's measured curve too; `efficiency` scales the FP8 and attention rates by the same
+        factor)."""
+        training = spec.training_matmul_efficiency
+        scale = 1.0 if efficiency is None else efficiency / training
+        efficiency = training if efficiency is None else efficiency
         link, curve = (spec.link_bytes_per_s, spec.allreduce_busbw) if link_bytes_per_s is None else (link_bytes_per_s, ())
         fp8 = 0.0
         if model.fp8:
             error = recipe_error(spec, model.fp8_recipe)
             if error is not None:
                 raise InputError(f"model {model.name}", f"trains in fp8: {error}")
-            assert spec.fp8_matmul_efficiency is not None  # the table gives it with dense_fp8_tflops
-            fp8 = spec.dense_fp8_tflops * 1e12 * min(1.0, spec.fp8_matmul_efficiency * scale)
-        per_s = 1e12 * scale
+            fp8_efficiency = spec.training_fp8_matmul_efficiency
+            assert fp8_efficiency is not None  # the table gives it with dense_fp8_tflops
+            fp8 = spec.dense_fp8_tflops * 1e12 * min(1.0, fp8_efficiency * scale)
+        per_s = 1e12 * scale * training / spec.matmul_efficiency  # the table's attention speeds are bursts too
         attention = tuple((d, n, per_s * causal, per_s * forward, per_s * backward)
                           for d, n, causal, forward, backward in spec.attention_tflops)
         return cls(spec.peak_flops(model.precision, model.name) * efficiency, spec.memory_bytes_per_s, link,

@@ -46,6 +46,9 @@ class GpuSpec:
     allreduce_busbw: tuple[tuple[float, float], ...] = ()
     dense_fp8_tflops: float = 0.0  # 0: no FP8 tensor cores
     fp8_matmul_efficiency: float | None = None  # achievable fraction of the FP8 peak (given with dense_fp8_tflops)
+    # what a large GEMM keeps run back to back at the board's power limit, as training runs: fractions of the peaks
+    sustained_matmul_efficiency: float | None = None
+    sustained_fp8_matmul_efficiency: float | None = None
     compute_capability: str | None = None  # "9.0": which FP8 recipes Transformer Engine runs (fasop.cost.fp8)
     nvlink_domain_gpus: int | None = None  # GPUs sharing one NVLink domain across nodes (GB200 NVL72: 72)
     attention_tflops: tuple[tuple[float, float, float, float, float], ...] = ()  # fused attention's measured speeds
@@ -63,6 +66,16 @@ class GpuSpec:
                              f"has no {precision} peak in {self.file} (dense_{precision}_tflops = 0); "
                              f"model {model_name} trains in {precision}")
         return tflops * 1e12
+
+    @property
+    def training_matmul_efficiency(self) -> float:
+        """The fraction of the bf16/fp16 peak matmuls reach in training: sustained at the power limit where the
+        table measured it, else the benchmark's."""
+        return self.sustained_matmul_efficiency or self.matmul_efficiency
+
+    @property
+    def training_fp8_matmul_efficiency(self) -> float | None:
+        return self.sustained_fp8_matmul_efficiency or self.fp8_matmul_efficiency
 
     @property
     def memory_bytes_per_s(self) -> float:
@@ -155,6 +168,8 @@ class GpuTable(Table):
     allreduce_busbw: BusbwCurve = ()
     dense_fp8_tflops: Annotated[float, Range(0.0, 1e5), NoneOrAtLeastMin] = 0.0  # 0 means "no FP8 tensor cores"
     fp8_matmul_efficiency: Annotated[float, Range(MIN_EFFICIENCY, 1.0)] | None = None
+    sustained_matmul_efficiency: Annotated[float, Range(MIN_EFFICIENCY, 1.0)] | None = None
+    sustained_fp8_matmul_efficiency: Annotated[float, Range(MIN_EFFICIENCY, 1.0)] | None = None
     compute_capability: Annotated[str, Field(pattern=r"^[0-9]{1,2}\.[0-9]$"), expected("a compute capability such as "
                                                                                       "9.0")] | None = None
     nvlink_domain_gpus: Annotated[int, Range(1, 2**16)] | None = None
@@ -166,6 +181,18 @@ class GpuTable(Table):
     def _fp8_needs_its_figures(self) -> GpuTable:
         if self.dense_fp8_tflops > 0 and (self.fp8_matmul_efficiency is None or self.compute_capability is None):
             raise ValueError("a GPU with dense_fp8_tflops > 0 gives fp8_matmul_efficiency and compute_capability too")
+        return self
+
+    @model_validator(mode="after")
+    def _sustained_at_most_burst(self) -> GpuTable:
+        """A power limit slows a GEMM, never speeds it up; an FP8 figure needs FP8 tensor cores."""
+        if self.sustained_fp8_matmul_efficiency is not None and self.dense_fp8_tflops <= 0:
+            raise ValueError("sustained_fp8_matmul_efficiency needs dense_fp8_tflops > 0")
+        for sustained, burst in (("sustained_matmul_efficiency", "matmul_efficiency"),
+                                 ("sustained_fp8_matmul_efficiency", "fp8_matmul_efficiency")):
+            if (getattr(self, sustained) or 0.0) > (getattr(self, burst) or 1.0):
+                raise ValueError(f"{sustained} {getattr(self, sustained):g} is above {burst} {getattr(self, burst):g}: "
+                                 "a GEMM run back to back at the power limit is never faster than one timed alone")
         return self
 
 

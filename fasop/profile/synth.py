@@ -94,7 +94,7 @@ def parse_sizes(argument: str, text: str) -> tuple[int, ...]:
 
 def check_efficiency(efficiency: float | None, spec: GpuSpec) -> float:
     if efficiency is None:
-        return spec.matmul_efficiency
+        return spec.training_matmul_efficiency
     if not MIN_EFFICIENCY <= efficiency <= 1:
         raise ArgumentError("efficiency", f"expected a fraction of peak from {MIN_EFFICIENCY:g} to 1", efficiency)
     return float(efficiency)
@@ -104,7 +104,8 @@ def synthesize(model: Model, gpu_spec: GpuSpec | str, tps=DEFAULT_DEGREES, mbss=
                efficiency: float | None = None, link_bandwidth: str | None = None) -> list[ProfileRow]:
     """Profile rows (tp, mbs, kind, forward_s, backward_s) of `model` on `gpu_spec`, ordered by tp, mbs, kind.
 
-    `efficiency` overrides the table's matmul_efficiency; `link_bandwidth` ("450 GB/s") its intra_node_link.
+    `efficiency` overrides the table's efficiency in training (GpuSpec.training_matmul_efficiency);
+    `link_bandwidth` ("450 GB/s") its intra_node_link.
     """
     spec = load_gpu_spec(gpu_spec) if isinstance(gpu_spec, str) else gpu_spec
     tps, mbss = check_degrees(model, tps, mbss)
@@ -135,15 +136,20 @@ def header_lines(model: Model, spec: GpuSpec, tps, mbss, efficiency: float | Non
     precision = model.high_precision
     tflops = spec.dense_bf16_tflops if precision == "bf16" else spec.dense_fp16_tflops
     fp8 = (f"; the linear layers' GEMMs in FP8 ({model.fp8_recipe} scaling) at dense {_number(spec.dense_fp8_tflops)} "
-           f"TFLOP/s x {_number(spec.fp8_matmul_efficiency or 0.0)}, with their casts (fasop.cost.fp8)"
+           f"TFLOP/s x {_number(spec.training_fp8_matmul_efficiency or 0.0)}, with their casts (fasop.cost.fp8)"
            if model.fp8 else "")
     if link_bandwidth is not None:
         link = f"{link_bandwidth} (--link-bandwidth)"
     else:
         link = spec.intra_node_link + (f" (collectives at the measured all-reduce bus bandwidth of its "
                                        f"{len(spec.allreduce_busbw)}-point allreduce_busbw)" if spec.allreduce_busbw else "")
-    eff_note = ("the table's matmul_efficiency" if efficiency is None
-                else f"--efficiency; the table's matmul_efficiency is {_number(spec.matmul_efficiency)}")
+    field = "matmul_efficiency" if spec.sustained_matmul_efficiency is None else "sustained_matmul_efficiency"
+    if efficiency is not None:
+        eff_note = f"--efficiency; the table's {field} is {_number(spec.training_matmul_efficiency)}"
+    elif spec.sustained_matmul_efficiency is None:
+        eff_note = "the table's matmul_efficiency"
+    else:
+        eff_note = f"the table's {field}, at the power limit; {_number(spec.matmul_efficiency)} timed alone"
     # The model file is the one path here: quoted as a shell word (format_profile escapes what cannot be printed).
     command = f"fasop profile synth --model {shlex.quote(model.file or model.name)} --gpu {spec.name}"
     command += f" --tp {','.join(map(str, tps))} --mbs {','.join(map(str, mbss))}"
