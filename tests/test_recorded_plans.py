@@ -53,7 +53,7 @@ DIGESTS = {
     "t5 fasop-1xA100-7xA10": "718b745809d15cabb696f20b7591d30b91bb1d6b05de04017ae1feee081df8d9",
     "gpt2-xl fasop-1xA100-3xA10 csv": "210d98d42c96de47b614bd71dfa73dcdb78b8697564a310754571b7a1f68967c",
     "bert fasop-1xA100-7xA10 csv": "a601b72776b274e397c8d00c1ca2c2bf28eddaaad76a543daee7e0b8e61255d7",
-    "llama2-7b pareto-h100-a100-a10g": "5e5969f229befb8f0fc225a9dec010cceb9eaf12491969b2b39a577cc5f5a792",
+    "llama2-7b pareto-h100-a100-a10g": "7115e751252dd3c1ef8da6c010ae5bc1a358909fc64a682d7ee60e6b62fe3da5",
 }
 
 
