@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
@@ -64,6 +64,7 @@ SUSTAINED_ROWS = ("Llama 3.1 8B, bf16, 8 GPUs", "Nemotron-4 15B, bf16, 16 GPUs",
 
 
 
+@cache
 def runs_by_row() -> dict[str, tuple[Model, int, int, Layout, GpuSpec]]:
     """(model, tp, mbs, layout, the cluster's GPU) of every run, by row name."""
     def gpu(cluster_file: str) -> GpuSpec:
@@ -74,12 +75,6 @@ def runs_by_row() -> dict[str, tuple[Model, int, int, Layout, GpuSpec]]:
         found[run.row] = (parallel_run_model(run), run.tp, run.mbs, Layout(run.cp, run.ep, run.etp or 0),
                           gpu(run.cluster_file))
     return found
-
-
-def timed_alone(spec: GpuSpec) -> GpuSpec:
-    """The GPU's figures for a kernel timed alone: its benchmark efficiencies, not those sustained at the power
-    limit (docs/cost-model.md section 2.1)."""
-    return replace(spec, sustained_matmul_efficiency=None, sustained_fp8_matmul_efficiency=None)
 
 
 def layer_of(row: str) -> tuple[Model, int, int, GpuSpec, list[Kernel]]:
@@ -215,7 +210,7 @@ def audit(torch: ModuleType, bench: Callable, rows: list[str]) -> list[dict]:
     found, records = runs_by_row(), []
     for row in rows:
         model, tp, mbs, layout, spec = found[row]
-        rates = Rates.of(timed_alone(spec), model)  # as the stand-ins are timed
+        rates = Rates.of(spec.timed_alone(), model)  # as the stand-ins are timed
         stand_ins = StandIns(torch, torch.float16 if model.precision == "fp16" else torch.bfloat16)
         for unit, work in unit_work(model, tp, mbs, layout).items():
             for pass_name, kernels in (("forward", work.forward), ("backward", work.backward)):
@@ -335,7 +330,7 @@ def report(kernels_csv: Path, extras_csv: Path) -> None:
                              if e["kind"].startswith("sustained layer: ")):
         model, _, _, spec, kernels = layer_of(row)
         alone_s, limited_s = (sum(kernel_gpu_s(k, Rates.of(gpu, model)) for k in kernels)
-                              for gpu in (timed_alone(spec), spec))
+                              for gpu in (spec.timed_alone(), spec))
         unit = next(r["unit"] for r in records if r["row"] == row and r["unit"] not in ("embedding", "head"))
         measured = sum(float(r["measured_s"]) for r in records if r["row"] == row and r["unit"] == unit)
         runs = [float(e["seconds"]) for e in extras if e["kind"] == f"sustained layer: {row}"]

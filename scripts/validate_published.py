@@ -284,7 +284,7 @@ def _by_table(results: list[Result]) -> dict[str, list[Result]]:
 def model_steps(spec: GpuSpec) -> list[tuple[str, GpuSpec, bool]]:
     """The modelling steps, each added to the ones before: (label, GPU spec, selective recomputation at the
     attention core's time share)."""
-    burst = dataclasses.replace(spec, sustained_matmul_efficiency=None, sustained_fp8_matmul_efficiency=None)
+    burst = spec.timed_alone()
     plain = dataclasses.replace(burst, sm_count=None, allreduce_busbw=(), attention_tflops=())
     measured_busbw = dataclasses.replace(plain, allreduce_busbw=spec.allreduce_busbw)
     return [("matmuls in full waves, collectives at the nominal NVLink bandwidth, selective recomputation at the "

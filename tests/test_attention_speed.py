@@ -17,8 +17,7 @@ from fasop.inputs.catalogue import load_gpu_spec
 def _rates(gpu="H100", model="llama3-8b", **spec_changes):
     """The GPU's rates timed alone: without its power-limited efficiencies, which slow the table's speeds
     (tests/test_power_limit.py)."""
-    spec = dataclasses.replace(load_gpu_spec(gpu), sustained_matmul_efficiency=None,
-                               sustained_fp8_matmul_efficiency=None, **spec_changes)
+    spec = dataclasses.replace(load_gpu_spec(gpu).timed_alone(), **spec_changes)
     return Rates.of(spec, load_model(model))
 
 

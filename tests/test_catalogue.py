@@ -125,6 +125,7 @@ BAD = [
     # a power limit never makes a GEMM faster than timed alone; an FP8 figure needs FP8 tensor cores
     ({"sustained_matmul_efficiency": 0.95}, "sustained_matmul_efficiency", "never faster"),
     ({"sustained_fp8_matmul_efficiency": 0.5}, "sustained_fp8_matmul_efficiency", "dense_fp8_tflops > 0"),
+    ({"sustained_matmul_efficiency": math.nan}, "sustained_matmul_efficiency", "got nan"),
 ]
 
 

@@ -21,10 +21,6 @@ from fasop.profile.synth import header_lines, synthesize
 CAUSAL_8K = AttentionShape(128, 8192, True, False)  # 529 TFLOP/s alone on an H100 (Shah et al. 2024)
 
 
-def _burst(spec):
-    return dataclasses.replace(spec, sustained_matmul_efficiency=None, sustained_fp8_matmul_efficiency=None)
-
-
 def test_the_h100_runs_its_matmuls_and_attention_at_the_measured_sustained_rates():
     """989 TFLOP/s bf16 x 0.679, 1979 FP8 x 0.613; the attention table's 529 x 0.679 / 0.803."""
     spec = load_gpu_spec("H100")
@@ -39,7 +35,7 @@ def test_a_gpu_without_sustained_figures_keeps_its_burst_rates():
     assert spec.sustained_matmul_efficiency is None and spec.training_matmul_efficiency == spec.matmul_efficiency
     assert math.isclose(Rates.of(spec, load_model("llama3-8b")).flops_per_s, 312e12 * spec.matmul_efficiency)
     h100 = load_gpu_spec("H100")
-    assert math.isclose(Rates.of(_burst(h100), load_model("llama3-8b")).attention_flops_per_s(CAUSAL_8K), 529e12)
+    assert math.isclose(Rates.of(h100.timed_alone(), load_model("llama3-8b")).attention_flops_per_s(CAUSAL_8K), 529e12)
 
 
 def test_an_efficiency_given_is_the_training_one_and_scales_the_others_alike():
@@ -57,7 +53,7 @@ def test_synth_uses_the_sustained_efficiency_and_says_so():
     model = load_model("llama3-8b")
     sustained = synthesize(model, spec, tps=[1], mbss=[1])
     given = synthesize(model, spec, tps=[1], mbss=[1], efficiency=0.679)
-    burst = synthesize(model, _burst(spec), tps=[1], mbss=[1])
+    burst = synthesize(model, spec.timed_alone(), tps=[1], mbss=[1])
     assert sustained == given
     for slow, fast in zip(sustained, burst):  # the embedding's gather is memory-bound: no slower
         assert slow.forward_s >= fast.forward_s and slow.backward_s >= fast.backward_s
@@ -75,7 +71,7 @@ def test_a_layer_at_the_power_limit_is_slower_by_at_most_the_gemms_ratio(fp8):
     spec = load_gpu_spec("H100")
     work = roofline.unit_work(model, 1, 1)["layer"]
     slow = sum(roofline.unit_times(work, 1, Rates.of(spec, model)))
-    fast = sum(roofline.unit_times(work, 1, Rates.of(_burst(spec), model)))
+    fast = sum(roofline.unit_times(work, 1, Rates.of(spec.timed_alone(), model)))
     worst = max(0.803 / 0.679, 0.659 / 0.613)
     assert 1.0 < slow / fast < worst
 
@@ -88,7 +84,7 @@ def test_a_power_limit_never_makes_a_layer_faster(share, fp8_share, mbs, tp, fp8
     model = load_model("llama3-8b")
     if fp8:
         model = with_precision(model, "fp8", "tensorwise", False)
-    burst = _burst(load_gpu_spec("H100"))
+    burst = load_gpu_spec("H100").timed_alone()
     limited = dataclasses.replace(burst, sustained_matmul_efficiency=share * burst.matmul_efficiency,
                                   sustained_fp8_matmul_efficiency=fp8_share * burst.fp8_matmul_efficiency)
     work = roofline.unit_work(model, tp, mbs)["layer"]

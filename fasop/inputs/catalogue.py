@@ -9,7 +9,7 @@ such as FLOP/s for TFLOP/s or bytes for GiB).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -76,6 +76,10 @@ class GpuSpec:
     @property
     def training_fp8_matmul_efficiency(self) -> float | None:
         return self.sustained_fp8_matmul_efficiency or self.fp8_matmul_efficiency
+
+    def timed_alone(self) -> GpuSpec:
+        """This GPU as benchmarks time a kernel alone, at boost clock: without its sustained efficiencies."""
+        return replace(self, sustained_matmul_efficiency=None, sustained_fp8_matmul_efficiency=None)
 
     @property
     def memory_bytes_per_s(self) -> float:
