@@ -34,7 +34,8 @@ def beside(named: str, base: Path) -> str:
 
 
 def read_text(path: str | os.PathLike, limit_bytes: int, missing: str = "file not found") -> str:
-    """The UTF-8 text of a regular file of at most `limit_bytes`; anything else is an InputError naming it.
+    """The UTF-8 text of a regular file of at most `limit_bytes`, without a leading byte-order mark; anything
+    else is an InputError naming it.
 
     Devices, FIFOs and directories are refused before they are opened (reading /dev/zero never ends, opening a
     FIFO waits for a writer)."""
@@ -51,7 +52,7 @@ def read_text(path: str | os.PathLike, limit_bytes: int, missing: str = "file no
     if len(data) > limit_bytes:
         raise InputError(where, f"larger than {limit_bytes // MIB} MiB, the most fasop reads from such a file")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte-order mark, as spreadsheet programs write, is not text
     except UnicodeDecodeError as err:
         raise InputError(where, f"not UTF-8 text (byte {err.start})") from None
 

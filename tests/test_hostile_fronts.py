@@ -102,6 +102,14 @@ def test_the_ranges_take_their_bounds(tmp_path):
         1_000_000, 2**53, 0.0125, 0.5)
 
 
+def test_a_byte_order_mark_is_read_as_a_spreadsheet_wrote_it(tmp_path):
+    """A front saved by a spreadsheet program starts with a UTF-8 byte-order mark: it is not part of the header."""
+    plain = written(front_rows(), tmp_path / "front.csv")
+    marked = tmp_path / "marked.csv"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert read_front_csv(marked) == read_front_csv(plain)
+
+
 def test_the_margin_comes_from_the_fronts_own_cluster_only(runner, tmp_path):
     front = written(front_rows(), tmp_path / "front.csv")
     result = plot(runner, front, "--budget", "3000", "--cluster", "fasop-1xA100-3xA10")

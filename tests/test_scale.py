@@ -2,6 +2,7 @@
 
 import importlib.util
 import random
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,9 +69,33 @@ def test_pruned_search_keeps_the_best_plans(cluster_name, keep):
     assert kept.plans == full.plans[:keep]
 
 
-def test_several_processes_find_the_same_plans():
+class _Pool(ProcessPoolExecutor):
+    """A process pool that records how many processes each search asked for."""
+
+    sizes: list[int] = []
+
+    def __init__(self, max_workers):
+        _Pool.sizes.append(max_workers)
+        super().__init__(max_workers)
+
+
+def test_several_processes_find_the_same_plans(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)  # two processes even where the machine has one core
+    monkeypatch.setattr("concurrent.futures.ProcessPoolExecutor", _Pool)
+    _Pool.sizes.clear()
     model, cluster = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-1xA100-7xA10")
     one = search_plans(model, cluster, workers=1)
     two = search_plans(model, cluster, workers=2)
+    assert _Pool.sizes and set(_Pool.sizes) == {2}  # one pool per sub-search, each of two processes
     assert two.plans == one.plans
     assert (two.plans_evaluated, two.out_of_memory) == (one.plans_evaluated, one.out_of_memory)
+
+
+def test_workers_are_at_most_one_per_core(monkeypatch):
+    """Asking for more processes than cores starts one per core: more would only share them."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("concurrent.futures.ProcessPoolExecutor", _Pool)
+    _Pool.sizes.clear()
+    model, cluster = fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-1xA100-7xA10")
+    assert search_plans(model, cluster, workers=1000).plans == search_plans(model, cluster, workers=1).plans
+    assert _Pool.sizes and set(_Pool.sizes) == {2}  # one pool per sub-search, each of two processes

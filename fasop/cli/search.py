@@ -63,7 +63,8 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
                    "--prune, unless --output or --noise asks for every plan; with --prune, --output holds only those "
                    "plans.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Processes to search with (default: one per core for clusters of 32 nodes or more, else one).")
+              help="Processes to search with, at most one per core (default: one per core for clusters of 32 nodes or "
+                   "more, else one).")
 @click.option("--emit", "emit_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write the best plan's Slurm and Megatron-LM launch scripts into this directory "
                    "(site options from the cluster file's [launch] table; `fasop emit` offers them all).")

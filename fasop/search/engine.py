@@ -221,8 +221,8 @@ def search_plans(model: Model, cluster: Cluster, gbs: int | None = None, profile
     keep: evaluate only what can be among the best `keep` plans (sound lower bounds prune the rest).
     places: instead of keep, every plan among the best `places` ranking values as the ranked table prints them
     (PRINTED_DECIMALS): the table of the first `places` distinct rows is that of the full search (cut_of).
-    workers: processes to use; default: one per core for clusters of 32 nodes or more, else one (small
-    searches finish before extra processes would have started).
+    workers: processes to use, at most one per core; default: one per core for clusters of 32 nodes or more,
+    else one (small searches finish before extra processes would have started).
     profiles: already loaded profiles (by GPU type) instead of reading profiles_dir.
     overlap: Megatron's --overlap-grad-reduce, and --overlap-param-gather with the distributed optimizer.
     recompute: the recompute modes to consider (each plan takes its best); recompute_modules: what the selective
@@ -389,9 +389,10 @@ def _search(inputs: Inputs, combos: list[Degrees], placement_limit: int, keep: C
             exclude: frozenset[tuple]) -> SearchResult:
     """The plans of `combos` on inputs.cluster, unranked: in this process, or in one process per core for large
     clusters (each takes every few combinations, so that each gets all pipeline depths)."""
+    cores = os.cpu_count() or 1
     if workers is None:
-        workers = (os.cpu_count() or 1) if inputs.cluster.num_nodes >= PARALLEL_NODES else 1
-    workers = max(1, min(workers, len(combos)))
+        workers = cores if inputs.cluster.num_nodes >= PARALLEL_NODES else 1
+    workers = max(1, min(workers, len(combos), cores))  # more processes than cores only share them
     if workers == 1:
         return evaluate(inputs, combos, placement_limit, keep, progress, sort, exclude)
     result = SearchResult([], 0, 0, 0)
