@@ -89,11 +89,14 @@ def test_doc_tables_are_the_scripts_output_and_rewriting_is_deterministic(vp, tm
     first = copy.read_text()
     assert first == DOC.read_text(), "docs/validation.md is stale: python scripts/validate_published.py --write " \
                                      "docs/validation.md"
-    printed = capsys.readouterr().out  # what the script prints is what it writes: both generated blocks
+    printed = capsys.readouterr().out  # what the script prints is what it writes: the three generated blocks
     papers, moe_cp = _block(first, vp.BEGIN, vp.END), _block(first, vp.MOE_CP_BEGIN, vp.MOE_CP_END)
+    independent = _block(first, vp.INDEPENDENT_BEGIN, vp.INDEPENDENT_END)
     assert papers.count("Mean absolute error") == 3  # one summary per table
-    assert papers in printed and moe_cp in printed
+    assert papers in printed and moe_cp in printed and independent in printed
     assert "All 62 runs from 4 sources" in moe_cp
+    assert "Published outside NVIDIA (5 sources): 58 runs" in independent
+    assert "every run beyond the two papers): 156 runs" in independent  # 36 dgxc-benchmarking + 62 + 58
     assert vp.main(["--write", str(copy)]) == 0
     assert copy.read_text() == first
 
