@@ -1,7 +1,8 @@
 """fasop's step time and memory against published measurements: Korthikanti et al. 2022 (Table 5) and Narayanan
 et al. 2021 (Table 1), Megatron-LM runs of GPT models on NVIDIA Selene (DGX A100 80 GB), and NVIDIA
 dgxc-benchmarking's Nemotron-4 340B run on DGX H100; then NVIDIA's published Mixture-of-Experts runs with expert
-parallelism and dense runs with context parallelism (validation/moe-cp-measurements.csv).
+parallelism and dense runs with context parallelism (validation/moe-cp-measurements.csv), and runs published
+outside NVIDIA (validation/independent-measurements.csv).
 
     python scripts/validate_published.py                              # print the tables
     python scripts/validate_published.py --write docs/validation.md   # regenerate the doc's tables
@@ -12,7 +13,8 @@ fasop.profile.synth at the catalogue's matmul efficiency (nothing is fitted to t
 (tp, pp, dp, micro-batch size, global batch, Megatron's even layer split) and fasop.estimate's step time. The
 MoE and context-parallel runs (validation/moe-cp-measurements.csv) are estimated the same way with their context,
 expert and expert-tensor degrees, sequence length and published pipeline split; they are reported on their own and
-are not part of the error band. docs/validation.md gives the method and the source of every figure and assumption.
+are not part of the error band. The runs published outside NVIDIA are estimated the same way, reported per source,
+and are part of the error band. docs/validation.md gives the method and the source of every figure and assumption.
 """
 
 from __future__ import annotations
@@ -371,13 +373,14 @@ def report(results: list[Result], steps: list[str]) -> str:
     return "\n".join(lines)
 
 
-def band_text(results: list[Result], date: str) -> str:
+def band_text(results: list[Result | ParallelResult], date: str) -> str:
     """The error band file (fasop.inputs.errorband): measured / predicted step time of every run, and the lowest
     and highest of them; the command line widens its answers by this band."""
     ratios = [(f"{r.run.table_name}: {r.run.row}", round(r.measured_s / r.predicted_s, 4)) for r in results]
     lines = ["# Measured step time / fasop's estimate of the published Megatron-LM runs of docs/validation.md",
-             "# (validation/measurements.csv). Written by scripts/validate_published.py --band: edit the script or",
-             "# its data, not this file. fasop widens its answers by this band; it never tunes an estimate with it.",
+             "# (validation/measurements.csv and independent-measurements.csv). Written by scripts/validate_published.py",
+             "# --band: edit the script or its data, not this file. fasop widens its answers by this band; it never",
+             "# tunes an estimate with it.",
              f"low = {min(ratio for _, ratio in ratios)!r}",
              f"high = {max(ratio for _, ratio in ratios)!r}",
              'source = "docs/validation.md"',
@@ -427,6 +430,10 @@ class ParallelRun:
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.cp * self.pp)
+
+    @property
+    def table_name(self) -> str:
+        return f"{self.source}, {self.table}"
 
     @property
     def measured_step_time_s(self) -> float:
@@ -688,12 +695,12 @@ def main(argv: list[str] | None = None) -> int:
         moe_cp = validate_parallel(read_parallel_runs())
         moe_cp_generated = parallel_report(moe_cp)
         nvidia = [r for r in results if r.run.paper not in PAPERS] + moe_cp
-        independent_generated = independent_report(
-            validate_parallel(read_parallel_runs(INDEPENDENT_MEASUREMENTS, gathered=False)), nvidia)
+        independent = validate_parallel(read_parallel_runs(INDEPENDENT_MEASUREMENTS, gathered=False))
+        independent_generated = independent_report(independent, nvidia)
         if args.write:
             write_doc(args.write, generated, moe_cp_generated, independent_generated)
-        if args.band:  # the runs of measurements.csv only: the MoE and context-parallel runs stay out of the band
-            write_atomically(args.band, band_text(results, datetime.date.today().isoformat()))
+        if args.band:  # the dense runs; the MoE and context-parallel runs, whose gaps fasop names, stay out
+            write_atomically(args.band, band_text([*results, *independent], datetime.date.today().isoformat()))
     except InputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

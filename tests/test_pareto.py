@@ -474,7 +474,8 @@ def test_pareto_command(cluster_file, folder):
                  "--max-nodes", "A100=1", "--output", front, "--chart", chart)
     assert result.exit_code == 0, result.output
     assert "5 compositions swept" in result.output and "plans evaluated" in result.output
-    assert "fastest within the budget of $300.00 with a 30% margin (the slow end of the error band" in result.output
+    margin = f"{bundled_band().slow_margin:.0%}"
+    assert f"fastest within the budget of $300.00 with a {margin} margin (the slow end of the error band" in result.output
     assert len(read_front_csv(front)) == 5
     assert chart.read_bytes()[:8] == PNG_MAGIC
     replot = folder / "cli-replot.svg"
