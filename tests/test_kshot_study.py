@@ -1,7 +1,7 @@
-"""scripts/kshot_study.py and the calibration of runs of several models on one cluster: the pool is estimated as
-docs/validation.md estimates it, the draws file holds what the script computes (a few draws recomputed, the
-others' selection and uncalibrated error checked), the doc's k-shot table is made from it, and a fit spanning
-models recovers known factors."""
+"""scripts/kshot_study.py and the calibration of runs of several models on one cluster: each pool (Selene's, Jean
+Zay's) is estimated as docs/validation.md estimates it, its draws file holds what the script computes (a few draws
+recomputed, the others' selection and uncalibrated error checked), the doc's k-shot tables are made from them, and a
+fit spanning models recovers known factors."""
 
 from __future__ import annotations
 
@@ -80,6 +80,34 @@ def test_the_docs_table_is_made_from_the_draws_file(ks, pool, draws):
     start, end = ks.section(text, str(DOC))
     assert text[start:end] == "\n\n" + ks.table(draws, len(pool.sources), ks.host_move_pct(pool)) + "\n", \
         "docs/validation.md is stale: python scripts/kshot_study.py --write docs/validation.md"
+
+
+@pytest.fixture(scope="module")
+def jean_zay(ks):
+    """BigScience's runs on Jean Zay (validation/independent-measurements.csv): the pool and its draws file."""
+    return ks.pool(ks.JEAN_ZAY), ks.read_draws(ks.JEAN_ZAY.draws_file.read_text())
+
+
+def test_the_jean_zay_pool_is_its_runs_as_validated_and_its_draws_file_is_current(ks, jean_zay):
+    """The pool's estimates are validate_published's; every draw's selection and uncalibrated error are the file's,
+    the first single-run draw fitted afresh gives the file's factors and error, and the doc's table is the file's."""
+    vp, (pool, draws) = ks.vp, jean_zay
+    runs = [r for r in vp.read_parallel_runs(vp.INDEPENDENT_MEASUREMENTS, gathered=False)
+            if r.cluster_file == "clusters/jean-zay-a100.toml"]
+    assert len(runs) == len(pool.sources) == 23
+    cluster = vp.load_cluster(str(ks.JEAN_ZAY.cluster))
+    np.testing.assert_allclose(pool.uncalibrated_s, [vp.predict_parallel(r, vp.parallel_run_model(r), cluster).step_time_s
+                                                     for r in runs], rtol=1e-12)
+    assert [(d.study, d.runs) for d in draws] == ks.studies(pool), \
+        "validation/kshot-draws-jean-zay.csv is stale: python scripts/kshot_study.py --write docs/validation.md"
+    for d in draws:
+        held = [i for i in range(len(runs)) if i not in d.runs]
+        assert f"{d.uncalibrated_pct:.3f}" == f"{mape_pct(pool.uncalibrated_s[held], pool.calibration.measured_s[held]):.3f}"
+    names = ks.factor_names(pool)
+    assert ks.draw_row(ks.score(pool, "k=1", draws[0].runs), names) == ks.draw_row(draws[0], names)
+    text = DOC.read_text()
+    start, end = ks.section(text, str(DOC), ks.JEAN_ZAY)
+    assert text[start:end] == "\n\n" + ks.table(draws, len(runs), ks.host_move_pct(pool)) + "\n"
 
 
 def test_subsets_every_one_when_few_else_distinct_seeded_draws(ks):
