@@ -390,7 +390,7 @@ def band_text(results: list[Result | ParallelResult], date: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-# -- the MoE and context-parallel runs --------------------------------------------------------------------
+# -- runs with a published plan: MoE, context-parallel, and published outside NVIDIA -------------------------
 @dataclass(frozen=True)
 class ParallelRun:
     """One published run with its exact plan, any of context, expert and pipeline-split settings
