@@ -104,6 +104,11 @@ class Run:
     def table_name(self) -> str:
         return f"{self.paper}, Table {self.table}" if self.table else self.paper
 
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        """Empty: these runs split their layers evenly, as Megatron-LM does by default (stage_layers)."""
+        return ()
+
 
 def _positive(cells: dict[str, str], key: str, where: str, kind=int):
     try:
@@ -215,16 +220,23 @@ def cluster_gpu(cluster: Cluster) -> GpuSpec:
     return load_gpu_spec(next(iter(cluster.node_types.values())).gpu)
 
 
+def stage_layers(run: Run | ParallelRun, model: Model) -> list[int]:
+    """The run's layers per pipeline stage: its published split where it states one, else Megatron-LM's even split."""
+    if run.layers_per_stage:
+        return list(run.layers_per_stage)
+    if model.num_layers % run.pp:
+        raise InputError(run.model_file, f"{model.num_layers} layers do not split evenly over {run.pp} stages")
+    return [model.num_layers // run.pp] * run.pp
+
+
 def predict(run: Run, model: Model, cluster: Cluster, spec: GpuSpec | None = None, shaped: bool = True) -> Plan:
     """fasop's estimate of the run's plan (Megatron's even split; full recomputation uniform over every layer);
     its step_time_s is the prediction."""
     profiles = synthetic_profile(model, run, cluster_gpu(cluster) if spec is None else spec, shaped)
     node_type = next(iter(cluster.node_types))
-    if model.num_layers % run.pp:
-        raise InputError(run.model_file, f"{model.num_layers} layers do not split evenly over {run.pp} stages")
     return estimate(model, cluster, tp=run.tp, dp=run.dp, pp=run.pp, mbs=run.mbs, gbs=run.gbs,
                     placement=[node_type] * (run.gpus // cluster.gpus_per_node),
-                    layers_per_stage=[model.num_layers // run.pp] * run.pp, distributed_optimizer=run.distributed_optimizer,
+                    layers_per_stage=stage_layers(run, model), distributed_optimizer=run.distributed_optimizer,
                     profiles=profiles,
                     overlap_grad_reduce=run.overlap_grad_reduce, virtual_stages=run.virtual_stages, recompute=run.recompute,
                     sequence_parallel=run.sequence_parallel)
@@ -514,13 +526,8 @@ def parallel_plan(run: ParallelRun, model: Model, cluster: Cluster) -> tuple[Clu
     nodes, spare = divmod(run.gpus, cluster.node_types[node_type].gpus_per_node)
     if spare:
         raise InputError(run.row, f"{run.gpus} GPUs do not fill whole nodes of {cluster.name}")
-    layers = list(run.layers_per_stage)
-    if not layers:
-        if model.num_layers % run.pp:
-            raise InputError(run.model_file, f"{model.num_layers} layers do not split evenly over {run.pp} stages")
-        layers = [model.num_layers // run.pp] * run.pp
     fields = dict(tp=run.tp, dp=run.dp, pp=run.pp, mbs=run.mbs, gbs=run.gbs, placement=[node_type] * nodes,
-                  layers_per_stage=layers, virtual_stages=run.virtual_stages, recompute=run.recompute,
+                  layers_per_stage=stage_layers(run, model), virtual_stages=run.virtual_stages, recompute=run.recompute,
                   sequence_parallel=run.sequence_parallel, distributed_optimizer=run.distributed_optimizer,
                   overlap_grad_reduce=run.overlap_grad_reduce, cp=run.cp, ep=run.ep, etp=run.etp,
                   recompute_modules=run.recompute_modules)

@@ -37,7 +37,7 @@ def pool(ks):
 
 @pytest.fixture(scope="module")
 def draws(ks):
-    return ks.read_draws(ks.DRAWS_FILE.read_text())
+    return ks.read_draws(ks.SELENE.draws_file.read_text())
 
 
 def test_the_pool_is_estimated_as_the_validation_tables_estimate_it(ks, pool):
@@ -69,7 +69,7 @@ def test_recomputed_draws_are_the_files(ks, pool, draws):
     """The first draw of each study fitted afresh: the same factors and held-out error as the file gives."""
     names = ks.factor_names(pool)
     rows = ks.draws_text(draws, names).splitlines()[1:]
-    assert rows == ks.DRAWS_FILE.read_text().splitlines()[1:]  # the file reads back to itself
+    assert rows == ks.SELENE.draws_file.read_text().splitlines()[1:]  # the file reads back to itself
     for study in dict.fromkeys(d.study for d in draws):
         i = next(i for i, d in enumerate(draws) if d.study == study)
         assert ks.draw_row(ks.score(pool, study, draws[i].runs), names) == ks.draw_row(draws[i], names)
@@ -150,11 +150,11 @@ def test_table_by_hand(ks):
 def test_refused_doc_leaves_one_line_and_no_change(ks, tmp_path, capsys):
     doc = tmp_path / "no-markers.md"
     doc.write_text("# a page without the k-shot block\n")
-    before = ks.DRAWS_FILE.read_text()
+    before = ks.SELENE.draws_file.read_text()
     assert ks.main(["--write", str(doc)]) == 2  # refused before the study runs
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "expected the markers" in err
-    assert doc.read_text() == "# a page without the k-shot block\n" and ks.DRAWS_FILE.read_text() == before
+    assert doc.read_text() == "# a page without the k-shot block\n" and ks.SELENE.draws_file.read_text() == before
 
 
 # -- the calibration library: runs of several models on one cluster ------------------------------------------
