@@ -4,6 +4,8 @@ settings reaching the estimate, the report's targets, and refused rows in one li
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fasop.errors import InputError
@@ -104,3 +106,14 @@ def test_refused_rows_leave_one_line(vp, tmp_path):
         vp.read_parallel_runs(path, gathered=False)
     with pytest.raises(InputError, match="expected the columns .*raw_line"):  # a gathered file names its raw line
         vp.read_parallel_runs(vp.INDEPENDENT_MEASUREMENTS)
+
+
+def test_a_run_without_a_published_split_splits_evenly_or_is_refused(vp, runs):
+    """stage_layers: the published split as given; without one Megatron-LM's even split (62 layers over 2 stages),
+    and layers that do not divide over the stages (62 over 4) in one line naming the model file."""
+    run = runs["28.3B, 32 GPUs, 96 micro-batches"]
+    model = vp.parallel_run_model(run)
+    assert vp.stage_layers(run, model) == [1] + [2] * 30 + [1]
+    assert vp.stage_layers(replace(run, layers_per_stage=(), pp=2), model) == [31, 31]
+    with pytest.raises(InputError, match="zb-gpt-28.3b.toml: 62 layers do not split evenly over 4 stages"):
+        vp.stage_layers(replace(run, layers_per_stage=(), pp=4), model)
