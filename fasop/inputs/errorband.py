@@ -63,7 +63,7 @@ class ErrorBand:
         return max(0.0, self.high - 1.0)
 
     def describe(self) -> str:
-        """'measured runs took 0.97-1.30x the estimate (docs/validation.md, 54 runs)'."""
+        """'measured runs took 0.97-1.56x the estimate (docs/validation.md, 112 runs)'."""
         return f"measured runs took {self.low:.2f}-{self.high:.2f}x the estimate ({self.source}, {self.runs} runs)"
 
     def range_of(self, value: float, fmt: str = "{:.2f}") -> str:
