@@ -19,7 +19,7 @@ MIB = 2**20
 # Largest input fasop reads, by kind (docs/formats.md): far above any real file, far below a memory problem.
 TOML_LIMIT_BYTES = 1 * MIB
 CSV_LIMIT_BYTES = 16 * MIB
-PLANS_LIMIT_BYTES = 256 * MIB  # a search of a large cluster writes every feasible plan
+PLANS_LIMIT_BYTES = 256 * MIB  # a plan list fasop reads back (it writes the best plans up to it) or a front file
 LOG_LIMIT_BYTES = 256 * MIB  # a training log of a long run
 
 
@@ -140,9 +140,11 @@ def check_outputs(outputs: Iterable[tuple[str | os.PathLike, str]], inputs: Iter
 
 
 @contextmanager
-def pending_write(path: Path, content: str | bytes, where: str | None = None) -> Iterator[None]:
-    """Write `content` beside `path` now and move it into place when the block ends without an error, so that a
-    later step failing inside the block leaves no output behind. Write failures are InputErrors naming `where`."""
+def pending_write(path: Path, content: str | bytes | Iterable[str], where: str | None = None) -> Iterator[None]:
+    """Write `content` (text, bytes, or text in chunks, written as they come: a file too large to hold in memory
+    as one text) beside `path` now and move it into place when the block ends without an error, so that a
+    later step failing inside the block, or the chunks themselves, leave no output behind. Write failures are
+    InputErrors naming `where`."""
     path = Path(path)
     where = where or str(path)
     temp = None
@@ -150,7 +152,11 @@ def pending_write(path: Path, content: str | bytes, where: str | None = None) ->
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         with os.fdopen(handle, "wb") as out:
-            out.write(content.encode("utf-8") if isinstance(content, str) else content)
+            if isinstance(content, (str, bytes)):
+                out.write(content.encode("utf-8") if isinstance(content, str) else content)
+            else:
+                for chunk in content:
+                    out.write(chunk.encode("utf-8"))
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(temp, 0o666 & ~umask)  # the mode a plain open() would give, not mkstemp's private 0600
@@ -158,6 +164,10 @@ def pending_write(path: Path, content: str | bytes, where: str | None = None) ->
         if temp is not None:
             os.unlink(temp)
         raise InputError(where, f"cannot be written ({err.strerror or err})") from None
+    except BaseException:
+        if temp is not None:
+            os.unlink(temp)
+        raise
     try:
         yield
     except BaseException:
@@ -170,7 +180,7 @@ def pending_write(path: Path, content: str | bytes, where: str | None = None) ->
         raise InputError(where, f"cannot be written ({err.strerror or err})") from None
 
 
-def write_atomically(path: Path, content: str | bytes, where: str | None = None) -> None:
+def write_atomically(path: Path, content: str | bytes | Iterable[str], where: str | None = None) -> None:
     """Write the whole file or nothing: a temporary file beside it is renamed into place."""
     with pending_write(path, content, where):
         pass

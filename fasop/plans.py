@@ -9,7 +9,7 @@ import io
 import itertools
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, WrapValidator, model_validator
 
 from fasop.errors import ArgumentError, InputError
-from fasop.files import PLANS_LIMIT_BYTES, check_finite, read_json, write_atomically
+from fasop.files import MIB, PLANS_LIMIT_BYTES, check_finite, read_json
 from fasop.inputs.cluster import MAX_GPUS_PER_NODE
 from fasop.inputs.model import MAX_LAYERS, MAX_SEQ_LENGTH
 from fasop.inputs.names import NAME, NAME_RULE
@@ -353,39 +353,65 @@ def expand_placement(text: str, where: str) -> list[str]:
     return [name for name, count in runs for _ in range(count)]
 
 
-def plans_as_json(records: list[dict]) -> str:
-    return json.dumps(records, indent=1, allow_nan=False) + "\n"
+class PlanFile:
+    """A plan list as `fasop search --output` writes it, made plan by plan while it is written (a large search's
+    plans do not fit in memory as one text): JSON, best plan first, up to PLANS_LIMIT_BYTES, what fasop reads back,
+    the plans ranked below that left out; or CSV, every plan, with every field any plan has (in the schema's
+    order; empty where a plan has none), lists joined with spaces and the per-stage breakdown as compact JSON. A
+    number that is not finite is refused (the search builds its plans unchecked); errors name `argument`."""
 
+    def __init__(self, plans: Sequence[Plan], output: Path, argument: str = "output"):
+        if output.suffix not in (".json", ".csv"):
+            raise ArgumentError(argument, "expected a file name ending in .json or .csv", output)
+        self.plans, self.output = plans, output
+        self.written = 0  # plans written so far
 
-def plans_as_csv(records: list[dict]) -> str:
-    """The same columns as the JSON (every field any plan has, in the schema's order; empty where a plan has
-    none); lists joined with spaces, the per-stage breakdown as compact JSON."""
-    out = io.StringIO()
-    columns = [name for name in Plan.model_fields if any(name in record for record in records)]
-    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    for record in records:
-        flat = dict(record)
-        for key in CSV_LISTS:
-            if key in record:
-                flat[key] = CSV_LIST_SEPARATOR.join(map(str, record[key]))
-        flat["stages"] = json.dumps(record["stages"], separators=(",", ":"))
-        writer.writerow(flat)
-    return out.getvalue()
+    def chunks(self) -> Iterator[str]:
+        return self._json() if self.output.suffix == ".json" else self._csv()
 
+    def _records(self) -> Iterator[dict[str, Any]]:
+        for plan in self.plans:
+            record = plan.record()
+            check_finite(record, str(self.output))
+            yield record
 
-def plans_text(plans: Sequence[Plan], output: Path, argument: str = "output") -> str:
-    """What write_plans writes to `output` (.json or .csv); refuses non-finite numbers before anything is written
-    (the search builds its plans unchecked); errors name `argument`."""
-    if output.suffix not in (".json", ".csv"):
-        raise ArgumentError(argument, "expected a file name ending in .json or .csv", output)
-    records = [plan.record() for plan in plans]
-    check_finite(records, str(output))
-    return plans_as_json(records) if output.suffix == ".json" else plans_as_csv(records)
+    def _json(self) -> Iterator[str]:
+        """The text json.dumps(records, indent=1) gives, one plan at a time (ASCII: its length is its size)."""
+        size, end = 0, "\n]\n"
+        for record in self._records():
+            text = (",\n " if self.written else "[\n ") + json.dumps(record, indent=1, allow_nan=False).replace("\n", "\n ")
+            size += len(text)
+            if self.written and size + len(end) > PLANS_LIMIT_BYTES:
+                break
+            yield text
+            self.written += 1
+        yield end if self.written else "[]\n"
 
+    def _csv(self) -> Iterator[str]:
+        given = set().union(*(plan.model_fields_set for plan in self.plans))  # the keys of every record
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=[name for name in Plan.model_fields if name in given], lineterminator="\n")
+        writer.writeheader()
+        for record in self._records():
+            flat = dict(record)
+            for key in CSV_LISTS:
+                if key in record:
+                    flat[key] = CSV_LIST_SEPARATOR.join(map(str, record[key]))
+            flat["stages"] = json.dumps(record["stages"], separators=(",", ":"))
+            writer.writerow(flat)
+            self.written += 1
+            yield out.getvalue()
+            out.seek(0)
+            out.truncate()
+        if not self.written:
+            yield out.getvalue()
 
-def write_plans(plans: Sequence[Plan], output: Path) -> None:
-    write_atomically(output, plans_text(plans, output), str(output))
+    def left_out(self) -> str:
+        """What the CLI says when plans were left out of a JSON file, else nothing."""
+        if self.written == len(self.plans):
+            return ""
+        return (f"; the {len(self.plans) - self.written} ranked below them are left out: a plan file holds what fasop "
+                f"reads back, {PLANS_LIMIT_BYTES // MIB} MiB (a .csv file holds every plan)")
 
 
 class _LongInteger:

@@ -18,9 +18,9 @@ from click.testing import CliRunner
 
 from fasop.cli import main
 from fasop.errors import InputError
-from fasop.files import check_finite
+from fasop.files import check_finite, write_atomically
 from fasop.inputs import bundled
-from fasop.plans import Plan, plans_text
+from fasop.plans import Plan, PlanFile
 
 HOSTILE = Path(__file__).parent / "hostile"
 VALID_CLUSTER = HOSTILE / "valid" / "cluster.toml"
@@ -299,11 +299,13 @@ def test_pareto_writes_no_front_file_when_the_chart_fails(inputs):
 
 
 # -- non-finite numbers never reach an output file -----------------------------------------------------------
-def test_non_finite_numbers_are_refused_before_writing(tmp_path):
-    plans = json.loads((HOSTILE / "plan-negative-stage-time.json").read_text())
-    plans[0]["cost_per_hour_usd"] = float("inf")
+def test_non_finite_numbers_are_refused_and_nothing_is_left_behind(tmp_path):
+    good = json.loads((HOSTILE / "plan-negative-stage-time.json").read_text())[0]
+    bad = {**good, "rank": 2, "cost_per_hour_usd": float("inf")}  # written after a good plan: the file is streamed
     for suffix in (".json", ".csv"):
+        output = tmp_path / f"plans{suffix}"
         with pytest.raises(InputError, match=r"cost_per_hour_usd is inf"):
-            plans_text([Plan.trusted(plan) for plan in plans], tmp_path / f"plans{suffix}")
+            write_atomically(output, PlanFile([Plan.trusted(good), Plan.trusted(bad)], output).chunks())
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary one
     with pytest.raises(InputError, match=r"a\[1\]\.b is nan"):
         check_finite({"a": [1.0, {"b": float("nan")}]}, "x")

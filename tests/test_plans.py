@@ -66,6 +66,44 @@ def test_a_plan_file_reads_back_the_plans_of_the_search(tmp_path):
     assert best.rank == 1 and best.kind == "3d" and best.stages and sum(s.layers for s in best.stages) == 24
 
 
+def test_the_plan_file_is_written_plan_by_plan_as_one_json_text_would_be(tmp_path):
+    import fasop
+    from fasop.plans import PlanFile
+
+    plans = fasop.search_plans(fasop.load_model("gpt2-xl"), fasop.load_cluster("fasop-1xA100-3xA10")).plans
+    plan_file = PlanFile(plans, tmp_path / "plans.json")
+    chunks = list(plan_file.chunks())
+    assert len(chunks) == len(plans) + 1 and plan_file.written == len(plans) and plan_file.left_out() == ""
+    assert "".join(chunks) == json.dumps([plan.record() for plan in plans], indent=1) + "\n"
+    assert "".join(PlanFile([], tmp_path / "none.json").chunks()) == "[]\n"
+
+
+def test_a_json_plan_file_holds_the_best_plans_fasop_reads_back(tmp_path, monkeypatch):
+    """Past the size fasop reads back, the plans ranked below are left out, the file stays a valid plan list
+    as large as the limit allows, and the search says so; a CSV file holds every plan."""
+    import fasop.plans
+
+    path = tmp_path / "plans.json"
+    search = ["search", "--model", "bert", "--cluster", "fasop-4xA10", "--top", "1"]
+    whole = CliRunner().invoke(main, [*search, "--output", str(path)])
+    assert whole.exit_code == 0, whole.output
+    everything = path.read_text()
+    records = json.loads(everything)
+    limit = len(everything) // 3
+    monkeypatch.setattr(fasop.plans, "PLANS_LIMIT_BYTES", limit)
+    cut = CliRunner().invoke(main, [*search, "--output", str(path), "--force"])
+    assert cut.exit_code == 0, cut.output
+    kept = load_plans(path)  # read back under the same limit
+    text = path.read_text()
+    assert len(text) <= limit < len(json.dumps(records[:len(kept) + 1], indent=1) + "\n")
+    assert [plan.record() for plan in kept] == records[:len(kept)] and 1 < len(kept) < len(records)
+    assert (f"{len(kept)} plans written to {path}; the {len(records) - len(kept)} ranked below them are left out"
+            in cut.output)
+    csv_path = tmp_path / "plans.csv"
+    full = CliRunner().invoke(main, [*search, "--output", str(csv_path)])
+    assert f"{len(records)} plans written to {csv_path}\n" in full.output
+
+
 def test_a_plan_without_kind_is_3d_and_written_without_one():
     plan = Plan.model_validate(PLAN)
     assert plan.kind == "3d" and plan.encoder_stages == 0

@@ -12,7 +12,7 @@ from fasop.errors import InputError
 from fasop.files import pending_write
 from fasop.inputs.cluster import load_cluster
 from fasop.inputs.model import load_model
-from fasop.plans import plans_text
+from fasop.plans import PlanFile
 from fasop.plot import plot_comparison
 from fasop.search.compare import as_csv, plan_list, table
 from fasop.search.compare import compare as run_compare
@@ -66,7 +66,8 @@ def compare(model_name, cluster_name, gbs, profiles_dir, allow_profile_mismatch,
         if plans_out is not None:
             if not plans:
                 raise InputError(f"--plans-out {plans_out}", "no strategy has a plan to write")
-            stack.enter_context(pending_write(plans_out, plans_text(plans, plans_out, "--plans-out"), f"--plans-out {plans_out}"))
+            plan_file = PlanFile(plans, plans_out, "--plans-out")
+            stack.enter_context(pending_write(plans_out, plan_file.chunks(), f"--plans-out {plans_out}"))
         if chart is not None:
             plot_comparison(families, chart, f"{model.name} on {cluster.name}, global batch {batch}", "chart")
     for path, what in ((output, "comparison"), (plans_out, f"{len(plans)} plans"), (chart, "chart")):

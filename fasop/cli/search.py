@@ -13,9 +13,9 @@ from fasop.cli.run_options import run_options, run_settings
 from fasop.cli.tables import band_line, format_table, headroom_line, noise_report
 from fasop.cost.config import RECOMPUTE_MODES, check_recompute_modules
 from fasop.errors import InputError
-from fasop.files import check_finite, pending_write
+from fasop.files import MIB, PLANS_LIMIT_BYTES, check_finite, pending_write
 from fasop.inputs.cluster import load_cluster
-from fasop.plans import plans_text
+from fasop.plans import PlanFile
 from fasop.search.robust import CANDIDATES, DEFAULT_TRIALS, MAX_SEED, MAX_TRIALS
 
 
@@ -51,7 +51,8 @@ TIMING_LEGEND = ("step s: Megatron-LM's 1F1B schedule timed exactly (interleaved
 @click.option("--sort", type=click.Choice(["time", "cost"]), default="time", show_default=True,
               help="Rank by step time or by dollars per step.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write every feasible plan to plans.json or plans.csv.")
+              help=f"Write every feasible plan to plans.csv, or to plans.json best first up to the "
+                   f"{PLANS_LIMIT_BYTES // MIB} MiB that fasop reads back.")
 @common.force_option
 @click.option("--train-steps", type=click.IntRange(min=1), default=None,
               help="Steps of the whole run, for its time and price.")
@@ -140,7 +141,8 @@ def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort,
         settings = (distributed_optimizer, overlap, recompute, not no_sequence_parallel, not no_tp_comm_overlap, None,
                     recompute_modules)
         report = _noise(spaces, space_profiles, plans, profiles_dir, settings, noise, trials, seed, sort, top)
-    notes = _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs, run_settings(run))
+    plan_file = PlanFile(plans, output) if output is not None else None
+    notes = _write_outputs(plans, model, cluster, plan_file, emit_dir, outputs, inputs, run_settings(run))
     click.echo(f"{model.name} on {cluster.name}: {cluster.num_gpus} GPUs, global batch {plans[0].gbs}; "
                f"{result.plans_evaluated} plans evaluated in {elapsed:.2f} s ({result.partitions_solved} layer partitions "
                f"solved), {len(plans)} {'best kept' if prune else 'fit in memory'}, {result.out_of_memory} "
@@ -151,8 +153,8 @@ def search(model_name, seq_length, cluster_name, gbs, top, all_placements, sort,
     common.note_left_out(spaces)
     if report is not None:
         click.echo(report)
-    if output is not None:
-        click.echo(f"{len(plans)} plans written to {output}")
+    if plan_file is not None:
+        click.echo(f"{plan_file.written} plans written to {output}{plan_file.left_out()}")
     if emit_dir is not None:
         click.echo(f"launch scripts of plan 1 written to {emit_dir}; submit with: cd {emit_dir} && sbatch sbatch.sh")
         for note in notes:
@@ -237,10 +239,10 @@ def _echo_notes(result, top, cluster) -> None:
         click.echo(f"note: leaving {idle} idle is {gain} on every node (--use-all keeps every node).")
 
 
-def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs, run) -> list[str]:
-    """The plan list and the best plan's launch scripts. Everything that can fail is done before the first file
-    is written: the plan list is moved into place only once the launch scripts are written. Returns what the
-    user must know about the emitted run (fasop.launch.resume)."""
+def _write_outputs(plans, model, cluster, plan_file, emit_dir, outputs, inputs, run) -> list[str]:
+    """The plan list (`plan_file`) and the best plan's launch scripts. Everything that can fail is done before
+    the first file is written: the plan list is moved into place only once the launch scripts are written.
+    Returns what the user must know about the emitted run (fasop.launch.resume)."""
     emitted, notes = {}, []
     if emit_dir is not None:
         from fasop.inputs.errorband import band_of
@@ -254,7 +256,9 @@ def _write_outputs(plans, model, cluster, output, emit_dir, outputs, inputs, run
         notes = run_notes(plans[0], options, band_of(cluster.error_band))
         # force: whether files may be replaced was settled before the search
         common.check_outputs(outputs + [(emit_dir / name, "--emit") for name in emitted], inputs, force=True)
-    with pending_write(output, plans_text(plans, output), f"--output {output}") if output else nullcontext():
+    writing = (pending_write(plan_file.output, plan_file.chunks(), f"--output {plan_file.output}")
+               if plan_file is not None else nullcontext())
+    with writing:
         if emit_dir is not None:
             # force: whether its files may be replaced was settled before the search, and the plan list's
             # temporary file may be there now
