@@ -141,6 +141,50 @@ def test_every_transfer_pays_its_links_latency_once_and_a_ring_two_per_step():
     assert plan.stages[0].send_s == pytest.approx(geo.boundary_s_per_byte[0] * sent_bytes + 9.6e-6)
 
 
+def _exchange_by_hand(links, src, dst):
+    """Links.exchange's figures pair by pair in plain Python: every pair of ranks, no blocks, no bincount."""
+    der, cost, latency = links.derating, [], []
+    for row_src, row_dst in zip(src, dst):
+        sends, receives, intra, pair_latency = {}, {}, 0.0, 0.0
+        for a, b in zip(row_src, row_dst):
+            da, db = links.domain[a], links.domain[b]
+            if da == db:
+                intra = max(intra, der.p2p_intra_node / links.intra[a])
+                pair_latency = max(pair_latency, links.intra_latency[a])
+            else:
+                sends[da], receives[db] = sends.get(da, 0) + 1, receives.get(db, 0) + 1
+                pair_latency = max(pair_latency, links.inter_latency[a], links.inter_latency[b])
+        inter = max([max(sends.get(d, 0), receives.get(d, 0)) * der.p2p_inter_node / links.domain_inter[d]
+                     for d in set(sends) | set(receives)], default=0.0)
+        cost.append(max(intra, inter))
+        latency.append(pair_latency)
+    return cost, latency
+
+
+@pytest.mark.parametrize("cluster_name", ["fasop-1xA100-3xA10", "gb200-nvl72", "pareto-h100-a100-a10g"])
+def test_stage_sends_computed_from_one_rank_per_block_are_every_ranks(cluster_name):
+    """geometry times the sends between stages (and the wrap from the last to the first) from one rank of each
+    block of gcd(ranks per stage, GPUs per node) ranks; by hand, over every rank, on random placements and shapes
+    whose stages start mid-node too."""
+    from fasop.cost.communication import Links
+
+    c = fasop.load_cluster(cluster_name)
+    rng = random.Random(7)
+    nodes = [name for name, t in c.node_types.items() for _ in range(t.count)]
+    gpus = len(nodes) * c.gpus_per_node
+    shapes = [(tp, dp, gpus // (tp * dp)) for tp in (1, 2, 4) for dp in range(1, gpus + 1)
+              if gpus % (tp * dp) == 0 and 2 <= gpus // (tp * dp) <= 24]
+    for tp, dp, pp in rng.sample(shapes, min(6, len(shapes))):
+        rng.shuffle(nodes)
+        links = Links(c, tuple(nodes))
+        geo = geometry(c, tuple(nodes), tp=tp, dp=dp, pp=pp, links=links)
+        flat = geo.node.reshape(pp, -1)
+        cost, latency = _exchange_by_hand(links, flat, np.roll(flat, -1, axis=0))
+        assert geo.boundary_s_per_byte.tolist() == pytest.approx(cost[:-1], rel=1e-12)
+        assert geo.boundary_latency_s.tolist() == pytest.approx(latency[:-1], rel=1e-12)
+        assert (geo.wrap_s_per_byte, geo.wrap_latency_s) == pytest.approx((cost[-1], latency[-1]), rel=1e-12)
+
+
 def test_latencies_read_from_the_cluster_file_with_sourced_defaults(tmp_path):
     from fasop.inputs import bundled
     from fasop.inputs.cluster import DEFAULT_INTER_NODE_LATENCY_US, load_cluster

@@ -9,6 +9,7 @@ types host each stage and which links every pipeline boundary and every all-redu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -170,12 +171,17 @@ def geometry(cluster: Cluster, placement: tuple[str, ...], tp: int, dp: int, pp:
     node = np.arange(per_stage * pp).reshape(pp, dp * cp, tp) // gpn  # [stage, data and context index, tensor index]
     # a stage owns a contiguous rank block, so it spans a contiguous run of nodes
     stage_nodes = tuple(tuple(range(s * per_stage // gpn, ((s + 1) * per_stage - 1) // gpn + 1)) for s in range(pp))
-    stage_types = tuple(tuple(sorted({placement[n] for n in nodes})) for nodes in stage_nodes)
+    stage_types = tuple(tuple(sorted(set(placement[nodes[0]:nodes[-1] + 1]))) for nodes in stage_nodes)
     flat = node.reshape(pp, -1)
-    boundary, boundary_latency = links.exchange(flat[:-1], flat[1:])
+    # a stage's ranks in blocks of gcd(per_stage, gpn) from its first share their node and their partner's in any
+    # other stage: the exchanges between stages, each to the next and the last to the first (the wrap), take one
+    # rank of each block, standing for the block
+    block = math.gcd(per_stage, gpn)
+    ends = flat[:, ::block]
+    sends, sends_latency = links.exchange(ends, np.roll(ends, -1, axis=0), block)
+    boundary, boundary_latency, wrap, wrap_latency = sends[:-1], sends_latency[:-1], sends[-1:], sends_latency[-1:]
     # one data-parallel group per tensor index
     dp_cost, dp_latency = links.allreduce(node.transpose(0, 2, 1)) if dp * cp > 1 else (np.zeros(pp), np.zeros(pp))
-    wrap, wrap_latency = links.exchange(flat[-1:], flat[:1])
     geo = Geometry(placement, stage_types, stage_nodes, boundary, dp_cost, node, boundary_latency, dp_latency,
                    wrap_s_per_byte=float(wrap[0]), wrap_latency_s=float(wrap_latency[0]),
                    stage_keys=tuple(links.stage_key(nodes, s * per_stage % gpn) for s, nodes in enumerate(stage_nodes))
@@ -251,34 +257,41 @@ class Links:
     per domain are then those per node)."""
 
     def __init__(self, cluster: Cluster, placement: tuple[str, ...]):
-        types = [cluster.node_types[n] for n in placement]
+        node_types = list(cluster.node_types.values())
+        index = {node.name: i for i, node in enumerate(node_types)}
+        kind = np.fromiter((index[n] for n in placement), dtype=np.int64, count=len(placement))  # each node's type
         self.types = placement
-        self.intra = np.array([t.intra_node_bytes_per_s for t in types])
-        self.inter = np.array([t.inter_node_bytes_per_s for t in types])
-        self.intra_latency = np.array([t.intra_node_latency_s for t in types])
-        self.inter_latency = np.array([t.inter_node_latency_s for t in types])
+        self.intra, self.inter, self.intra_latency, self.inter_latency = (
+            np.array([getattr(node, field) for node in node_types])[kind]
+            for field in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "intra_node_latency_s", "inter_node_latency_s"))
         self.derating = cluster.derating
-        seen: dict[str, int] = {}
-        keys = []  # each node's domain: (node type, its index among the type's nodes / nodes per domain)
-        for node in types:
-            k = seen[node.name] = seen.get(node.name, -1) + 1
-            keys.append((node.name, k // node.nvlink_domain_nodes))
-        ids: dict[tuple[str, int], int] = {}
-        self.domain = np.array([ids.setdefault(key, len(ids)) for key in keys])  # numbered in placement order
+        # each node's domain: (its type, its index among the type's nodes // nodes per domain), numbered in
+        # placement order
+        count = np.bincount(kind, minlength=len(node_types))
+        among = np.empty_like(kind)
+        among[np.argsort(kind, kind="stable")] = np.arange(len(kind)) - np.repeat(np.cumsum(count) - count, count)
+        per_domain = np.array([node.nvlink_domain_nodes for node in node_types])[kind]
+        keys, first, key_of = np.unique(kind * len(kind) + among // per_domain, return_index=True, return_inverse=True)
+        number = np.empty(len(keys), dtype=np.int64)
+        number[np.argsort(first)] = np.arange(len(keys))
+        self.domain = number[key_of.ravel()]
         self.domain_inter = np.bincount(self.domain, weights=self.inter)  # every node's interface of the domain
         first = np.unique(self.domain, return_index=True)[1]  # a domain's nodes are of one type: its first's links
         self.domain_intra, self.domain_intra_latency, self.domain_inter_latency = (
             self.intra[first], self.intra_latency[first], self.inter_latency[first])
 
     def _per_domain(self, sets: np.ndarray, domains: np.ndarray, weight) -> np.ndarray:
-        """(S, D): for each set s, the sum of `weight` over its entries on each domain."""
-        out = np.zeros((len(sets), len(self.domain_inter)))
-        np.add.at(out, (np.broadcast_to(sets, domains.shape), domains), weight)
-        return out
+        """(S, D): for each set s (`sets`, broadcast against `domains`), the sum of `weight` over its entries on
+        each domain (a bincount: the same sums, in the same order, as np.add.at, many times faster)."""
+        width = len(self.domain_inter)
+        cells = (np.broadcast_to(sets, domains.shape) * width + domains).ravel()
+        sums = np.bincount(cells, weights=np.broadcast_to(weight, domains.shape).ravel(), minlength=len(sets) * width)
+        return sums.reshape(len(sets), width)
 
-    def exchange(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def exchange(self, src: np.ndarray, dst: np.ndarray, ranks: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """(J,) seconds per byte and (J,) latency: across each boundary j every rank of one stage sends the same
-        bytes to its partner in the next stage (rows of src and dst), all at once.
+        bytes to its partner in the next stage (rows of src and dst, the nodes of each pair, each pair standing
+        for `ranks` pairs of the same nodes), all at once.
 
         Pairs inside a node use the per-GPU intra-node link; pairs across nodes share the network interface
         of their sending and of their receiving node, so the busiest interface sets the time. Each pair pays
@@ -289,7 +302,7 @@ class Links:
         src_domain, dst_domain = self.domain[src], self.domain[dst]
         local = src_domain == dst_domain
         intra = np.where(local, der.p2p_intra_node / self.intra[src], 0.0).max(axis=1, initial=0.0)
-        crossing = (~local).astype(float)
+        crossing = np.where(local, 0.0, float(ranks))
         sends = self._per_domain(boundary, src_domain, crossing)
         receives = self._per_domain(boundary, dst_domain, crossing)
         inter = (np.maximum(sends, receives) * der.p2p_inter_node / self.domain_inter).max(axis=1, initial=0.0)
@@ -320,8 +333,7 @@ class Links:
         _, pair, counts = np.unique(keys, return_inverse=True, return_counts=True)
         local = counts[pair].reshape(domains.shape)
         intra = ((local - 1) / n * der.collective_intra_node / self.intra[groups]).reshape(sets, -1).max(axis=1)
-        load = np.zeros((sets, len(self.domain_inter)))
-        np.add.at(load, (np.broadcast_to(np.arange(sets)[:, None, None], domains.shape), domains), (n - local) / n)
+        load = self._per_domain(np.arange(sets)[:, None, None], domains, (n - local) / n)
         inter = (load * der.collective_inter_node / self.domain_inter).max(axis=1)
         latency = np.where((local < n).reshape(sets, -1).any(axis=1), self.inter_latency[groups].reshape(sets, -1).max(axis=1),
                            self.intra_latency[groups].reshape(sets, -1).max(axis=1))
@@ -347,22 +359,19 @@ class Links:
         # of the nodes and there can be thousands of both
         pairs, members = np.unique((np.arange(sets * rows)[:, None] * nodes + groups.reshape(sets * rows, -1)).ravel(),
                                    return_counts=True)
-        group, node = pairs // nodes, pairs % nodes
-        k = np.bincount(group, minlength=sets * rows)
-        g = np.zeros(sets * rows, dtype=members.dtype)
-        np.maximum.at(g, group, members)
-        slowest_intra = np.full(sets * rows, np.inf)
-        np.minimum.at(slowest_intra, group, self.domain_intra[node])
+        group, node = pairs // nodes, pairs % nodes  # sorted by group, and every group has a pair
+        starts = np.flatnonzero(np.diff(group, prepend=-1))  # each group's first pair
+        k = np.diff(starts, append=len(group))
+        g = np.maximum.reduceat(members, starts)
+        slowest_intra = np.minimum.reduceat(self.domain_intra[node], starts)
         intra_part = np.where(g > 1, 2 * (g - 1) / g * der.collective_intra_node / slowest_intra, 0.0)
         spanning = k > 1
         set_node = group // rows * nodes + node
         nic_load = np.bincount(set_node, weights=spanning[group], minlength=sets * nodes)
-        busiest = np.zeros(sets * rows)
-        np.maximum.at(busiest, group, nic_load[set_node] / self.domain_inter[node])
-        inter_part = np.where(spanning, 2 * (k - 1) / np.maximum(k, 1) * der.collective_inter_node * busiest, 0.0)
-        intra_latency, inter_latency = np.zeros(sets * rows), np.zeros(sets * rows)
-        np.maximum.at(intra_latency, group, self.domain_intra_latency[node])
-        np.maximum.at(inter_latency, group, self.domain_inter_latency[node])
+        busiest = np.maximum.reduceat(nic_load[set_node] / self.domain_inter[node], starts)
+        inter_part = np.where(spanning, 2 * (k - 1) / k * der.collective_inter_node * busiest, 0.0)
+        intra_latency = np.maximum.reduceat(self.domain_intra_latency[node], starts)
+        inter_latency = np.maximum.reduceat(self.domain_inter_latency[node], starts)
         latency = 2 * np.maximum(g - 1, 0) * intra_latency + 2 * (k - 1) * inter_latency
         return ((intra_part + inter_part).reshape(sets, rows).max(axis=1),
                 latency.reshape(sets, rows).max(axis=1))

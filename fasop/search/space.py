@@ -29,7 +29,7 @@ from fasop.inputs.catalogue import merged_specs
 from fasop.inputs.cluster import Cluster
 from fasop.inputs.model import Model
 from fasop.inputs.profiles import GpuProfile, load_profiles
-from fasop.search.placement import placements
+from fasop.search.placement import placement_unit, placements
 
 PLACEMENT_LIMIT = 100  # more distinct placements per (tp, dp, pp) than this: the type-block subset
 MAX_GLOBAL_BATCH = 2**53  # samples and token counts stay exact in double precision up to here
@@ -293,6 +293,7 @@ def groups(inputs: Inputs, combos: list[Degrees], placement_limit: int = PLACEME
     built = inputs.geometries.setdefault(tuple((name, t.count) for name, t in cluster.node_types.items()), {})
     links_of: dict[tuple[str, ...], Links] = built.setdefault("links", {})  # each placement's, once for every plan
     dense_of: dict[tuple, tuple] = built.setdefault("dense", {})  # _dense_geometries of each dense grid
+    placements_of: dict[tuple, tuple] = built.setdefault("placements", {})  # placements() of each unit and limit
     stage_experts: dict = built.setdefault("experts", {})  # the expert groups' figures of a stage (with_experts)
     for tp, dp, cp, ep, etp in (Degrees(*combo) for combo in combos):  # (tp, dp) alone: a dense plan's
         pp = cluster.num_gpus // (tp * cp * dp)
@@ -307,7 +308,7 @@ def groups(inputs: Inputs, combos: list[Degrees], placement_limit: int = PLACEME
                    for split in encoder_splits(model, pp)]
         grid = (tp, dp, cp, placement_limit)  # pp follows, and with it the encoder splits of the configs
         if grid not in dense_of:
-            dense_of[grid] = _dense_geometries(inputs, links_of, tp, dp, cp, pp, configs, placement_limit)
+            dense_of[grid] = _dense_geometries(inputs, links_of, placements_of, tp, dp, cp, pp, configs, placement_limit)
         geos, signatures, embedded, exhaustive = dense_of[grid]
         if model.is_moe:
             embedded = [[with_experts(geo, links_of[geo.placement], tp, ep, etp, stage_experts) for geo in per_split]
@@ -323,12 +324,17 @@ def groups(inputs: Inputs, combos: list[Degrees], placement_limit: int = PLACEME
     return result
 
 
-def _dense_geometries(inputs: Inputs, links_of: dict[tuple[str, ...], Links], tp: int, dp: int, cp: int, pp: int,
-                      configs: list[Config], placement_limit: int) -> tuple[list, list, list, bool]:
+def _dense_geometries(inputs: Inputs, links_of: dict[tuple[str, ...], Links], placements_of: dict[tuple, tuple],
+                      tp: int, dp: int, cp: int, pp: int, configs: list[Config],
+                      placement_limit: int) -> tuple[list, list, list, bool]:
     """(geometries, their signatures, each with the embedding groups of each encoder split, whether every
-    placement was searched) of the placements of a plan's dense grid."""
+    placement was searched) of the placements of a plan's dense grid; `placements_of` keeps the placements of
+    each placement unit, which many grids share."""
     cluster = inputs.cluster
-    nodes, exhaustive = placements(cluster, tp * cp * dp, placement_limit)
+    unit = (placement_unit(cluster.gpus_per_node, tp * cp * dp), placement_limit)
+    if unit not in placements_of:
+        placements_of[unit] = placements(cluster, tp * cp * dp, placement_limit)
+    nodes, exhaustive = placements_of[unit]
     for placement in nodes:
         if placement not in links_of:
             links_of[placement] = Links(cluster, placement)
