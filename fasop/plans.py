@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, WrapValidator, model_validator
 
 from fasop.errors import ArgumentError, InputError
-from fasop.files import MIB, PLANS_LIMIT_BYTES, check_finite, read_json
+from fasop.files import MIB, PLANS_LIMIT_BYTES, check_finite, read_json, write_atomically
 from fasop.inputs.cluster import MAX_GPUS_PER_NODE
 from fasop.inputs.model import MAX_LAYERS, MAX_SEQ_LENGTH
 from fasop.inputs.names import NAME, NAME_RULE
@@ -412,6 +412,14 @@ class PlanFile:
             return ""
         return (f"; the {len(self.plans) - self.written} ranked below them are left out: a plan file holds what fasop "
                 f"reads back, {PLANS_LIMIT_BYTES // MIB} MiB (a .csv file holds every plan)")
+
+
+def write_plans(plans: Sequence[Plan], output: Path) -> PlanFile:
+    """Write `plans` to `output` (.json or .csv) as `fasop search --output` does; what it returns counts the plans
+    written."""
+    plan_file = PlanFile(plans, output)
+    write_atomically(output, plan_file.chunks(), str(output))
+    return plan_file
 
 
 class _LongInteger:
