@@ -142,8 +142,8 @@ def test_the_two_searches_build_each_placements_geometry_once(monkeypatch):
     model, cluster = load_model("llama2-7b"), load_cluster("fasop-8xA10")
     built = []
     build = space._dense_geometries
-    monkeypatch.setattr(space, "_dense_geometries", lambda inputs, *a: built.append(
-        (tuple(inputs.cluster.node_types), *a[1:4])) or build(inputs, *a))
+    monkeypatch.setattr(space, "_dense_geometries", lambda inputs, links, placements, *a: built.append(
+        (tuple(inputs.cluster.node_types), *a[:3])) or build(inputs, links, placements, *a))  # a: tp, dp, cp, ...
     shared = search_within_headroom(model, cluster, workers=1)
     assert any(over_headroom(plan, cluster, 0.9) for plan in shared.plans)  # the second search ran
     assert built and len(built) == len(set(built))
